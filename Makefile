@@ -1,0 +1,25 @@
+# The two commands a new user needs: `make demo` and `make test`. Both install what is
+# missing first (scripts/setup_env.sh: Open MPI, torch only if absent, DeepSpeed, the package).
+SHELL := /bin/bash
+VENV ?= $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+export PATH := $(VENV)/bin:$(PATH)
+export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo cpu)
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install demo test test-fast clean
+
+install:
+	VENV="$(VENV)" bash scripts/setup_env.sh
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest tests
+
+test-fast: install
+	$(PY) -m pytest tests/unit
+
+clean:
+	rm -rf build *.egg-info megatron_ru/data/_helpers*.so demo_out

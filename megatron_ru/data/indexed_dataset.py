@@ -1,0 +1,252 @@
+"""Megatron-compatible memory-mapped indexed dataset (``.bin`` + ``.idx``, "MMIDIDX" v1).
+
+The byte layout is documented in docs/data_format.md; in short, the ``.idx`` file is::
+
+    magic        9 bytes   b"MMIDIDX\\x00\\x00"
+    version      uint64    1
+    dtype code   uint8     see DTYPE_CODES
+    n_seq        uint64    number of sequences
+    n_doc_idx    uint64    length of the document index (= documents + 1)
+    lengths      int32[n_seq]      tokens per sequence
+    pointers     int64[n_seq]      byte offset of each sequence in .bin
+    doc_index    int64[n_doc_idx]  sequence index where each document starts, then n_seq
+
+and ``.bin`` is every sequence's tokens back to back in that dtype. All integers are
+little-endian. A dataset written here reads in Megatron-LM and vice versa.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from typing import Sequence
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
+
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+_CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+
+
+def best_fitting_dtype(vocab_size: int | None) -> type:
+    """Megatron's rule: uint16 when the vocabulary is under 65,500 tokens, else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.uint16
+    return np.int32
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def dataset_exists(prefix: str) -> bool:
+    return os.path.exists(index_file_path(prefix)) and os.path.exists(data_file_path(prefix))
+
+
+def _tmp(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
+class IndexedDatasetBuilder:
+    """Streams sequences into a ``.bin`` and writes the ``.idx`` on :meth:`finalize`.
+
+    Nothing at the final paths exists until ``finalize`` succeeds: both files are written
+    under temporary names, the ``.bin`` is renamed first and the ``.idx`` last, so a crash at
+    any point never leaves an ``.idx`` that looks valid. Call :meth:`abort` (or use the
+    builder as a context manager) to remove the temporary files on failure.
+    """
+
+    def __init__(self, bin_path: str, dtype: type = np.int32) -> None:
+        if np.dtype(dtype) not in _CODE_OF:
+            raise ValueError(f"unsupported token dtype {dtype!r}; use one of {sorted(str(np.dtype(d)) for d in DTYPE_CODES.values())}")
+        self.bin_path = bin_path
+        self.dtype = np.dtype(dtype)
+        self._tmp_bin = _tmp(bin_path)
+        os.makedirs(os.path.dirname(os.path.abspath(bin_path)), exist_ok=True)
+        self._file = open(self._tmp_bin, "wb")
+        self.sequence_lengths: list[int] = []
+        self.document_indices: list[int] = [0]
+        self._finalized = False
+
+    # -- writing ----------------------------------------------------------------------
+    def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append one sequence (a document or, in paragraph mode, one paragraph)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._file.write(arr.tobytes(order="C"))
+        self.sequence_lengths.append(int(arr.size))
+
+    def end_document(self) -> None:
+        """Close the current document: the sequences added since the last call form it."""
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Sequence[int]) -> None:
+        """Append a whole document given as concatenated tokens and per-sequence lengths."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        if int(np.sum(lengths)) != arr.size:
+            raise ValueError(f"add_document: lengths sum to {int(np.sum(lengths))} but {arr.size} tokens were given")
+        self._file.write(arr.tobytes(order="C"))
+        self.sequence_lengths.extend(int(n) for n in lengths)
+        self.end_document()
+
+    def add_index(self, prefix: str) -> None:
+        """Append every document of the finished dataset at ``prefix`` (for merging shards)."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"cannot merge {prefix}: dtype {other.dtype} differs from {self.dtype}")
+        offset = len(self.sequence_lengths)
+        self.sequence_lengths.extend(other.sequence_lengths.tolist())
+        self.document_indices.extend((other.document_indices[1:] + offset).tolist())
+        del other
+        with open(data_file_path(prefix), "rb") as src:
+            shutil.copyfileobj(src, self._file, 16 * 1024 * 1024)
+
+    # -- finishing --------------------------------------------------------------------
+    def finalize(self, idx_path: str) -> None:
+        """Write the index and move both files into place (``.bin`` first, ``.idx`` last)."""
+        if self.document_indices[-1] != len(self.sequence_lengths):
+            self.end_document()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        tmp_idx = _tmp(idx_path)
+        try:
+            write_index(tmp_idx, self.dtype, self.sequence_lengths, self.document_indices)
+            os.replace(self._tmp_bin, self.bin_path)
+            os.replace(tmp_idx, idx_path)
+        except BaseException:
+            for p in (tmp_idx, self._tmp_bin):
+                if os.path.exists(p):
+                    os.remove(p)
+            raise
+        self._finalized = True
+
+    def abort(self) -> None:
+        """Drop everything written so far (temporary files only; final paths untouched)."""
+        if not self._file.closed:
+            self._file.close()
+        if os.path.exists(self._tmp_bin):
+            os.remove(self._tmp_bin)
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or not self._finalized:
+            self.abort()
+
+
+def write_index(path: str, dtype: np.dtype, lengths: Sequence[int], document_indices: Sequence[int]) -> None:
+    """Write an ``.idx`` file for sequences stored back to back in ``dtype``."""
+    lengths_arr = np.asarray(lengths, dtype=np.int32)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.zeros(lengths_arr.size, dtype=np.int64)
+    if lengths_arr.size > 1:
+        np.cumsum(lengths_arr[:-1].astype(np.int64) * itemsize, out=pointers[1:])
+    docs = np.asarray(document_indices, dtype=np.int64)
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", _CODE_OF[np.dtype(dtype)]))
+        f.write(struct.pack("<Q", lengths_arr.size))
+        f.write(struct.pack("<Q", docs.size))
+        f.write(lengths_arr.astype("<i4").tobytes(order="C"))
+        f.write(pointers.astype("<i8").tobytes(order="C"))
+        f.write(docs.astype("<i8").tobytes(order="C"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class IndexedDataset:
+    """Read-only, zero-copy view of a ``<prefix>.bin/.idx`` pair.
+
+    ``ds[i]`` is sequence ``i`` as a numpy view into the memory map; ``ds.get(i, offset,
+    length)`` slices it without copying. ``document_indices`` has ``num_documents + 1``
+    entries: document ``d`` is sequences ``document_indices[d]:document_indices[d+1]``.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+        for p in (idx_path, bin_path):
+            if not os.path.exists(p):
+                raise FileNotFoundError(
+                    f"dataset file {p} not found; --data-path takes the prefix without .bin/.idx "
+                    f"(e.g. 'corpus_text_document'), as written by tools/preprocess_data.py")
+        idx_size = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            header = f.read(HEADER_SIZE)
+        if len(header) < HEADER_SIZE:
+            raise ValueError(f"{idx_path}: truncated index ({idx_size} bytes, the header alone is {HEADER_SIZE}); rebuild it with tools/preprocess_data.py")
+        if header[:9] != MAGIC:
+            raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (magic {header[:9]!r}, expected {MAGIC!r}); "
+                             "was it written by the legacy 'lazy'/'cached' format? Rebuild it with tools/preprocess_data.py")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
+        if version != VERSION:
+            raise ValueError(f"{idx_path}: index version {version} is not supported (expected {VERSION})")
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{idx_path}: unknown dtype code {code} in the header (valid: {sorted(DTYPE_CODES)})")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = HEADER_SIZE + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if idx_size < expected:
+            raise ValueError(f"{idx_path}: truncated index: header announces {n_seq} sequences and {n_doc} "
+                             f"document-index entries ({expected} bytes) but the file has {idx_size} bytes; rebuild it")
+        self._idx_mmap = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        off = HEADER_SIZE
+        self.sequence_lengths = np.frombuffer(self._idx_mmap, dtype="<i4", count=n_seq, offset=off)
+        off += n_seq * 4
+        self.sequence_pointers = np.frombuffer(self._idx_mmap, dtype="<i8", count=n_seq, offset=off)
+        off += n_seq * 8
+        self.document_indices = np.frombuffer(self._idx_mmap, dtype="<i8", count=n_doc, offset=off)
+        bin_size = os.path.getsize(bin_path)
+        needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n_seq else 0
+        if bin_size != needed:
+            raise ValueError(f"{bin_path}: size {bin_size} bytes disagrees with its index {idx_path}, which needs "
+                             f"{needed} bytes of {self.dtype} tokens; the pair is from different runs or the .bin "
+                             "is truncated: rebuild both with tools/preprocess_data.py")
+        self._bin_mmap = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return int(self.sequence_lengths.size)
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.document_indices.size) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``offset:offset+length`` of sequence ``idx`` (a view, no copy)."""
+        seq_len = int(self.sequence_lengths[idx])
+        if length is None:
+            length = seq_len - offset
+        ptr = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin_mmap, dtype=self.dtype, count=length, offset=ptr)
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        if isinstance(idx, slice):
+            return [self.get(i) for i in range(*idx.indices(len(self)))]
+        return self.get(int(idx))
+
+    def document(self, doc: int) -> list[np.ndarray]:
+        """The sequences of document ``doc``."""
+        start, end = int(self.document_indices[doc]), int(self.document_indices[doc + 1])
+        return [self.get(i) for i in range(start, end)]
+
