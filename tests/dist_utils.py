@@ -1,0 +1,94 @@
+"""Spawn N gloo ranks on this machine for a test, with a finite timeout.
+
+    def body(rank, world_size, x):
+        ...  # process group already initialised (gloo)
+        return something_picklable
+
+    results = run_distributed(body, world_size=4, args=(x,), timeout=120)   # list by rank
+
+A rank that raises makes the call fail with that rank's traceback; a hang fails after
+``timeout`` seconds with every rank killed. Ranks run with OMP_NUM_THREADS=1.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
+            queue, timeout: float, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, including SystemExit
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout: float = 180,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout, env or {}),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import queue as _q
+    import time
+    deadline = time.monotonic() + timeout + 30
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"distributed test timed out after {timeout}s; "
+                                   f"finished ranks: {sorted(results)}")
+            try:
+                rank, ok, out = queue.get(timeout=min(remaining, 5))
+            except _q.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and len(results) + len(errors) < world_size:
+                    # a rank died without reporting (segfault, os._exit): give others a moment
+                    time.sleep(2)
+                    if queue.empty():
+                        raise RuntimeError(f"ranks {dead} died with exit codes "
+                                           f"{[procs[i].exitcode for i in dead]} without reporting")
+                continue
+            if ok:
+                results[rank] = out
+            else:
+                errors.append(f"--- rank {rank} ---\n{out}")
+                break
+        if errors:
+            raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
