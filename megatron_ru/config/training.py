@@ -1,0 +1,182 @@
+"""Training, optimizer, checkpoint and logging configuration (Megatron flag names).
+
+Each concern is its own dataclass; ``problems()`` reports what is wrong inside one config,
+rules that need several configs live in ``megatron_ru/config/arguments.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ru.config.base import arg
+
+
+@dataclass
+class TrainingConfig:
+    """Training: batch sizes, length, precision, ZeRO, exit conditions."""
+
+    micro_batch_size: int = arg(1, "Samples per micro batch per data-parallel rank.")
+    global_batch_size: Optional[int] = arg(
+        None, "Samples per optimizer step over all data-parallel ranks; gradient accumulation = "
+              "global / (micro x DP). Default: micro-batch-size x DP (no accumulation).")
+    train_iters: Optional[int] = arg(None, "Total optimizer steps to train for.")
+    train_samples: Optional[int] = arg(
+        None, "Total samples to train for (alternative to --train-iters; converted to iterations "
+              "by dividing by --global-batch-size).")
+    seed: int = arg(1234, "Random seed for weights, dropout and data order.")
+    eval_interval: int = arg(1000, "Evaluate on the validation set every N iterations (0: never).")
+    eval_iters: int = arg(100, "Validation micro-batch steps per evaluation (x global batch samples).")
+    exit_interval: Optional[int] = arg(None, "Save and exit when iteration %% N == 0.")
+    exit_duration_in_mins: Optional[float] = arg(None, "Save and exit after N minutes of training.")
+    exit_signal_handler: bool = arg(
+        False, "On SIGTERM/SIGUSR1 (sent by Slurm/ABCI before the time limit) save and exit 0.")
+    bf16: bool = arg(False, "Train in bfloat16 (fp32 master weights).")
+    fp16: bool = arg(False, "Train in float16 with dynamic loss scaling (GPU only).")
+    loss_scale: Optional[float] = arg(None, "Static loss scale for --fp16 (default: dynamic).")
+    initial_loss_scale: float = arg(2.0 ** 32, "Initial dynamic loss scale for --fp16.")
+    min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
+    loss_scale_window: int = arg(1000, "Iterations without overflow before the loss scale grows.")
+    hysteresis: int = arg(2, "Overflows tolerated before the dynamic loss scale shrinks.")
+    zero_stage: int = arg(0, "DeepSpeed ZeRO stage (0-3 with PP=1, 0-1 with PP>1).",
+                          choices=(0, 1, 2, 3))
+    deepspeed: bool = arg(False, "Accepted for Megatron-DeepSpeed scripts; DeepSpeed is always used.")
+    deepspeed_config: Optional[str] = arg(
+        None, "DeepSpeed JSON config; default: generated from the flags (batch sizes and "
+              "precision must agree with the flags).", flags=("--deepspeed_config", "--deepspeed-config"))
+    recompute_granularity: Optional[str] = arg(
+        None, "Activation recomputation: 'full' recomputes each transformer layer in backward.",
+        choices=("full",))
+    checkpoint_activations: bool = arg(False, "Alias of --recompute-granularity full (Megatron-DeepSpeed).")
+    train_only_embeddings: bool = arg(
+        False, "Freeze everything except the input embedding and the output layer.")
+    freeze: Optional[list[str]] = arg(
+        None, "Freeze parameters whose name matches any of these fnmatch patterns "
+              "(e.g. 'layers.0.*' '*.norm.weight').")
+
+    @property
+    def recompute(self) -> bool:
+        return self.recompute_granularity == "full" or self.checkpoint_activations
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.micro_batch_size < 1:
+            out.append(f"--micro-batch-size must be >= 1 (got {self.micro_batch_size})")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            out.append(f"--global-batch-size must be >= 1 (got {self.global_batch_size})")
+        if self.train_iters is None and self.train_samples is None:
+            out.append("set the training length: --train-iters N or --train-samples N")
+        if self.train_iters is not None and self.train_samples is not None:
+            out.append("--train-iters and --train-samples are exclusive: set only one")
+        for name in ("train_iters", "train_samples"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                out.append(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+        if self.bf16 and self.fp16:
+            out.append("--bf16 and --fp16 are exclusive: choose one precision")
+        if self.eval_interval < 0 or self.eval_iters < 0:
+            out.append("--eval-interval and --eval-iters must be >= 0")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            out.append(f"--exit-interval must be >= 1 (got {self.exit_interval})")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            out.append(f"--loss-scale must be > 0 (got {self.loss_scale})")
+        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
+            out.append("--initial-loss-scale and --min-loss-scale must be > 0")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            out.append("--loss-scale-window and --hysteresis must be >= 1")
+        if self.train_only_embeddings and self.freeze:
+            out.append("--train-only-embeddings and --freeze are exclusive: use one way to choose "
+                       "trainable parameters")
+        return out
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer (AdamW) and learning-rate schedule."""
+
+    optimizer: str = arg("adam", "Optimizer: adam (torch AdamW, decoupled weight decay) or sgd.",
+                         choices=("adam", "sgd"))
+    lr: float = arg(1e-4, "Peak learning rate (reached at the end of warmup).")
+    min_lr: float = arg(0.0, "Learning rate at the end of decay (and after it).")
+    lr_decay_style: str = arg("linear", "Decay after warmup.", choices=("constant", "linear", "cosine"))
+    lr_warmup_iters: int = arg(0, "Linear warmup length in iterations.")
+    lr_warmup_fraction: Optional[float] = arg(
+        None, "Warmup length as a fraction of the decay length (exclusive with --lr-warmup-iters).")
+    lr_warmup_samples: int = arg(0, "Warmup length in samples (divided by the global batch).")
+    lr_decay_iters: Optional[int] = arg(None, "Iterations over which to decay; default: --train-iters.")
+    lr_decay_samples: Optional[int] = arg(None, "Decay length in samples (divided by the global batch).")
+    weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and norms).")
+    adam_beta1: float = arg(0.9, "Adam beta1.")
+    adam_beta2: float = arg(0.999, "Adam beta2.")
+    adam_eps: float = arg(1e-8, "Adam epsilon.")
+    sgd_momentum: float = arg(0.9, "SGD momentum.")
+    clip_grad: float = arg(1.0, "Clip the global gradient norm (over all TP/PP shards) to this; 0: off.")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.lr < 0 or self.min_lr < 0:
+            out.append("--lr and --min-lr must be >= 0")
+        if self.min_lr > self.lr:
+            out.append(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
+            out.append("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            if not 0.0 <= self.lr_warmup_fraction <= 1.0:
+                out.append(f"--lr-warmup-fraction must be in [0, 1] (got {self.lr_warmup_fraction})")
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                out.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are "
+                           "exclusive: set only one")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            out.append(f"--lr-decay-iters must be >= 1 (got {self.lr_decay_iters})")
+        if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
+            out.append("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+        if self.adam_eps <= 0:
+            out.append(f"--adam-eps must be > 0 (got {self.adam_eps})")
+        if self.weight_decay < 0:
+            out.append(f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        if self.clip_grad < 0:
+            out.append(f"--clip-grad must be >= 0 (got {self.clip_grad}); 0 turns clipping off")
+        return out
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: where to save, how often, what to load."""
+
+    save: Optional[str] = arg(None, "Directory to save checkpoints in (iter_XXXXXXX/ per save).")
+    save_interval: Optional[int] = arg(None, "Save every N iterations (and always on exit when --save is set).")
+    load: Optional[str] = arg(None, "Directory to resume from (reads latest_checkpointed_iteration.txt).")
+    no_load_optim: bool = arg(False, "Load weights only: fresh optimizer, scheduler and loss scaler.")
+    no_load_rng: bool = arg(False, "Do not restore the RNG states saved in the checkpoint.")
+    finetune: bool = arg(False, "Load weights only and start at iteration 0 with fresh optimizer, "
+                                "scheduler, RNG and data position.")
+    keep_last: Optional[int] = arg(None, "Keep only the newest N checkpoints in --save.")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.save_interval is not None and self.save_interval < 1:
+            out.append(f"--save-interval must be >= 1 (got {self.save_interval})")
+        if self.save_interval is not None and not self.save:
+            out.append("--save-interval needs a directory: add --save DIR")
+        if self.keep_last is not None and self.keep_last < 1:
+            out.append(f"--keep-last must be >= 1 (got {self.keep_last})")
+        return out
+
+
+@dataclass
+class LoggingConfig:
+    """Logging: progress lines, JSONL metrics, TensorBoard, throughput."""
+
+    log_interval: int = arg(100, "Print one progress line every N iterations.")
+    tensorboard_dir: Optional[str] = arg(None, "Write TensorBoard scalars to this directory.")
+    metrics_file: Optional[str] = arg(None, "Append one JSON object per logged iteration/evaluation here.")
+    peak_tflops: Optional[float] = arg(
+        None, "Peak TFLOP/s of one device for MFU (default: built-in table for V100/A100/H100/H200 "
+              "in the training precision).")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.log_interval < 1:
+            out.append(f"--log-interval must be >= 1 (got {self.log_interval})")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            out.append(f"--peak-tflops must be > 0 (got {self.peak_tflops})")
+        return out

@@ -1,0 +1,78 @@
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler, schedule_from_config
+
+
+def _opt_cfg(**kw):
+    base = dict(lr=1e-3, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_iters=0, lr_warmup_fraction=None,
+                lr_warmup_samples=0, lr_decay_iters=None, lr_decay_samples=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_linear_warmup_then_linear_decay_points():
+    s = LRSchedule(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, decay_style="linear")
+    assert s.lr(0) == 0.0  # Megatron: the first update of a warmed-up run uses lr 0
+    assert s.lr(5) == pytest.approx(0.5)
+    assert s.lr(10) == pytest.approx(1.0)
+    assert s.lr(60) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert s.lr(110) == pytest.approx(0.1)
+    assert s.lr(1000) == 0.1
+
+
+def test_cosine_midpoint_and_quarter():
+    s = LRSchedule(max_lr=2.0, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="cosine")
+    assert s.lr(0) == pytest.approx(2.0)
+    assert s.lr(50) == pytest.approx(1.0)
+    assert s.lr(25) == pytest.approx(1.0 * (math.cos(math.pi * 0.25) + 1.0))
+    assert s.lr(100) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_constant_keeps_max_after_warmup_and_decay():
+    s = LRSchedule(max_lr=3e-4, min_lr=0.0, warmup_steps=4, decay_steps=4, decay_style="constant")
+    assert s.lr(2) == pytest.approx(1.5e-4)
+    assert s.lr(4) == pytest.approx(3e-4)
+    assert s.lr(10_000) == pytest.approx(3e-4)
+
+
+def test_decay_not_longer_than_warmup_is_an_error_naming_flags():
+    with pytest.raises(ValueError, match="--lr-decay-iters"):
+        LRSchedule(max_lr=1.0, min_lr=0.0, warmup_steps=10, decay_steps=10, decay_style="cosine")
+
+
+def test_warmup_fraction_is_of_decay_length_and_defaults_to_train_iters():
+    s = schedule_from_config(_opt_cfg(lr_warmup_fraction=0.1), train_iters=200, global_batch_size=8)
+    assert (s.warmup_steps, s.decay_steps) == (20, 200)
+    s = schedule_from_config(_opt_cfg(lr_warmup_fraction=0.25, lr_decay_iters=40), train_iters=200,
+                             global_batch_size=8)
+    assert (s.warmup_steps, s.decay_steps) == (10, 40)
+
+
+def test_samples_flags_are_divided_by_global_batch():
+    s = schedule_from_config(_opt_cfg(lr_warmup_samples=64, lr_decay_samples=800), train_iters=10,
+                             global_batch_size=16)
+    assert (s.warmup_steps, s.decay_steps) == (4, 50)
+
+
+def test_scheduler_sets_param_groups_and_resumes_from_state():
+    sched = LRSchedule(max_lr=1.0, min_lr=0.0, warmup_steps=2, decay_steps=10, decay_style="linear")
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p, ], lr=123.0)
+    s = MegatronLRScheduler(opt, sched)
+    assert opt.param_groups[0]["lr"] == 0.0
+    seen = []
+    for _ in range(6):
+        s.step()
+        seen.append(opt.param_groups[0]["lr"])
+    assert seen == [sched.lr(i) for i in range(1, 7)]
+    state = s.state_dict()
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=5.0)
+    s2 = MegatronLRScheduler(opt2, sched)
+    s2.load_state_dict(state)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    s.step(), s2.step()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == sched.lr(7)
