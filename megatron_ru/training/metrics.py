@@ -1,0 +1,173 @@
+"""Progress lines, JSONL metrics, TensorBoard scalars, throughput, TFLOP/s and MFU.
+
+TFLOP/s per device counts the matrix multiplications of one training iteration (``2·m·n·k``
+FLOPs per ``m×k @ k×n``), forward + backward (backward = 2 × forward), divided by the
+iteration time and the number of devices. Per token, per transformer layer, forward:
+
+* attention projections ``2·h·(h + 2·kv)`` (Q, K, V; ``kv = h·kv_heads/heads``) + ``2·h·h`` (out),
+* attention itself ``2·s·h`` (Q·Kᵀ) + ``2·s·h`` (scores·V) — the full s×s square, like Megatron,
+* MLP ``2·h·f·3`` for a gated (SwiGLU) MLP, ``2·h·f·2`` otherwise,
+
+and the output layer ``2·h·V``. Training is 3 × forward; ``--recompute-granularity full`` adds one
+more forward of the transformer layers (not of the output layer). For a GPT with ``f = 4h``
+and no GQA this is Megatron's ``72·B·s·L·h²·(1 + s/(6h)) + 6·B·s·h·V``.
+
+MFU = achieved TFLOP/s per device / peak dense TFLOP/s of the device in the training precision
+(built-in table below, or ``--peak-tflops``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+#: dense peak TFLOP/s per device by (name fragment, precision); SXM parts, no sparsity
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "V100": {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7},
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    seq_length: int
+    vocab_size: int
+    gated_mlp: bool
+
+
+def flops_per_token(shape: ModelShape, recompute: bool = False) -> float:
+    """Training FLOPs per token (forward + backward [+ recompute]) of one iteration."""
+    h, s, f = shape.hidden_size, shape.seq_length, shape.ffn_hidden_size
+    kv = h * shape.num_query_groups / shape.num_attention_heads
+    attn_proj = 2 * h * (h + 2 * kv) + 2 * h * h
+    attn_core = 4 * s * h
+    mlp = 2 * h * f * (3 if shape.gated_mlp else 2)
+    layer_fwd = attn_proj + attn_core + mlp
+    logits_fwd = 2 * h * shape.vocab_size
+    layers_factor = 4 if recompute else 3
+    return shape.num_layers * layer_fwd * layers_factor + 3 * logits_fwd
+
+
+def peak_tflops_for(device_name: str, precision: str) -> Optional[float]:
+    """Peak dense TFLOP/s for a device name (``torch.cuda.get_device_name``) or None if unknown."""
+    for key, table in PEAK_TFLOPS.items():
+        if key in device_name.upper():
+            value = table.get(precision, 0.0)
+            return value or None
+    return None
+
+
+def device_peak_tflops(precision: str, override: Optional[float]) -> Optional[float]:
+    if override is not None:
+        return override
+    if torch.cuda.is_available():
+        return peak_tflops_for(torch.cuda.get_device_name(), precision)
+    return None
+
+
+def peak_memory_mib() -> tuple[str, float]:
+    """(label, MiB): peak allocated accelerator memory, or this process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return "peak mem", torch.cuda.max_memory_allocated() / 2 ** 20
+    # ru_maxrss is KiB on Linux
+    return "peak RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def format_train_line(rec: dict[str, Any]) -> str:
+    """One Megatron-like progress line from a train record (see :meth:`MetricsWriter.log_train`)."""
+    parts = [
+        f" iteration {rec['iteration']:8d}/{rec['train_iters']:8d}",
+        f"consumed samples: {rec['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {rec['elapsed_ms']:.1f}",
+        f"learning rate: {rec['lr']:.3E}",
+        f"global batch size: {rec['global_batch_size']:5d}",
+        f"lm loss: {rec['lm_loss']:.6E}",
+        f"loss scale: {rec['loss_scale']:.1f}",
+    ]
+    if rec.get("grad_norm") is not None:
+        parts.append(f"grad norm: {rec['grad_norm']:.3f}")
+    parts += [
+        f"number of skipped iterations: {rec['skipped_iterations']:3d}",
+        f"tokens/s: {rec['tokens_per_sec']:.1f}",
+        f"TFLOP/s/device: {rec['tflops_per_device']:.3f}",
+    ]
+    if rec.get("mfu") is not None:
+        parts.append(f"MFU: {100.0 * rec['mfu']:.1f}%")
+    parts.append(f"{rec['memory_label']} (MiB): {rec['peak_memory_mib']:.0f}")
+    return " | ".join(parts) + " |"
+
+
+class MetricsWriter:
+    """Writes progress lines, JSONL records and TensorBoard scalars; active on one rank only."""
+
+    def __init__(self, log_cfg: Any, active: bool) -> None:
+        self.active = active
+        self._jsonl = None
+        self._tb = None
+        if not active:
+            return
+        if log_cfg.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(log_cfg.metrics_file)), exist_ok=True)
+            self._jsonl = open(log_cfg.metrics_file, "a", encoding="utf-8")
+        if log_cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=log_cfg.tensorboard_dir)
+
+    def _write_json(self, rec: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            # json writes floats with repr(): full precision, not rounded
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
+
+    def log_train(self, rec: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        log.info(format_train_line(rec))
+        self._write_json({"type": "train", **rec})
+        if self._tb is not None:
+            it = rec["iteration"]
+            for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device",
+                        "mfu", "elapsed_ms", "peak_memory_mib"):
+                if rec.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", rec[key], it)
+            self._tb.add_scalar("train/lm_loss_vs_samples", rec["lm_loss"], rec["consumed_samples"])
+            self._tb.flush()
+
+    def log_eval(self, iteration: int, val_loss: float, split: str = "validation") -> dict[str, Any]:
+        """Log a validation loss and its perplexity (``exp(min(loss, 20))`` like Megatron)."""
+        rec = {"type": "eval", "split": split, "iteration": iteration, "val_loss": val_loss,
+               "val_ppl": math.exp(min(20.0, val_loss))}
+        if not self.active:
+            return rec
+        log.info(f" {split} loss at iteration {iteration} | lm loss value: {val_loss:.6E} | "
+                 f"lm loss PPL: {rec['val_ppl']:.6E} |")
+        self._write_json(rec)
+        if self._tb is not None:
+            self._tb.add_scalar(f"{split}/loss", val_loss, iteration)
+            self._tb.add_scalar(f"{split}/ppl", rec["val_ppl"], iteration)
+            self._tb.flush()
+        return rec
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
