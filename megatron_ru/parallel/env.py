@@ -1,0 +1,320 @@
+"""Rank discovery: turn the launcher's environment into one DistEnv, then init torch.distributed.
+
+Order (first match wins):
+
+1. torchrun / deepspeed launcher: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (+ ``LOCAL_WORLD_SIZE``)
+2. OpenMPI ``mpirun``: ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``
+3. Slurm ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``
+4. a single process
+
+``MASTER_ADDR``/``MASTER_PORT`` are used when set. Otherwise: Slurm → first host of
+``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST`` and a port derived from the job id; OpenMPI →
+rank 0 shares its address and a free port over MPI (mpi4py) inside :func:`init_distributed`;
+single process → no rendezvous needed at all (an in-memory store).
+
+``python -m megatron_ru.parallel.env`` (under any launcher) prints one JSON line per rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_ru.parallel.hostlist import first_host
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger("megatron_ru.parallel.env")  # also when run as __main__
+
+SOURCES = ("torchrun", "openmpi", "slurm", "single")
+#: Slurm ports: a job-id-derived port below Linux's ephemeral range (32768+), so concurrent
+#: jobs on shared nodes rarely collide and never race with outgoing connections.
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 16384
+
+_VARS = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What this process is in the job. ``master_addr``/``master_port`` are None when they still
+    have to be shared over MPI (OpenMPI without MASTER_ADDR) or are not needed (single)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+    source: str
+    #: where master_addr/port came from: "environment", "slurm", "mpi" (pending/broadcast), "none"
+    master_from: str = "environment"
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; fix the launcher or "
+                         f"job script that sets it") from None
+
+
+def _check_complete(env: Mapping[str, str], source: str, names: tuple[str, ...]) -> None:
+    missing = [n for n in names if n not in env]
+    if missing:
+        present = ", ".join(f"{n}={env[n]!r}" for n in names if n in env)
+        raise ValueError(f"incomplete {source} environment: {present} set but {', '.join(missing)} "
+                         f"missing; a {source} launch sets all of {', '.join(names)} (set the missing "
+                         "ones, or unset the others to run a single process)")
+
+
+def _check_ranks(names: dict[str, str], rank: int, world: int, local: int, local_world: int) -> None:
+    """``names`` maps rank/world/local/local_world to the variable each value came from."""
+    def show(key: str, value: int) -> str:
+        return f"{names[key]}={value}"
+    problems = []
+    if world < 1:
+        problems.append(f"{show('world', world)} must be >= 1")
+    if not 0 <= rank < max(world, 1):
+        problems.append(f"{show('rank', rank)} must be in [0, {show('world', world)})")
+    if local_world < 1:
+        problems.append(f"{show('local_world', local_world)} must be >= 1")
+    elif not 0 <= local < local_world:
+        problems.append(f"{show('local', local)} must be in [0, {show('local_world', local_world)})")
+    elif local_world > world >= 1:
+        problems.append(f"{show('local_world', local_world)} exceeds {show('world', world)}")
+    if problems:
+        raise ValueError("inconsistent launcher environment: " + "; ".join(problems))
+
+
+def _pick_source(env: Mapping[str, str]) -> str:
+    for source, names in _VARS.items():
+        if any(n in env for n in names[:2]):
+            return source
+    return "single"
+
+
+def _slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
+    """Tasks on this node from SLURM_STEP_TASKS_PER_NODE/SLURM_TASKS_PER_NODE ('2(x3),1')."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    counts: list[int] = []
+    try:
+        for item in spec.split(","):
+            num, _, rep = item.partition("(x")
+            counts.extend([int(num)] * (int(rep.rstrip(")")) if rep else 1))
+        node = int(env.get("SLURM_NODEID", "0"))
+    except ValueError:
+        raise ValueError(f"cannot parse the Slurm tasks-per-node {spec!r} / SLURM_NODEID="
+                         f"{env.get('SLURM_NODEID')!r}") from None
+    return counts[node] if node < len(counts) else None
+
+
+def _master_from_env(env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    addr = env.get("MASTER_ADDR") or None
+    port = None
+    if env.get("MASTER_PORT"):
+        port = _int(env, "MASTER_PORT")
+        if not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+    return addr, port
+
+
+def discover_environment(env: Mapping[str, str] = os.environ) -> DistEnv:
+    """Pure: read ``env`` and return this process's DistEnv (no side effects)."""
+    source = _pick_source(env)
+    addr, port = _master_from_env(env)
+    if source == "single":
+        return DistEnv(0, 1, 0, 1, addr, port, "single", "environment" if addr else "none")
+    names = _VARS[source]
+    _check_complete(env, source, names)
+    rank, world, local = (_int(env, n) for n in names)
+    if source == "torchrun":
+        lws_var = next((v for v in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE") if v in env), None)
+        local_world = _int(env, lws_var) if lws_var else world
+        lws_name = lws_var or "WORLD_SIZE"
+    elif source == "openmpi":
+        lws_name = "OMPI_COMM_WORLD_LOCAL_SIZE"
+        local_world = _int(env, lws_name) if lws_name in env else world
+    else:
+        lws_name = "SLURM_STEP_TASKS_PER_NODE"
+        local_world = _slurm_tasks_on_node(env) or world
+    _check_ranks({"rank": names[0], "world": names[1], "local": names[2], "local_world": lws_name},
+                 rank, world, local, local_world)
+    master_from = "environment"
+    if source == "slurm":
+        if addr is None:
+            nodelist_var = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                                 if env.get(v)), None)
+            if nodelist_var is None:
+                raise ValueError("Slurm launch without MASTER_ADDR and without SLURM_STEP_NODELIST/"
+                                 "SLURM_JOB_NODELIST: set MASTER_ADDR to the first node's host name")
+            try:
+                addr = first_host(env[nodelist_var])
+            except ValueError as e:
+                raise ValueError(f"{nodelist_var}={env[nodelist_var]!r}: {e}") from None
+            master_from = "slurm"
+        if port is None:
+            job_var = next((v for v in ("SLURM_JOB_ID", "SLURM_JOBID") if env.get(v)), None)
+            if job_var is None:
+                raise ValueError("Slurm launch without MASTER_PORT and without SLURM_JOB_ID: set "
+                                 "MASTER_PORT to a free port shared by all tasks")
+            port = SLURM_PORT_BASE + _int(env, job_var) % SLURM_PORT_SPAN
+            master_from = "slurm"
+    elif source == "openmpi" and (addr is None or port is None):
+        master_from = "mpi"  # filled in by init_distributed from rank 0 over MPI
+    elif source == "torchrun" and world > 1 and (addr is None or port is None):
+        raise ValueError(f"RANK/WORLD_SIZE are set (WORLD_SIZE={world}) but MASTER_ADDR="
+                         f"{env.get('MASTER_ADDR')!r}, MASTER_PORT={env.get('MASTER_PORT')!r}: set both "
+                         "(torchrun and the deepspeed launcher do) to rank 0's host and a free port")
+    return DistEnv(rank, world, local, local_world, addr, port, source, master_from)
+
+
+def apply_environment(denv: DistEnv) -> None:
+    """Write the discovered numbers into os.environ so torch and DeepSpeed see the same ones."""
+    os.environ.update({"RANK": str(denv.rank), "WORLD_SIZE": str(denv.world_size),
+                       "LOCAL_RANK": str(denv.local_rank),
+                       "LOCAL_WORLD_SIZE": str(denv.local_world_size)})
+    if denv.master_addr is not None and denv.master_port is not None and denv.master_from != "environment":
+        os.environ["MASTER_ADDR"] = denv.master_addr
+        os.environ["MASTER_PORT"] = str(denv.master_port)
+
+
+def _own_address() -> str:
+    """This host's address as other nodes should dial it: the first non-loopback IPv4 address
+    the host name resolves to, else the host name itself."""
+    host = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET)
+    except OSError:
+        return host
+    for *_, sockaddr in infos:
+        if not sockaddr[0].startswith("127."):
+            return sockaddr[0]
+    return host
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def share_master_over_mpi(denv: DistEnv) -> DistEnv:
+    """Under mpirun without MASTER_ADDR/PORT: rank 0 broadcasts its address and a free port."""
+    try:
+        from mpi4py import MPI  # lazy: only MPI launches need it, and importing it starts MPI
+    except ImportError:
+        raise RuntimeError("launched by mpirun without MASTER_ADDR/MASTER_PORT, and mpi4py is not "
+                           "installed to share rank 0's address: `pip install mpi4py`, or export "
+                           "MASTER_ADDR=<rank 0 host> MASTER_PORT=<free port> to every rank "
+                           "(mpirun -x MASTER_ADDR -x MASTER_PORT)") from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != denv.world_size or comm.Get_rank() != denv.rank:
+        raise RuntimeError(f"MPI reports rank {comm.Get_rank()} of {comm.Get_size()} but the environment "
+                           f"says rank {denv.rank} of {denv.world_size}")
+    mine = (denv.master_addr or _own_address(), denv.master_port or _free_port()) if denv.rank == 0 else None
+    addr, port = comm.bcast(mine, root=0)
+    return dataclasses.replace(denv, master_addr=addr, master_port=port, master_from="mpi")
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def choose_backend(backend: str | None = None) -> str:
+    if backend in (None, "auto"):
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--distributed-backend nccl needs CUDA, which is not available here; "
+                         "use --distributed-backend gloo (or auto)")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"--distributed-backend {backend!r}: choose nccl, gloo or auto")
+    return backend
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float = 10) -> DistEnv:
+    """Discover, apply, share the MPI address if needed, pick backend/device, init the group.
+
+    Idempotent: when torch.distributed is already initialised, returns the discovered env
+    (after checking rank and world size agree) without re-initialising."""
+    denv = discover_environment(os.environ)
+    if denv.master_from == "mpi":
+        denv = share_master_over_mpi(denv)
+    apply_environment(denv)
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (denv.rank, denv.world_size):
+            raise RuntimeError(f"torch.distributed already initialised as rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, but the environment says rank {denv.rank} of "
+                               f"{denv.world_size}")
+        return denv
+    backend = choose_backend(backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(default_device())
+    log.info(f"rank discovery: source={denv.source} rank={denv.rank}/{denv.world_size} local_rank="
+             f"{denv.local_rank}/{denv.local_world_size} master={denv.master_addr}:{denv.master_port} "
+             f"(from {denv.master_from}) backend={backend}", extra={"rank0_only": True})
+    timeout = timedelta(minutes=timeout_minutes)
+    if denv.world_size == 1:
+        # nothing to rendezvous with: an in-memory store avoids picking a port at all
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{_url_host(denv.master_addr)}:{denv.master_port}",
+                                rank=denv.rank, world_size=denv.world_size, timeout=timeout)
+    return denv
+
+
+def _url_host(addr: str | None) -> str:
+    return f"[{addr}]" if addr and ":" in addr else str(addr)
+
+
+def _group_check(state, kind: str, members: list[int], group) -> bool:
+    """All-reduce the global rank over ``group``: proves the group really holds ``members``."""
+    t = torch.tensor([float(state.rank)], device=state.device)
+    dist.all_reduce(t, group=group)
+    return int(t.item()) == sum(members)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print one JSON line per rank: what it discovered, its backend, device and groups."""
+    import json
+
+    from megatron_ru.config.base import parse_configs, validate_all
+    from megatron_ru.config.parallel import ParallelConfig
+    from megatron_ru.parallel.state import ParallelState
+
+    cfg = parse_configs([ParallelConfig], argv, description="Report rank discovery and process "
+                        "groups, one JSON line per rank (run under torchrun, mpirun or srun).")[ParallelConfig]
+    validate_all([cfg])
+    denv = init_distributed(cfg.backend, cfg.distributed_timeout_minutes)
+    try:
+        state = ParallelState.build(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                    sequence_parallel=cfg.sequence_parallel,
+                                    timeout_minutes=cfg.distributed_timeout_minutes)
+        report = dataclasses.asdict(denv)
+        report.update(hostname=socket.gethostname(), backend=dist.get_backend(), device=str(state.device))
+        report.update(state.describe())
+        checks = {"tp": (state.tp_ranks, state.tp_group), "dp": (state.dp_ranks, state.dp_group),
+                  "pp": (state.pp_ranks, state.pp_group), "mp": (state.mp_ranks, state.mp_group)}
+        report["allreduce_ok"] = {k: _group_check(state, k, m, g) for k, (m, g) in checks.items()}
+        print(json.dumps(report, sort_keys=True), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

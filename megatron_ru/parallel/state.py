@@ -1,0 +1,213 @@
+"""ParallelState: the TP / DP / PP process groups of this rank, built once and passed around.
+
+    denv = init_distributed()                       # megatron_ru.parallel.env
+    state = ParallelState.build(tp=2, pp=2)         # every rank, same arguments
+    layer = ColumnParallelLinear(..., group=state.tp_group)
+    engine, *_ = deepspeed.initialize(model=..., mpu=state, ...)
+
+The object also is DeepSpeed's ``mpu``: it answers every ``get_*`` method that DeepSpeed
+0.19.8's engine, ZeRO optimizers, gradient clipping, checkpointing and pipeline engine call.
+"Model parallel" in that interface means TP × PP (all ranks holding one replica), as in
+DeepSpeed's own ``PipelineParallelGrid``; "slice parallel" is tensor parallel.
+
+We deliberately do NOT define ``initialize_sequence_parallel`` / ``get_sequence_parallel_*``:
+those are DeepSpeed-Ulysses hooks, and their presence changes how ZeRO picks its groups.
+Megatron's ``--sequence-parallel`` lives inside the tensor-parallel group instead.
+
+``python -m megatron_ru.parallel.state --world-size 8 --tensor-model-parallel-size 2
+--pipeline-model-parallel-size 2`` prints the layout without starting processes.
+"""
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ru.parallel.topology import ParallelLayout, RankCoord, layout_problems
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+log = get_logger(__name__)
+
+__all__ = ["ParallelState", "ParallelLayout", "RankCoord", "layout_problems"]
+
+
+class ParallelState:
+    """Process groups and coordinates of this rank. Build with :meth:`build`."""
+
+    def __init__(self, layout: ParallelLayout, rank: int, groups: dict[str, Any],
+                 ranks: dict[str, list[int] | None], device: torch.device,
+                 sequence_parallel: bool = False) -> None:
+        self.layout = layout
+        self.world_size = layout.world_size
+        self.rank = rank
+        self.tp_size, self.pp_size, self.dp_size = layout.tp, layout.pp, layout.dp
+        coord = layout.coord(rank)
+        self.coord: RankCoord = coord
+        self.tp_rank, self.dp_rank, self.pp_rank = coord.tp, coord.dp, coord.pp
+        self.tp_group = groups["tp"]
+        self.dp_group = groups["dp"]
+        self.pp_group = groups["pp"]
+        self.mp_group = groups["mp"]
+        #: first + last stage of this rank's pipeline; None when PP=1 or this rank is a middle stage
+        self.embedding_group = groups["embedding"]
+        #: global ranks of each of this rank's groups (embedding: None when not a member)
+        self.tp_ranks: list[int] = ranks["tp"]  # type: ignore[assignment]
+        self.dp_ranks: list[int] = ranks["dp"]  # type: ignore[assignment]
+        self.pp_ranks: list[int] = ranks["pp"]  # type: ignore[assignment]
+        self.mp_ranks: list[int] = ranks["mp"]  # type: ignore[assignment]
+        self.embedding_ranks: list[int] | None = ranks["embedding"]
+        self.is_first_stage = self.pp_rank == 0
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+        self.device = device
+        self.sequence_parallel = sequence_parallel
+
+    @classmethod
+    def build(cls, tp: int, pp: int = 1, *, world_size: int | None = None,
+              sequence_parallel: bool = False, timeout_minutes: float | None = None,
+              device: torch.device | None = None) -> "ParallelState":
+        """Create every group with ``torch.distributed.new_group`` (collective: all ranks call
+        it with the same arguments). Needs an initialised default process group."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ParallelState.build needs torch.distributed initialised first: call "
+                               "megatron_ru.parallel.env.init_distributed() before it")
+        actual = dist.get_world_size()
+        if world_size is not None and world_size != actual:
+            raise ValueError(f"ParallelState.build(world_size={world_size}) but the process group has "
+                             f"WORLD_SIZE={actual}; drop world_size= or launch {world_size} processes")
+        layout = ParallelLayout(actual, tp, pp)
+        if sequence_parallel and tp == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1)")
+        rank = dist.get_rank()
+        timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else None
+        groups: dict[str, Any] = {}
+        ranks: dict[str, list[int] | None] = {}
+        for kind, all_groups in layout.groups():
+            groups[kind], ranks[kind] = None, None
+            # every rank creates every group in the same order (torch requires it)
+            for members in all_groups:
+                pg = dist.new_group(ranks=members, timeout=timeout)
+                if rank in members:
+                    groups[kind], ranks[kind] = pg, list(members)
+        if device is None:
+            from megatron_ru.parallel.env import default_device
+            device = default_device()
+        state = cls(layout, rank, groups, ranks, device, sequence_parallel)
+        log_rank0(log, f"parallel layout: {layout!r}")
+        return state
+
+    def __repr__(self) -> str:
+        return (f"ParallelState(rank={self.rank}, world_size={self.world_size}, tp={self.tp_rank}/"
+                f"{self.tp_size}, dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size})")
+
+    def describe(self) -> dict:
+        """This rank's coordinates and group memberships (JSON-able)."""
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank,
+                "pp_rank": self.pp_rank, "tp_size": self.tp_size, "dp_size": self.dp_size,
+                "pp_size": self.pp_size, "tp_group": self.tp_ranks, "dp_group": self.dp_ranks,
+                "pp_group": self.pp_ranks, "mp_group": self.mp_ranks,
+                "embedding_group": self.embedding_ranks}
+
+    def ds_topology(self):
+        """DeepSpeed's topology object for ``PipelineModule(topology=...)``; same rank order."""
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+        return PipeModelDataParallelTopology(num_pp=self.pp_size, num_mp=self.tp_size, num_dp=self.dp_size)
+
+    # ---- DeepSpeed / Megatron mpu interface ----------------------------------------------
+    def get_global_rank(self) -> int:
+        return self.rank
+
+    # model parallel = TP x PP (one replica), as in DeepSpeed's PipelineParallelGrid
+    def get_model_parallel_rank(self) -> int:
+        return self.mp_ranks.index(self.rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_ranks)
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pp_size
+
+    def get_pipe_parallel_group(self):
+        return self.pp_group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group (broadcast source)."""
+        return self.tp_ranks[0]
+
+    # DeepSpeed's pipeline engine calls tensor parallelism "slice parallelism"
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+
+    def get_embedding_group(self):
+        return self.embedding_group
+
+    def is_pipeline_first_stage(self) -> bool:
+        return self.is_first_stage
+
+    def is_pipeline_last_stage(self) -> bool:
+        return self.is_last_stage
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the layout for a world size and TP/PP (or the error); starts no processes."""
+    import argparse
+    import json
+
+    from megatron_ru.config.base import add_config_arguments, from_namespace
+    from megatron_ru.config.parallel import ParallelConfig
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_ru.parallel.state",
+                                     description="Print the TP/DP/PP process-group layout of a world size.")
+    parser.add_argument("--world-size", type=int, required=True, help="number of processes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_config_arguments(parser, ParallelConfig)
+    ns = parser.parse_args(argv)
+    cfg = from_namespace(ParallelConfig, ns)
+    problems = cfg.problems()
+    if cfg.tensor_model_parallel_size >= 1 and cfg.pipeline_model_parallel_size >= 1:
+        problems += layout_problems(ns.world_size, cfg.tensor_model_parallel_size,
+                                    cfg.pipeline_model_parallel_size)
+    if problems:
+        print("error: " + "\n       ".join(problems), file=sys.stderr)
+        return 2
+    layout = ParallelLayout(ns.world_size, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    print(json.dumps(layout.describe()) if ns.json else layout.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Pure grid math for the TP × DP × PP layout (no processes, no torch.distributed).
+
+Rank order is Megatron's: the tensor-parallel rank varies fastest, then the data-parallel
+rank, then the pipeline stage::
+
+    rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+
+8 ranks, TP=2, PP=2 (so DP=2)::
+
+    TP groups [0,1] [2,3] [4,5] [6,7]    DP groups [0,2] [1,3] [4,6] [5,7]
+    PP groups [0,4] [1,5] [2,6] [3,7]    model-parallel (TP×PP) groups [0,1,4,5] [2,3,6,7]
+
+This is the order of DeepSpeed's ``PipeModelDataParallelTopology(num_pp=PP, num_mp=TP,
+num_dp=DP)`` (axes pipe, data, model; the last axis varies fastest), so DeepSpeed's pipeline
+engine and our groups agree (``tests/unit/test_state_topology.py`` checks it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    """Where one global rank sits in the grid."""
+
+    tp: int
+    dp: int
+    pp: int
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_pairs(world_size: int) -> list[tuple[int, int]]:
+    """Every (TP, PP) whose product divides ``world_size``."""
+    return [(tp, pp) for tp in divisors(world_size) for pp in divisors(world_size // tp)]
+
+
+def nearby_world_sizes(world_size: int, tp: int, pp: int, count: int = 2) -> list[int]:
+    """The multiples of TP×PP closest to ``world_size`` (one below if any, then above)."""
+    mp = tp * pp
+    below = (world_size // mp) * mp
+    above = below + mp
+    out = [below] if below >= mp else []
+    while len(out) < count:
+        out.append(above)
+        above += mp
+    return out
+
+
+def layout_problems(world_size: int, tp: int, pp: int) -> list[str]:
+    """Why (world_size, TP, PP) is not a valid layout; empty when it is."""
+    problems = []
+    for name, flag, value in (("TP", "--tensor-model-parallel-size", tp),
+                              ("PP", "--pipeline-model-parallel-size", pp)):
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"{name}={value!r} must be an integer >= 1 (set {flag})")
+    if not isinstance(world_size, int) or world_size < 1:
+        problems.append(f"WORLD_SIZE={world_size!r} must be an integer >= 1 (the number of processes "
+                        "the launcher started)")
+    if problems:
+        return problems
+    if world_size % (tp * pp):
+        pairs = ", ".join(f"({a},{b})" for a, b in valid_pairs(world_size))
+        sizes = ", ".join(str(s) for s in nearby_world_sizes(world_size, tp, pp))
+        problems.append(
+            f"WORLD_SIZE={world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}, so the "
+            f"data-parallel size WORLD_SIZE/(TP x PP) is not an integer. Fix: choose "
+            f"--tensor-model-parallel-size/--pipeline-model-parallel-size from the valid (TP,PP) pairs "
+            f"for WORLD_SIZE={world_size}: {pairs}; or launch a world size that works with "
+            f"TP={tp}, PP={pp}: {sizes}")
+    return problems
+
+
+class ParallelLayout:
+    """The TP × DP × PP grid of ``world_size`` ranks; DP = world_size / (TP × PP).
+
+    Raises ValueError (naming WORLD_SIZE, TP, PP, TP×PP and valid choices) when the world size
+    is not divisible; nothing is clamped.
+    """
+
+    def __init__(self, world_size: int, tp: int = 1, pp: int = 1) -> None:
+        problems = layout_problems(world_size, tp, pp)
+        if problems:
+            raise ValueError("invalid parallel layout: " + "; ".join(problems))
+        self.world_size = world_size
+        self.tp = tp
+        self.pp = pp
+        self.dp = world_size // (tp * pp)
+
+    def __repr__(self) -> str:
+        return f"ParallelLayout(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, dp={self.dp})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ParallelLayout) and (self.world_size, self.tp, self.pp) == (
+            other.world_size, other.tp, other.pp)
+
+    def __hash__(self) -> int:
+        return hash((self.world_size, self.tp, self.pp))
+
+    # ---- rank <-> coordinates -------------------------------------------------------------
+    def rank(self, tp: int, dp: int, pp: int) -> int:
+        if not (0 <= tp < self.tp and 0 <= dp < self.dp and 0 <= pp < self.pp):
+            raise IndexError(f"coordinate (tp={tp}, dp={dp}, pp={pp}) outside {self!r}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def coord(self, rank: int) -> RankCoord:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} outside {self!r}")
+        return RankCoord(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+
+    # ---- groups (each a sorted list of global ranks; every list of groups partitions ranks) -
+    def tp_groups(self) -> list[list[int]]:
+        """Ranks that split one layer's weights: same (dp, pp)."""
+        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks that hold the same shard of the model: same (tp, pp)."""
+        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        """One pipeline: same (tp, dp), stages in order."""
+        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def mp_groups(self) -> list[list[int]]:
+        """All ranks holding one full model replica (TP × PP): same dp."""
+        return [sorted(self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp))
+                for d in range(self.dp)]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last stage of each pipeline (tied embedding/output weights); none when PP=1."""
+        if self.pp == 1:
+            return []
+        return [[g[0], g[-1]] for g in self.pp_groups()]
+
+    def groups(self) -> Iterator[tuple[str, list[list[int]]]]:
+        """Every kind of group in the order process groups are created (same on every rank)."""
+        yield "tp", self.tp_groups()
+        yield "dp", self.dp_groups()
+        yield "pp", self.pp_groups()
+        yield "mp", self.mp_groups()
+        yield "embedding", self.embedding_groups()
+
+    def group_of(self, kind: str, rank: int) -> list[int] | None:
+        """The group of ``kind`` ('tp', 'dp', 'pp', 'mp', 'embedding') containing ``rank``."""
+        for name, groups in self.groups():
+            if name == kind:
+                return next((g for g in groups if rank in g), None)
+        raise KeyError(f"unknown group kind {kind!r}; one of tp, dp, pp, mp, embedding")
+
+    def describe(self) -> dict:
+        """JSON-able summary: sizes, every group, and rank -> [tp, dp, pp]."""
+        out: dict = {"world_size": self.world_size, "tp": self.tp, "pp": self.pp, "dp": self.dp}
+        for name, groups in self.groups():
+            out[f"{name}_groups"] = groups
+        out["coords"] = {r: [c.tp, c.dp, c.pp] for r in range(self.world_size) for c in [self.coord(r)]}
+        return out
+
+    def format(self) -> str:
+        """Human-readable layout, as printed by ``python -m megatron_ru.parallel.state``."""
+        def fmt(groups: list[list[int]]) -> str:
+            return " ".join("[" + ",".join(map(str, g)) + "]" for g in groups) or "(none: PP=1)"
+        lines = [f"WORLD_SIZE={self.world_size} TP={self.tp} PP={self.pp} DP={self.dp} "
+                 "(rank = tp + TP*(dp + DP*pp))",
+                 f"tensor-parallel groups:        {fmt(self.tp_groups())}",
+                 f"data-parallel groups:          {fmt(self.dp_groups())}",
+                 f"pipeline groups:               {fmt(self.pp_groups())}",
+                 f"model-parallel (TPxPP) groups: {fmt(self.mp_groups())}",
+                 f"embedding groups:              {fmt(self.embedding_groups())}",
+                 "rank: (tp, dp, pp)"]
+        for r in range(self.world_size):
+            c = self.coord(r)
+            lines.append(f"  {r}: ({c.tp}, {c.dp}, {c.pp})")
+        return "\n".join(lines)
