@@ -1,0 +1,69 @@
+"""Tokenizer configuration (Megatron-LM's flag names)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ru.config.base import arg
+
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
+
+
+@dataclass
+class TokenizerConfig:
+    """Tokenizer"""
+
+    tokenizer_type: Optional[str] = arg(
+        None, "Tokenizer kind. SentencePiece*/HuggingFace need --tokenizer-model, GPT2BPETokenizer "
+        "needs --vocab-file and --merge-file, NullTokenizer needs --vocab-size.", choices=TOKENIZER_TYPES)
+    tokenizer_model: Optional[str] = arg(
+        None, "SentencePiece .model file, or a local directory with tokenizer.json/tokenizer_config.json "
+        "for HuggingFaceTokenizer (nothing is downloaded).")
+    vocab_file: Optional[str] = arg(None, "GPT-2 BPE vocabulary (vocab.json).")
+    merge_file: Optional[str] = arg(None, "GPT-2 BPE merges (merges.txt).")
+    vocab_size: Optional[int] = arg(
+        None, "NullTokenizer: number of ordinary token ids; the end-of-document id is this value.")
+    vocab_extra_ids: int = arg(0, "SentencePieceTokenizer: add <extra_id_0..N-1> special tokens (T5 style).")
+    tokenizer_num_threads: int = arg(
+        1, "Threads the tokenizer's own batch API may use inside one process (preprocessing workers "
+        "use 1 each; --workers is the way to use more cores).")
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        t = self.tokenizer_type
+        if t is None:
+            return [f"--tokenizer-type is required (one of: {', '.join(TOKENIZER_TYPES)})"]
+        if t in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+            found += _file_problem("--tokenizer-model", self.tokenizer_model, t, want_dir=False)
+        elif t == "HuggingFaceTokenizer":
+            found += _file_problem("--tokenizer-model", self.tokenizer_model, t, want_dir=True)
+        elif t == "GPT2BPETokenizer":
+            found += _file_problem("--vocab-file", self.vocab_file, t, want_dir=False)
+            found += _file_problem("--merge-file", self.merge_file, t, want_dir=False)
+        elif t == "NullTokenizer":
+            if self.vocab_size is None or self.vocab_size < 1:
+                found.append(f"--vocab-size must be a positive integer for NullTokenizer (got {self.vocab_size})")
+        if self.vocab_extra_ids < 0:
+            found.append(f"--vocab-extra-ids must be >= 0 (got {self.vocab_extra_ids})")
+        if self.tokenizer_num_threads < 1:
+            found.append(f"--tokenizer-num-threads must be >= 1 (got {self.tokenizer_num_threads})")
+        return found
+
+
+def _file_problem(flag: str, path: Optional[str], ttype: str, want_dir: bool) -> list[str]:
+    kind = "directory" if want_dir else "file"
+    if not path:
+        return [f"{flag} is required for --tokenizer-type {ttype} (path to the {kind})"]
+    if want_dir and not os.path.isdir(path):
+        return [f"{flag} {path}: no such directory (HuggingFaceTokenizer loads a local tokenizer "
+                "directory only; save it with tokenizer.save_pretrained(DIR) first)"]
+    if not want_dir and not os.path.isfile(path):
+        return [f"{flag} {path}: no such file"]
+    return []

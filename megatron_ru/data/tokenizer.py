@@ -1,0 +1,239 @@
+"""Tokenizers with Megatron-LM's names and id conventions, behind one small interface.
+
+``build_tokenizer(cfg)`` returns a :class:`Tokenizer`: ``vocab_size`` (unpadded), ``eod``,
+``bos``/``pad`` (int or None), ``tokenize``, ``tokenize_batch`` (the library's native batch
+API), ``tokenize_batch_arrays`` (the same as numpy arrays, what preprocessing writes) and
+``detokenize``. This module must not import torch: tools/preprocess_data.py start-up time is
+part of its throughput. ``transformers`` is imported lazily, and only when a HuggingFace
+directory has no ``tokenizer.json`` that the ``tokenizers`` library can load directly.
+"""
+from __future__ import annotations
+
+import os
+import re
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron_ru.config.tokenizer import TOKENIZER_TYPES, TokenizerConfig
+
+
+class Tokenizer(ABC):
+    """Text ↔ token ids. Subclasses set ``vocab_size``, ``eod``, ``bos``, ``pad``."""
+
+    name: str = "Tokenizer"
+    vocab_size: int
+    eod: int
+    bos: Optional[int] = None
+    pad: Optional[int] = None
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOD added)."""
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of every text; subclasses use the library's batch call."""
+        return [self.tokenize(t) for t in texts]
+
+    def tokenize_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Like :meth:`tokenize_batch` but numpy int arrays (avoids Python int lists where the
+        library can hand out buffers directly)."""
+        return [np.asarray(ids, dtype=np.int64) for ids in self.tokenize_batch(texts)]
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; for the shipped tokenizers ``detokenize(tokenize(t)) == t`` whenever
+        the model itself is lossless on ``t`` (see docs/data_format.md)."""
+
+    def describe(self) -> str:
+        return f"{self.name}(vocab_size={self.vocab_size}, eod={self.eod}, bos={self.bos}, pad={self.pad})"
+
+
+def _ids(x) -> list[int]:
+    return [int(i) for i in x]
+
+
+class GPTSentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model used as-is: ``eod`` is the model's ``</s>`` (eos) id."""
+
+    name = "GPTSentencePieceTokenizer"
+
+    def __init__(self, model_file: str, num_threads: int = 1) -> None:
+        self._load(model_file, num_threads)
+        self.vocab_size = int(self.sp.vocab_size())
+        self.eod = int(self.sp.eos_id())
+        if self.eod < 0:
+            raise ValueError(f"--tokenizer-model {model_file}: the model has no </s> (eos_id=-1), which "
+                             "GPTSentencePieceTokenizer uses as end-of-document; use SentencePieceTokenizer "
+                             "(adds <EOD>) or retrain with tools/train_tokenizer.py")
+        self.bos = _opt(self.sp.bos_id())
+        self.pad = _opt(self.sp.pad_id())
+
+    def _load(self, model_file: str, num_threads: int) -> None:
+        import sentencepiece
+
+        _require_file(model_file, "--tokenizer-model")
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model ({e})") from e
+        self.num_threads = num_threads
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), num_threads=self.num_threads)
+
+    def tokenize_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return self.sp.encode(list(texts), num_threads=self.num_threads, return_type="numpy")
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.sp.decode(_ids(ids))
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """Megatron's ``SentencePieceTokenizer``: special tokens <CLS> <SEP> <EOD> <MASK>, pad, bos,
+    eos (and ``<extra_id_i>``) are looked up in the model and appended after its pieces when
+    absent, in Megatron's order, so ids (and therefore datasets) match Megatron-LM. Their text
+    inside the input is tokenized as the special id."""
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file: str, vocab_extra_ids: int = 0, num_threads: int = 1) -> None:
+        self._load(model_file, num_threads)
+        n = int(self.sp.vocab_size())
+        pieces = {self.sp.id_to_piece(i): i for i in range(n)}
+        specials: dict[str, int] = {}
+
+        def add(tok: str) -> int:
+            if tok not in pieces:
+                pieces[tok] = len(pieces)
+            specials[tok] = pieces[tok]
+            return pieces[tok]
+
+        for tok in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            add(tok)
+        self.eod = specials["<EOD>"]
+        self.pad = add(self._piece_or(self.sp.pad_id(), "<PAD>"))
+        self.bos = add(self._piece_or(self.sp.bos_id(), "<BOS>"))
+        self.eos = add(self._piece_or(self.sp.eos_id(), "<EOS>"))
+        for i in range(vocab_extra_ids):
+            add(f"<extra_id_{i}>")
+        self.vocab_size = len(pieces)
+        self.special_tokens = specials
+        self._special_of_id = {v: k for k, v in specials.items()}
+        # Longest first so that a special token that is a prefix of another never wins.
+        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+
+    def _piece_or(self, piece_id: int, default: str) -> str:
+        return self.sp.id_to_piece(piece_id) if piece_id >= 0 else default
+
+    def _has_special(self, text: str) -> bool:
+        return "<" in text and self._special_re.search(text) is not None
+
+    def tokenize(self, text: str) -> list[int]:
+        if not self._has_special(text):
+            return self.sp.encode(text)
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            ids.extend(self.sp.encode(text[pos:m.start()]))
+            ids.append(self.special_tokens[m.group(0)])
+            pos = m.end()
+        ids.extend(self.sp.encode(text[pos:]))
+        return ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        texts = list(texts)
+        out = self.sp.encode(texts, num_threads=self.num_threads)
+        for i, t in enumerate(texts):
+            if self._has_special(t):
+                out[i] = self.tokenize(t)
+        return out
+
+    def tokenize_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        texts = list(texts)
+        out = self.sp.encode(texts, num_threads=self.num_threads, return_type="numpy")
+        for i, t in enumerate(texts):
+            if self._has_special(t):
+                out[i] = np.asarray(self.tokenize(t), dtype=np.int64)
+        return out
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        ids = _ids(ids)
+        parts: list[str] = []
+        start = 0
+        for i, tok in enumerate(ids):
+            if tok in self._special_of_id:
+                parts.append(self.sp.decode(ids[start:i]))
+                parts.append(self._special_of_id[tok])
+                start = i + 1
+        parts.append(self.sp.decode(ids[start:]))
+        return "".join(parts)
+
+
+class NullTokenizer(Tokenizer):
+    """Text is whitespace-separated integer ids (for tests and synthetic data); ``eod`` is
+    ``--vocab-size`` and ``vocab_size`` is one more, as in Megatron-LM."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs --vocab-size >= 1 (got {vocab_size})")
+        self.eod = int(vocab_size)
+        self.vocab_size = int(vocab_size) + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError as e:
+            raise ValueError(f"NullTokenizer reads whitespace-separated integers, got {e}") from None
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"NullTokenizer: token {i} is outside [0, {self.vocab_size}); raise --vocab-size")
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def _opt(i: int) -> Optional[int]:
+    return int(i) if i is not None and i >= 0 else None
+
+
+def _require_file(path: Optional[str], flag: str) -> None:
+    if not path or not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+
+
+def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    """The tokenizer ``cfg`` describes; every problem with the flags is raised at once, before
+    any file is read."""
+    problems = cfg.problems()
+    if cfg.tokenizer_type is not None and cfg.tokenizer_type not in TOKENIZER_TYPES:
+        problems.insert(0, f"--tokenizer-type {cfg.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
+    if problems:
+        raise ValueError("invalid tokenizer configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    t = cfg.tokenizer_type
+    if t == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(cfg.tokenizer_model, cfg.vocab_extra_ids, cfg.tokenizer_num_threads)
+    if t == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(cfg.tokenizer_model, cfg.tokenizer_num_threads)
+    if t == "GPT2BPETokenizer":
+        from megatron_ru.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+    if t == "HuggingFaceTokenizer":
+        from megatron_ru.data.tokenizers.huggingface import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(cfg.tokenizer_model, cfg.tokenizer_num_threads)
+    return NullTokenizer(cfg.vocab_size)
+
+
+def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by × TP`` (embedding rows)."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple

@@ -1,0 +1,1 @@
+"""Tokenizer implementations that need more than a few lines (see megatron_ru/data/tokenizer.py)."""

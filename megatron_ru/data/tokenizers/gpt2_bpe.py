@@ -1,0 +1,128 @@
+"""GPT-2 byte-level BPE (``vocab.json`` + ``merges.txt``), pre-tokenized with the ``regex`` package.
+
+Text is cut into pre-tokens with GPT-2's pattern, each pre-token's UTF-8 bytes are mapped to
+printable characters (so every byte string is a string of vocabulary symbols), and merges are
+applied in rank order. Decoding maps the symbols back to bytes, so any text round-trips.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from typing import Sequence
+
+import regex
+
+from megatron_ru.data.tokenizer import Tokenizer
+
+# GPT-2's pre-tokenizer: English contractions, letter runs, digit runs, other symbols, and
+# whitespace (a run of spaces keeps its last space for the following word).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOD_TOKEN = "<|endoftext|>"
+
+
+@lru_cache(maxsize=1)
+def byte_to_symbol() -> dict[int, str]:
+    """Bijection byte → printable character: printable Latin-1 bytes map to themselves, the
+    other 68 bytes to code points 256, 257, ... in byte order (GPT-2's table)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """Megatron's ``GPT2BPETokenizer``: ``eod`` is ``<|endoftext|>``; vocab size is len(vocab.json)."""
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str, merge_file: str, cache_size: int = 1 << 16) -> None:
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path}: no such file")
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                self.encoder: dict[str, int] = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json ({e})") from e
+        self.decoder = {v: k for k, v in self.encoder.items()}
+        self.ranks = _read_merges(merge_file)
+        if EOD_TOKEN not in self.encoder:
+            raise ValueError(f"--vocab-file {vocab_file}: no {EOD_TOKEN} token, which GPT2BPETokenizer uses as "
+                             "end-of-document")
+        self.vocab_size = len(self.encoder)
+        self.eod = self.encoder[EOD_TOKEN]
+        self.bos = None
+        self.pad = None
+        self._b2s = byte_to_symbol()
+        self._s2b = {s: b for b, s in self._b2s.items()}
+        self._pattern = regex.compile(GPT2_PATTERN)
+        self._cache: dict[str, list[int]] = {}
+        self._cache_size = cache_size
+
+    def _bpe(self, symbols: str) -> list[str]:
+        word = list(symbols)
+        ranks = self.ranks
+        while len(word) > 1:
+            best, best_rank = -1, None
+            for i in range(len(word) - 1):
+                r = ranks.get((word[i], word[i + 1]))
+                if r is not None and (best_rank is None or r < best_rank):
+                    best, best_rank = i, r
+            if best < 0:
+                break
+            a, b = word[best], word[best + 1]
+            merged: list[str] = []
+            i = 0
+            while i < len(word):
+                if i < len(word) - 1 and word[i] == a and word[i + 1] == b:
+                    merged.append(a + b)
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = merged
+        return word
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        ids = self._cache.get(piece)
+        if ids is None:
+            symbols = "".join(self._b2s[b] for b in piece.encode("utf-8"))
+            try:
+                ids = [self.encoder[s] for s in self._bpe(symbols)]
+            except KeyError as e:
+                raise ValueError(f"GPT-2 BPE: symbol {e.args[0]!r} is not in --vocab-file; vocab.json and "
+                                 "merges.txt do not belong together") from None
+            if len(self._cache) >= self._cache_size:
+                self._cache.clear()
+            self._cache[piece] = ids
+        return ids
+
+    def tokenize(self, text: str) -> list[int]:
+        out: list[int] = []
+        for piece in self._pattern.findall(text):
+            out.extend(self._encode_piece(piece))
+        return out
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        symbols = "".join(self.decoder[int(i)] for i in ids)
+        return bytes(self._s2b[c] for c in symbols).decode("utf-8", errors="replace")
+
+
+def _read_merges(path: str) -> dict[tuple[str, str], int]:
+    ranks: dict[tuple[str, str], int] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line or (lineno == 1 and line.startswith("#version")):
+                continue
+            parts = line.split(" ")
+            if len(parts) != 2:
+                raise ValueError(f"--merge-file {path} line {lineno}: expected two symbols separated by one space, "
+                                 f"got {line!r}")
+            ranks[(parts[0], parts[1])] = len(ranks)
+    return ranks
