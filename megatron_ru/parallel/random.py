@@ -1,0 +1,145 @@
+"""Tensor-parallel-aware random numbers (Megatron's RNG tracker, device-agnostic).
+
+Two streams matter for dropout:
+
+* the default generator, seeded identically on every TP rank — dropout on activations
+  that are replicated across TP ranks must drop the same elements everywhere;
+* the ``model-parallel-rng`` stream, seeded ``seed + 2718 + tp_rank`` — dropout on
+  activations that are split across TP ranks (attention heads, sequence-parallel shards)
+  must differ between ranks, or every shard would reuse the same mask.
+
+``with get_rng_tracker().fork():`` swaps the device generator's state for the named
+stream and swaps it back afterwards. ``get_states()``/``set_states()`` give and take the
+tracker state, for checkpoints and for activation recomputation (see :func:`checkpoint`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.utils.checkpoint
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+#: Megatron's offset between the data seed and the tensor-parallel seed
+TP_SEED_OFFSET = 2718
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _get_state(device_type: str) -> torch.Tensor:
+    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(device_type: str, state: torch.Tensor) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named generator states of the current device; ``fork(name)`` runs a block on one."""
+
+    def __init__(self, device_type: str | None = None) -> None:
+        self.device_type = device_type or _device_type()
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+
+    def reset(self) -> None:
+        self._states = {}
+        self._seeds = set()
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self._seeds:
+            raise ValueError(f"RNG seed {seed} is already used by another tracked stream")
+        if name in self._states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        self._seeds.add(seed)
+        saved = _get_state(self.device_type)
+        torch.manual_seed(seed) if self.device_type == "cpu" else torch.cuda.manual_seed(seed)
+        self._states[name] = _get_state(self.device_type)
+        _set_state(self.device_type, saved)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of every stream's state (safe to store in a checkpoint)."""
+        return {k: v.clone() for k, v in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {k: v.clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        if name not in self._states:
+            raise KeyError(f"RNG stream {name!r} was never added; call "
+                           f"megatron_ru.parallel.random.model_parallel_seed(seed, tp_rank) first")
+        saved = _get_state(self.device_type)
+        _set_state(self.device_type, self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _get_state(self.device_type)
+            _set_state(self.device_type, saved)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (a global like torch's own generator: dropout and
+    recomputation must reach the same streams without threading an object through)."""
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int, tp_rank: int) -> None:
+    """Seed the default generator with ``seed`` (same on all TP ranks) and the
+    model-parallel stream with ``seed + 2718 + tp_rank`` (different on each TP rank)."""
+    torch.manual_seed(seed)
+    _TRACKER.reset()
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Every generator that affects training: CPU, CUDA (if present) and the tracker."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": _TRACKER.get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    _TRACKER.set_states(state["tracker"])
+
+
+def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """Forward context snapshots the tracker; recompute context replays from that snapshot,
+    so dropout inside ``fork()`` draws the same masks when the layer is recomputed."""
+    snapshot: dict[str, dict[str, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def forward_ctx() -> Iterator[None]:
+        snapshot["states"] = _TRACKER.get_states()
+        yield
+
+    @contextlib.contextmanager
+    def recompute_ctx() -> Iterator[None]:
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(snapshot["states"])
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(current)
+
+    return forward_ctx(), recompute_ctx()
+
+
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """Activation recomputation that also replays the TP RNG streams (torch's checkpoint
+    replays only the default generators)."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=_tracker_contexts, preserve_rng_state=True)
