@@ -145,9 +145,19 @@ class ParallelLayout:
 
     def group_of(self, kind: str, rank: int) -> list[int] | None:
         """The group of ``kind`` ('tp', 'dp', 'pp', 'mp', 'embedding') containing ``rank``."""
-        for name, groups in self.groups():
-            if name == kind:
-                return next((g for g in groups if rank in g), None)
+        c = self.coord(rank)
+        if kind == "tp":
+            return [self.rank(t, c.dp, c.pp) for t in range(self.tp)]
+        if kind == "dp":
+            return [self.rank(c.tp, d, c.pp) for d in range(self.dp)]
+        if kind == "pp":
+            return [self.rank(c.tp, c.dp, p) for p in range(self.pp)]
+        if kind == "mp":
+            return sorted(self.rank(t, c.dp, p) for p in range(self.pp) for t in range(self.tp))
+        if kind == "embedding":
+            if self.pp == 1 or c.pp not in (0, self.pp - 1):
+                return None
+            return [self.rank(c.tp, c.dp, 0), self.rank(c.tp, c.dp, self.pp - 1)]
         raise KeyError(f"unknown group kind {kind!r}; one of tp, dp, pp, mp, embedding")
 
     def describe(self) -> dict:

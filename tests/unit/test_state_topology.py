@@ -1,0 +1,152 @@
+"""Pure grid math (no processes): world sizes 1..64, DP-size rule, DeepSpeed agreement, CLI."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_ru.parallel.state import ParallelState, main
+from megatron_ru.parallel.topology import ParallelLayout, layout_problems, valid_pairs
+
+ALL_SHAPES = [(w, tp, pp) for w in range(1, 65) for tp, pp in valid_pairs(w)]
+
+
+def _assert_partition(groups, world_size, size):
+    flat = sorted(r for g in groups for r in g)
+    assert flat == list(range(world_size))
+    assert all(len(g) == size for g in groups)
+    assert all(g == sorted(g) for g in groups)
+
+
+def test_every_valid_pair_of_every_world_size_up_to_64():
+    assert len(ALL_SHAPES) > 500  # the table really covers many shapes
+    for w, tp, pp in ALL_SHAPES:
+        lay = ParallelLayout(w, tp, pp)
+        assert lay.dp * tp * pp == w
+        _assert_partition(lay.tp_groups(), w, tp)
+        _assert_partition(lay.dp_groups(), w, lay.dp)
+        _assert_partition(lay.pp_groups(), w, pp)
+        _assert_partition(lay.mp_groups(), w, tp * pp)
+        member_of = {kind: {r: g for g in groups for r in g} for kind, groups in lay.groups()}
+        for r in range(w):
+            c = lay.coord(r)
+            assert lay.rank(c.tp, c.dp, c.pp) == r
+            assert r == c.tp + tp * (c.dp + lay.dp * c.pp)  # Megatron order: TP fastest, then DP, PP
+            for kind in ("tp", "dp", "pp", "mp", "embedding"):
+                assert lay.group_of(kind, r) == member_of[kind].get(r), (w, tp, pp, r, kind)
+            coords = {kind: [lay.coord(x) for x in member_of[kind][r]] for kind in ("tp", "dp", "pp", "mp")}
+            # members of my TP group differ from me only in tp rank (in order), etc.
+            assert [x.tp for x in coords["tp"]] == list(range(tp))
+            assert {(x.dp, x.pp) for x in coords["tp"]} == {(c.dp, c.pp)}
+            assert [x.dp for x in coords["dp"]] == list(range(lay.dp))
+            assert {(x.tp, x.pp) for x in coords["dp"]} == {(c.tp, c.pp)}
+            assert [x.pp for x in coords["pp"]] == list(range(pp))
+            assert {(x.tp, x.dp) for x in coords["pp"]} == {(c.tp, c.dp)}
+            assert {x.dp for x in coords["mp"]} == {c.dp}
+        emb = lay.embedding_groups()
+        if pp == 1:
+            assert emb == []
+        else:
+            assert emb == [[g[0], g[-1]] for g in lay.pp_groups()]
+
+
+def test_design_doc_example_8_ranks_tp2_pp2():
+    lay = ParallelLayout(8, 2, 2)
+    assert lay.dp == 2
+    assert lay.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.mp_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert lay.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_rank_order_equals_deepspeed_pipe_model_data_topology():
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    checked = 0
+    for w, tp, pp in ALL_SHAPES:
+        if w > 32 and w not in (48, 64):
+            continue
+        lay = ParallelLayout(w, tp, pp)
+        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=lay.dp)
+        for r in range(w):
+            c, ds = lay.coord(r), topo.get_coord(r)
+            assert (ds.model, ds.data, ds.pipe) == (c.tp, c.dp, c.pp), (w, tp, pp, r)
+        assert sorted(topo.get_axis_comm_lists("model")) == sorted(lay.tp_groups()) or tp == 1
+        assert sorted(topo.get_axis_comm_lists("data")) == sorted(lay.dp_groups()) or lay.dp == 1
+        assert sorted(topo.get_axis_comm_lists("pipe")) == sorted(lay.pp_groups()) or pp == 1
+        # DeepSpeed's "model parallel" group (its PipelineParallelGrid) = all ranks of one dp index
+        assert [sorted(topo.get_axis_list("data", d)) for d in range(lay.dp)] == lay.mp_groups()
+        checked += 1
+    assert checked > 150
+
+
+@pytest.mark.parametrize("w, tp, pp, dp", [(1, 1, 1, 1), (8, 2, 2, 2), (8, 8, 1, 1), (8, 1, 8, 1),
+                                           (12, 2, 3, 2), (64, 4, 4, 4), (6, 3, 1, 2)])
+def test_dp_size_divisible(w, tp, pp, dp):
+    assert ParallelLayout(w, tp, pp).dp == dp
+    assert layout_problems(w, tp, pp) == []
+
+
+@pytest.mark.parametrize("w, tp, pp, pairs, sizes", [
+    (6, 2, 2, "(1,1), (1,2), (1,3), (1,6), (2,1), (2,3), (3,1), (3,2), (6,1)", "4, 8"),
+    (10, 4, 1, "(1,1), (1,2), (1,5), (1,10), (2,1), (2,5), (5,1), (5,2), (10,1)", "8, 12"),
+    (3, 2, 2, "(1,1), (1,3), (3,1)", "4, 8"),   # no valid size below: two above
+    (7, 1, 2, "(1,1), (1,7), (7,1)", "6, 8"),
+])
+def test_dp_size_not_divisible_message(w, tp, pp, pairs, sizes):
+    with pytest.raises(ValueError) as err:
+        ParallelLayout(w, tp, pp)
+    msg = str(err.value)
+    assert f"WORLD_SIZE={w} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}" in msg
+    assert f"valid (TP,PP) pairs for WORLD_SIZE={w}: {pairs};" in msg
+    assert f"world size that works with TP={tp}, PP={pp}: {sizes}" in msg
+    assert "--tensor-model-parallel-size" in msg and "--pipeline-model-parallel-size" in msg
+
+
+def test_sizes_below_one_are_rejected_not_clamped():
+    with pytest.raises(ValueError, match=r"TP=0 must be an integer >= 1 \(set --tensor-model-parallel-size\)"):
+        ParallelLayout(8, 0, 1)
+    with pytest.raises(ValueError, match=r"PP=-2 must be an integer >= 1"):
+        ParallelLayout(8, 1, -2)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=0 must be an integer >= 1"):
+        ParallelLayout(0, 1, 1)
+
+
+def test_state_cli_prints_layout(capsys):
+    assert main(["--world-size", "8", "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "WORLD_SIZE=8 TP=2 PP=2 DP=2" in out
+    assert "tensor-parallel groups:        [0,1] [2,3] [4,5] [6,7]" in out
+    assert "data-parallel groups:          [0,2] [1,3] [4,6] [5,7]" in out
+    assert "pipeline groups:               [0,4] [1,5] [2,6] [3,7]" in out
+    assert "  5: (1, 0, 1)" in out
+    assert main(["--world-size", "4", "--tensor-model-parallel-size", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dp"] == 2 and data["dp_groups"] == [[0, 2], [1, 3]] and data["embedding_groups"] == []
+
+
+def test_state_cli_reports_errors(capsys):
+    assert main(["--world-size", "6", "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE=6 is not divisible by TP x PP = 2 x 2 = 4" in err
+    assert main(["--world-size", "4", "--sequence-parallel"]) == 2
+    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in capsys.readouterr().err
+
+
+def test_parallel_state_has_every_mpu_method_deepspeed_calls():
+    """Scan DeepSpeed's source for ``mpu.get_*(`` calls; each must exist on ParallelState,
+    except the DeepSpeed-Ulysses sequence-parallel hooks we deliberately leave out (see state.py)."""
+    import deepspeed
+    root = Path(deepspeed.__file__).parent
+    called = set()
+    for path in root.rglob("*.py"):
+        called |= set(re.findall(r"\bmpu\.(get_[a-z_]+)\(", path.read_text(errors="ignore")))
+    grid_methods = {"get_global_rank", "get_pipe_parallel_rank", "get_slice_parallel_group",
+                    "get_pipeline_model_parallel_world_size"}  # PipelineParallelGrid's mpu API
+    wanted = {m for m in called | grid_methods if "sequence" not in m}
+    assert len(wanted) >= 20
+    missing = sorted(m for m in wanted if not callable(getattr(ParallelState, m, None)))
+    assert missing == []
+    assert not hasattr(ParallelState, "initialize_sequence_parallel")
