@@ -1,0 +1,231 @@
+"""One batch of JSONL lines → token arrays per output dataset (runs in worker processes).
+
+Parsing, validation, splitting and tokenization all happen here, so the main process only
+moves bytes in and numpy arrays out. Every outcome is counted; the first invalid line (in file
+order) is reported with its file, line number and a fix unless ``skip_invalid``.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from megatron_ru.data.preprocess.reader import Batch
+from megatron_ru.data.preprocess.text import chunk_text, split_paragraphs, split_sentences
+from megatron_ru.data.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    json_keys: tuple[str, ...] = ("text",)
+    group_by_key: Optional[str] = None
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    split_paragraphs: bool = False
+    append_eod: bool = False
+    skip_invalid: bool = False
+    chunk_chars: int = 1_000_000
+    dtype: str = "uint16"
+
+
+@dataclass
+class Output:
+    """Documents for one dataset: tokens back to back, tokens per sequence, sequences per doc."""
+
+    tokens: np.ndarray
+    sequence_lengths: np.ndarray
+    sequences_per_document: np.ndarray
+
+
+@dataclass
+class BatchResult:
+    outputs: dict[tuple[Optional[str], str], Output] = field(default_factory=dict)
+    lines: int = 0
+    bytes: int = 0
+    documents: int = 0
+    tokens: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    first_skipped: dict[str, str] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+class Invalid(Exception):
+    """A line the tool cannot use: ``reason`` is the summary bucket, ``fix`` the advice."""
+
+    def __init__(self, reason: str, detail: str, fix: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail, self.fix = reason, detail, fix
+
+
+def _parse(line: bytes, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Invalid("invalid UTF-8", f"invalid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start} of the line)",
+                      "re-encode the file as UTF-8 (e.g. iconv -f <encoding> -t UTF-8)") from None
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise Invalid("invalid JSON", f"invalid JSON ({e.msg} at column {e.colno})",
+                      "each line must be one JSON object") from None
+    if not isinstance(obj, dict):
+        raise Invalid("not a JSON object", f"expected a JSON object, got a JSON {type(obj).__name__}",
+                      "each line must be one JSON object like {\"text\": \"...\"}")
+    texts = []
+    for key in opts.json_keys:
+        if key not in obj:
+            raise Invalid(f"missing key '{key}'", f"no key '{key}' (the object has keys {sorted(obj)[:8]})",
+                          "choose the key with --json-keys")
+        value = obj[key]
+        if not isinstance(value, str):
+            raise Invalid(f"non-string '{key}'", f"key '{key}' is a JSON {_json_type(value)}, not a string",
+                          "store the text as a JSON string")
+        texts.append(value)
+    group = None
+    if opts.group_by_key is not None:
+        g = opts.group_by_key
+        if g not in obj:
+            raise Invalid(f"missing key '{g}'", f"no key '{g}' for --group-by-key (keys: {sorted(obj)[:8]})",
+                          "give every line that key or choose another --group-by-key")
+        value = obj[g]
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise Invalid(f"bad '{g}' value", f"key '{g}' is a JSON {_json_type(value)}; --group-by-key needs a "
+                          "string or integer", "fix the value")
+        group = str(value)
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Invalid("invalid UTF-8", "the text contains a lone surrogate escape (\\ud800-\\udfff)",
+                          "fix the escape sequences in that line") from None
+    return group, texts
+
+
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+class Encoder:
+    def __init__(self, tokenizer: Tokenizer, opts: EncodeOptions) -> None:
+        self.tok = tokenizer
+        self.opts = opts
+        self.dtype = np.dtype(opts.dtype)
+
+    def _segments(self, text: str) -> list[str]:
+        o = self.opts
+        if o.split_paragraphs:
+            return split_paragraphs(text)
+        if o.split_sentences:
+            return split_sentences(text, o.keep_newlines)
+        return [text]
+
+    def encode(self, batch: Batch) -> BatchResult:
+        res = BatchResult(bytes=len(batch.data))
+        o = self.opts
+        lines = batch.data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        res.lines = len(lines)
+        # (line number, group, key, segments) per non-empty text, in input order
+        docs: list[tuple[int, Optional[str], str, list[str]]] = []
+        for i, raw in enumerate(lines):
+            line_no = batch.first_line + i
+            if not raw.strip():
+                res.skipped["blank line"] += 1
+                continue
+            try:
+                group, texts = _parse(raw, o)
+            except Invalid as e:
+                if not self._skip(res, e, batch.path, line_no):
+                    return res
+                continue
+            for key, text in zip(o.json_keys, texts):
+                if not text.strip():
+                    self._count(res, f"empty '{key}'", batch.path, line_no)
+                    continue
+                docs.append((line_no, group, key, self._segments(text)))
+        arrays = self._tokenize(docs, res, batch.path)
+        if res.error is None:
+            self._assemble(docs, arrays, res)
+        return res
+
+    def _tokenize(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
+        """Per document, one id array per segment; None for a document the tokenizer refused."""
+        chunks: list[str] = []
+        counts: list[int] = []
+        for _, _, _, segs in docs:
+            for seg in segs:
+                pieces = chunk_text(seg, self.opts.chunk_chars)
+                counts.append(len(pieces))
+                chunks.extend(pieces)
+        try:
+            flat = self.tok.tokenize_batch_arrays(chunks)
+        except Exception:  # find the line that failed, to name it
+            return self._tokenize_one_by_one(docs, res, path)
+        out: list[Optional[list[np.ndarray]]] = []
+        k = 0
+        n_iter = iter(counts)
+        for _, _, _, segs in docs:
+            per_seg = []
+            for _ in segs:
+                n = next(n_iter)
+                per_seg.append(flat[k] if n == 1 else np.concatenate(flat[k:k + n]))
+                k += n
+            out.append(per_seg)
+        return out
+
+    def _tokenize_one_by_one(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
+        out: list[Optional[list[np.ndarray]]] = []
+        for line_no, _, key, segs in docs:
+            try:
+                out.append([np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64)
+                                            for c in chunk_text(seg, self.opts.chunk_chars)]) for seg in segs])
+            except Exception as e:
+                err = Invalid("tokenizer error", f"the tokenizer failed on key '{key}': {e}",
+                              "check the text and the tokenizer flags")
+                if not self._skip(res, err, path, line_no):
+                    return out
+                out.append(None)
+        return out
+
+    def _assemble(self, docs, arrays, res: BatchResult) -> None:
+        parts: dict[tuple[Optional[str], str], tuple[list, list, list]] = {}
+        eod = np.asarray([self.tok.eod], dtype=np.int64)
+        for (line_no, group, key, _), segs in zip(docs, arrays):
+            if segs is None:
+                continue
+            segs = [s for s in segs if s.size]
+            if not segs:
+                res.skipped[f"no tokens '{key}'"] += 1
+                continue
+            if self.opts.append_eod:
+                segs[-1] = np.concatenate([segs[-1], eod])
+            toks, lens, counts = parts.setdefault((group, key), ([], [], []))
+            toks.extend(segs)
+            lens.extend(s.size for s in segs)
+            counts.append(len(segs))
+            res.documents += 1
+            res.tokens += sum(s.size for s in segs)
+        for k, (toks, lens, counts) in parts.items():
+            tokens = np.concatenate(toks)
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= self.tok.vocab_size):
+                raise ValueError(f"token id {int(tokens.max())} outside the vocabulary of {self.tok.vocab_size}")
+            res.outputs[k] = Output(tokens.astype(self.dtype, copy=False), np.asarray(lens, dtype=np.int32),
+                                    np.asarray(counts, dtype=np.int64))
+
+    def _count(self, res: BatchResult, reason: str, path: str, line_no: int) -> None:
+        res.skipped[reason] += 1
+        res.first_skipped.setdefault(reason, f"{path}:{line_no}")
+
+    def _skip(self, res: BatchResult, e: Invalid, path: str, line_no: int) -> bool:
+        """Count ``e`` and return True to go on, or record the error and return False."""
+        if self.opts.skip_invalid:
+            self._count(res, e.reason, path, line_no)
+            return True
+        res.error = (f"{path}:{line_no}: {e.detail}; {e.fix}, or pass --skip-invalid to skip such lines "
+                     "(they are counted in the summary)")
+        return False

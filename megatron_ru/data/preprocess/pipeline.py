@@ -1,0 +1,300 @@
+"""Run preprocessing: stream batches to workers, write results in input order, report.
+
+Memory is bounded: at most ``2 × workers`` batches are in flight (a plain ``Pool.imap`` would
+read the whole input ahead), so memory is a few batches plus the largest document. Outputs
+are written under temporary names and only renamed into place once the whole input has been
+read without error. Any ``--workers``/``--partitions`` gives the same bytes: batches are cut
+from the input independently of them and their results are written in input order.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import numpy as np
+
+from megatron_ru.config.tokenizer import TokenizerConfig
+from megatron_ru.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype
+from megatron_ru.data.preprocess.config import PreprocessConfig
+from megatron_ru.data.preprocess.encode import BatchResult, EncodeOptions, Encoder
+from megatron_ru.data.preprocess.reader import Batch, Segment, expand_inputs, plan_partitions, read_batches
+from megatron_ru.data.preprocess.text import sanitize_name
+from megatron_ru.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+_ENCODER: Optional[Encoder] = None  # set in the parent before forking workers
+
+
+def _encode_in_worker(batch: Batch) -> BatchResult:
+    assert _ENCODER is not None
+    return _ENCODER.encode(batch)
+
+
+def output_prefix(prefix: str, key: str, group: Optional[str]) -> str:
+    """``<prefix>_<key>_document`` or, grouped, ``<prefix>_<group>_<key>_document``."""
+    return f"{prefix}_{key}_document" if group is None else f"{prefix}_{group}_{key}_document"
+
+
+@dataclass
+class Summary:
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    lines: int = 0
+    bytes: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    first_skipped: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    outputs: dict = field(default_factory=dict)  # final prefix -> {"documents":, "sequences":, "tokens":}
+    groups: dict = field(default_factory=dict)  # raw group value -> sanitized name
+    origin: dict = field(default_factory=dict)  # final prefix -> (raw group value or None, json key)
+
+    def add(self, r: BatchResult) -> None:
+        self.documents += r.documents
+        self.tokens += r.tokens
+        self.lines += r.lines
+        self.bytes += r.bytes
+        self.skipped.update(r.skipped)
+        for k, v in r.first_skipped.items():
+            self.first_skipped.setdefault(k, v)
+
+
+class _Writers:
+    """One builder per (group, key), created on first use, all finalized or all aborted."""
+
+    def __init__(self, prefix: str, dtype: type, summary: Summary) -> None:
+        self.prefix = prefix
+        self.dtype = dtype
+        self.summary = summary
+        self.builders: dict[tuple[Optional[str], str], IndexedDatasetBuilder] = {}
+        self._owner: dict[str, str] = {}  # sanitized name -> first raw value
+
+    def group_name(self, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return None
+        name = self.summary.groups.get(value)
+        if name is None:
+            name = sanitize_name(value)
+            other = self._owner.setdefault(name, value)
+            if other != value:
+                raise ValueError(f"--group-by-key values {other!r} and {value!r} both map to the file name part "
+                                 f"{name!r}; rename one of them in the input")
+            self.summary.groups[value] = name
+        return name
+
+    def builder(self, group: Optional[str], key: str) -> IndexedDatasetBuilder:
+        b = self.builders.get((group, key))
+        if b is None:
+            path = output_prefix(self.prefix, key, self.group_name(group)) + ".bin"
+            b = self.builders[(group, key)] = IndexedDatasetBuilder(path, self.dtype)
+        return b
+
+    def write(self, r: BatchResult) -> None:
+        for (group, key), out in r.outputs.items():
+            self.builder(group, key).add_documents(out.tokens, out.sequence_lengths, out.sequences_per_document)
+
+    def finalize(self) -> None:
+        for (group, key), b in self.builders.items():
+            final = output_prefix(self.prefix, key, self.group_name(group))
+            b.finalize(final + ".idx")
+            self.summary.origin[final] = (group, key)
+            self.summary.outputs[final] = {"documents": len(b.document_indices) - 1,
+                                           "sequences": len(b.sequence_lengths),
+                                           "tokens": int(sum(b.sequence_lengths))}
+        self.summary.sequences = sum(o["sequences"] for o in self.summary.outputs.values())
+
+    def abort(self) -> None:
+        for b in self.builders.values():
+            b.abort()
+
+
+class _Progress:
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.start = time.perf_counter()
+        self.next_at = interval
+
+    def update(self, s: Summary) -> None:
+        if s.documents < self.next_at:
+            return
+        self.next_at = (s.documents // self.interval + 1) * self.interval
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        log.info(f"processed {s.documents} documents ({s.documents / dt:.1f} docs/s), {s.tokens} tokens "
+                 f"({s.tokens / dt:.0f} tokens/s), {s.bytes / 1e6:.1f} MB ({s.bytes / 1e6 / dt:.2f} MB/s)")
+
+
+def _results(batches: Iterable[Batch], encoder: Encoder, workers: int) -> Iterable[BatchResult]:
+    """Encoded batches in input order; at most 2 × workers in flight."""
+    global _ENCODER
+    if workers == 1:
+        for b in batches:
+            yield encoder.encode(b)
+        return
+    _ENCODER = encoder
+    ctx = mp.get_context("fork")  # workers inherit the loaded tokenizer: no re-load, no pickling
+    with ctx.Pool(workers) as pool:
+        pending: deque = deque()
+        for b in batches:
+            pending.append(pool.apply_async(_encode_in_worker, (b,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _check_all_keys(writers: _Writers, keys: Iterable[str], s: Summary) -> None:
+    missing = [k for k in keys if not any(k == key for _, key in writers.builders)]
+    if missing:
+        raise ValueError(f"no documents for key(s) {missing} (skipped: {dict(s.skipped) or 'nothing'}); nothing "
+                         "was written. Check --json-keys and the input")
+
+
+def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer, opts: EncodeOptions,
+                     workers: int, batch_bytes: int, log_interval: int, require_all_keys: bool = True) -> Summary:
+    """Tokenize ``segments`` into datasets at ``prefix`` (all-or-nothing)."""
+    summary = Summary()
+    writers = _Writers(prefix, np.dtype(opts.dtype).type, summary)
+    progress = _Progress(log_interval)
+    encoder = Encoder(tokenizer, opts)
+    t0 = time.perf_counter()
+    try:
+        for r in _results(read_batches(segments, batch_bytes), encoder, workers):
+            if r.error is not None:
+                raise ValueError(r.error)
+            summary.add(r)
+            writers.write(r)
+            progress.update(summary)
+        if require_all_keys:
+            _check_all_keys(writers, opts.json_keys, summary)
+        writers.finalize()
+    except BaseException:
+        writers.abort()
+        raise
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _partition_main(index, segments, prefix, tokenizer, opts, workers, batch_bytes, log_interval, queue) -> None:
+    try:
+        summary = process_segments(segments, prefix, tokenizer, opts, workers, batch_bytes, log_interval,
+                                   require_all_keys=False)
+        queue.put((index, "ok", summary))
+    except BaseException as e:  # reported to the parent, which raises it
+        queue.put((index, "error", str(e) if isinstance(e, (ValueError, OSError)) else traceback.format_exc()))
+
+
+def _run_partitions(parts: list[list[Segment]], cfg: PreprocessConfig, tokenizer: Tokenizer,
+                    opts: EncodeOptions) -> list[tuple[str, Optional[Summary]]]:
+    """Each part in its own process, into temporary shard datasets; returns (shard prefix, summary)."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    per_part = max(1, cfg.workers // len(parts))
+    shard_prefixes = [f"{cfg.output_prefix}.part{i}.tmp-{os.getpid()}" for i in range(len(parts))]
+    procs = [ctx.Process(target=_partition_main, args=(i, segs, shard_prefixes[i], tokenizer, opts, per_part,
+                                                       cfg.batch_bytes, cfg.log_interval, queue))
+             for i, segs in enumerate(parts)]
+    for p in procs:
+        p.start()
+    summaries: list[Optional[Summary]] = [None] * len(parts)
+    errors: dict[int, str] = {}
+    for _ in procs:
+        index, status, payload = queue.get()
+        if status == "error":
+            errors[index] = payload
+        else:
+            summaries[index] = payload
+    for p in procs:
+        p.join()
+    shards = list(zip(shard_prefixes, summaries))
+    if errors:
+        _remove_shards(shards)
+        raise ValueError(errors[min(errors)])  # the first error in input order
+    return shards
+
+
+def _remove_shards(shards) -> None:
+    for _, s in shards:
+        if s is None:
+            continue
+        for pre in s.outputs:
+            for ext in (".bin", ".idx"):
+                if os.path.exists(pre + ext):
+                    os.remove(pre + ext)
+
+
+def _merge(shards, cfg: PreprocessConfig, dtype: type) -> Summary:
+    """Concatenate the shard datasets in partition order into the final outputs."""
+    total = Summary()
+    for _, s in shards:
+        if s is not None:
+            for field_ in ("documents", "tokens", "lines", "bytes"):
+                setattr(total, field_, getattr(total, field_) + getattr(s, field_))
+            total.skipped.update(s.skipped)
+            for k, v in s.first_skipped.items():
+                total.first_skipped.setdefault(k, v)
+    writers = _Writers(cfg.output_prefix, dtype, total)
+    try:
+        for shard_prefix, s in shards:
+            if s is None:
+                continue
+            for pre in s.outputs:  # insertion order: first appearance in the shard
+                group, key = s.origin[pre]
+                writers.builder(group, key).add_index(pre)
+        _check_all_keys(writers, cfg.json_keys, total)
+        writers.finalize()
+    except BaseException:
+        writers.abort()
+        raise
+    finally:
+        _remove_shards(shards)
+    return total
+
+
+def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
+    """Validate everything, build the tokenizer, then process the input (the whole tool)."""
+    problems = cfg.problems() + tok_cfg.problems()
+    if problems:
+        raise ValueError("invalid arguments:\n" + "\n".join(f"  - {p}" for p in problems))
+    files = expand_inputs(cfg.input)
+    tokenizer = build_tokenizer(tok_cfg)
+    dtype = best_fitting_dtype(tokenizer.vocab_size)
+    opts = EncodeOptions(json_keys=tuple(cfg.json_keys), group_by_key=cfg.group_by_key,
+                         split_sentences=cfg.split_sentences, keep_newlines=cfg.keep_newlines,
+                         split_paragraphs=cfg.split_paragraphs, append_eod=cfg.append_eod,
+                         skip_invalid=cfg.skip_invalid, chunk_chars=cfg.tokenize_chunk_chars,
+                         dtype=np.dtype(dtype).name)
+    out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    log.info(f"{len(files)} input file(s); tokenizer {tokenizer.describe()}; token dtype {np.dtype(dtype).name}; "
+             f"{cfg.workers} worker(s), {cfg.partitions} partition(s)")
+    t0 = time.perf_counter()
+    parts = plan_partitions(files, cfg.partitions)
+    if len(parts) == 1:
+        summary = process_segments(parts[0], cfg.output_prefix, tokenizer, opts, cfg.workers, cfg.batch_bytes,
+                                   cfg.log_interval)
+    else:
+        summary = _merge(_run_partitions(parts, cfg, tokenizer, opts), cfg, dtype)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def format_summary(s: Summary) -> str:
+    lines = [f"done in {s.seconds:.2f} s: {s.documents} documents, {s.sequences} sequences, {s.tokens} tokens "
+             f"from {s.lines} lines ({s.bytes / 1e6:.2f} MB; {s.tokens / max(s.seconds, 1e-9):.0f} tokens/s)"]
+    if s.skipped:
+        for reason, n in sorted(s.skipped.items()):
+            where = s.first_skipped.get(reason)
+            lines.append(f"  skipped {n} × {reason}" + (f" (first at {where})" if where else ""))
+    else:
+        lines.append("  skipped nothing")
+    for pre, o in s.outputs.items():
+        lines.append(f"  wrote {pre}.bin/.idx: {o['documents']} documents, {o['sequences']} sequences, "
+                     f"{o['tokens']} tokens")
+    return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""Input files → batches of raw JSONL bytes, streamed with bounded memory.
+
+A batch is whole lines only (``data`` ends at a newline or at the end of the file) plus the
+file name and number of its first line, so that workers can report ``file:line`` and the main
+process never decodes or parses anything. ``.gz`` files are decompressed on the fly.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import os
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator, Optional, Sequence
+
+_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``start:end`` of ``path`` (``end`` None = to the end), whose first line is number
+    ``first_line``. ``.gz`` files are always whole segments."""
+
+    path: str
+    start: int = 0
+    end: Optional[int] = None
+    first_line: int = 1
+
+
+@dataclass
+class Batch:
+    path: str
+    first_line: int
+    data: bytes
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Files named by ``--input``: each entry is a file or a glob (matches sorted); every entry
+    must match something, and a file named twice is read once."""
+    files: list[str] = []
+    for pat in patterns:
+        if any(ch in pat for ch in "*?["):
+            matches = sorted(p for p in glob.glob(pat, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise FileNotFoundError(f"--input {pat}: the pattern matches no file")
+            files.extend(matches)
+        elif os.path.isfile(pat):
+            files.append(pat)
+        else:
+            raise FileNotFoundError(f"--input {pat}: no such file")
+    seen: set[str] = set()
+    return [f for f in files if not (os.path.abspath(f) in seen or seen.add(os.path.abspath(f)))]
+
+
+def _open(path: str) -> BinaryIO:
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batch]:
+    """Batches of about ``batch_bytes`` whole lines; a line longer than that is one batch."""
+    for seg in segments:
+        line_no = seg.first_line
+        with _open(seg.path) as f:
+            if seg.start:
+                f.seek(seg.start)
+            remaining = None if seg.end is None else seg.end - seg.start
+            carry = b""
+            while True:
+                want = batch_bytes if remaining is None else min(batch_bytes, remaining)
+                block = f.read(want) if want > 0 else b""
+                if remaining is not None:
+                    remaining -= len(block)
+                if not block:
+                    if carry:
+                        yield Batch(seg.path, line_no, carry)
+                    break
+                buf = carry + block if carry else block
+                cut = buf.rfind(b"\n") + 1
+                if cut == 0:
+                    carry = buf  # a long line: keep reading until its newline
+                    continue
+                data, carry = buf[:cut], buf[cut:]
+                yield Batch(seg.path, line_no, data)
+                line_no += data.count(b"\n")
+
+
+def _line_start_at_or_after(path: str, offset: int) -> tuple[int, int]:
+    """First line start at or after ``offset`` and the number of that line."""
+    with open(path, "rb") as f:
+        lines = 0
+        pos = 0
+        # Count newlines before the offset (fast: bytes.count on blocks).
+        while pos < offset:
+            block = f.read(min(_BLOCK, offset - pos))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            pos += len(block)
+        if offset > 0:
+            f.seek(offset - 1)
+            prev = f.read(1)
+            if prev != b"\n":
+                while True:
+                    block = f.read(_BLOCK)
+                    if not block:
+                        return os.path.getsize(path), lines + 1
+                    i = block.find(b"\n")
+                    if i >= 0:
+                        return f.tell() - len(block) + i + 1, lines + 2
+        return offset, lines + 1
+
+
+def plan_partitions(files: Sequence[str], partitions: int) -> list[list[Segment]]:
+    """Cut the concatenated input into ``partitions`` contiguous parts of similar size, at line
+    boundaries (``.gz`` files are not cut). Empty parts are dropped."""
+    if partitions <= 1:
+        return [[Segment(p) for p in files]]
+    sizes = [os.path.getsize(p) for p in files]
+    total = sum(sizes)
+    # Cut positions as (file index, byte offset, line number).
+    cuts: list[tuple[int, int, int]] = [(0, 0, 1)]
+    for k in range(1, partitions):
+        target = total * k // partitions
+        acc = 0
+        for i, size in enumerate(sizes):
+            if acc + size > target:
+                off = target - acc
+                if files[i].endswith(".gz"):
+                    cut = (i, 0, 1) if off < size / 2 else (i + 1, 0, 1)
+                else:
+                    pos, line = _line_start_at_or_after(files[i], off)
+                    cut = (i, pos, line) if pos < size else (i + 1, 0, 1)
+                break
+            acc += size
+        else:
+            cut = (len(files), 0, 1)
+        if cut > cuts[-1]:
+            cuts.append(cut)
+    cuts.append((len(files), 0, 1))
+    parts: list[list[Segment]] = []
+    for (fi, off, line), (fj, off_end, _) in zip(cuts[:-1], cuts[1:]):
+        segs = []
+        for i in range(fi, min(fj + 1, len(files))):
+            start, first = (off, line) if i == fi else (0, 1)
+            end = off_end if i == fj else None
+            if end is not None and end <= start:
+                continue
+            segs.append(Segment(files[i], start, end, first))
+        if segs:
+            parts.append(segs)
+    return parts

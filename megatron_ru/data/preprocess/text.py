@@ -1,0 +1,122 @@
+"""How a document is cut into sequences, and how group values become file names.
+
+All splitters are exact partitions unless stated: ``"".join(parts) == text``, so detokenizing
+the sequences of a document and concatenating them gives the input text back.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+# A paragraph break is a blank line: a newline, optional spaces/tabs, another newline, plus any
+# whitespace that follows. The break stays at the end of the paragraph before it.
+_PARAGRAPH_BREAK = re.compile(r"\n[^\S\n]*\n\s*")
+
+# Sentence end: terminal punctuation, optional closing quotes/brackets, then whitespace, and the
+# next sentence starting with an upper-case letter, a digit or an opening quote/bracket.
+_SENTENCE_END = re.compile(r"""[.!?…]+[»"'”’)\]]*(\s+)(?=[\p{Lu}\d«"'“(\[])""".replace(r"\p{Lu}", "A-ZА-ЯЁ"))
+# A single letter before the period is an initial ("А. С. Пушкин"), not a sentence end.
+_INITIAL = re.compile(r"(?:^|\s)\w\.$")
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """Paragraphs of ``text``; each keeps the blank-line break that follows it."""
+    parts: list[str] = []
+    start = 0
+    for m in _PARAGRAPH_BREAK.finditer(text):
+        if m.end() >= len(text):
+            break
+        parts.append(text[start:m.end()])
+        start = m.end()
+    parts.append(text[start:])
+    return parts
+
+
+def _sentence_cuts(text: str) -> list[tuple[int, int]]:
+    """(end of sentence, start of next) positions: the gap between them is whitespace."""
+    cuts = []
+    for m in _SENTENCE_END.finditer(text):
+        if _INITIAL.search(text, 0, m.start(1)) and m.start(1) - m.start() == 1:
+            continue
+        cuts.append((m.start(1), m.end(1)))
+    for m in _PARAGRAPH_BREAK.finditer(text):
+        if 0 < m.start() and m.end() < len(text):
+            cuts.append((m.start(), m.end()))
+    cuts.sort()
+    merged: list[tuple[int, int]] = []
+    for a, b in cuts:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (min(merged[-1][0], a), max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
+    """Sentences of ``text`` (a simple deterministic splitter, see docs/data_format.md).
+
+    With ``keep_newlines`` the whitespace between sentences (newlines included) stays at the end
+    of the sentence before it: an exact partition. Without it, that whitespace is dropped, as
+    Megatron-LM's punkt-based splitter does (the text inside a sentence is never changed).
+    """
+    out: list[str] = []
+    start = 0
+    for end, nxt in _sentence_cuts(text):
+        out.append(text[start:nxt] if keep_newlines else text[start:end])
+        start = nxt
+    last = text[start:]
+    if keep_newlines:
+        out.append(last)
+    else:
+        out = [s.strip() for s in out] + [last.strip()]
+    return [s for s in out if s]
+
+
+def chunk_text(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` (exactly) into pieces of about ``max_chars`` for tokenization, so that a
+    100 MB document never reaches the tokenizer in one call.
+
+    A cut is placed inside a whitespace run that contains a newline, just before the run's last
+    character. Tokenizers whose pieces never cross a newline and that tokenize a run of spaces
+    before a word the GPT-2 way (GPT-2/byte-level BPE; SentencePiece without dummy prefix) give
+    the same ids for the pieces as for the whole text. Text with no newline in reach is cut at
+    ``max_chars`` hard."""
+    if len(text) <= max_chars:
+        return [text]
+    parts = []
+    start = 0
+    while len(text) - start > max_chars:
+        window_end = start + max_chars
+        cut = -1
+        nl = text.rfind("\n", start + max_chars // 2, window_end)
+        while nl > start:
+            run_end = nl + 1
+            while run_end < len(text) and text[run_end].isspace():
+                run_end += 1
+            if run_end < len(text) and run_end - 1 > start:
+                cut = run_end - 1
+                break
+            nl = text.rfind("\n", start + 1, nl)
+        if cut <= start or cut > window_end + max_chars // 2:
+            cut = window_end
+        parts.append(text[start:cut])
+        start = cut
+    parts.append(text[start:])
+    return parts
+
+
+_UNSAFE = re.compile(r"[^\w.\-]+")
+
+
+def sanitize_name(value: str) -> str:
+    """File-name-safe form of a ``--group-by-key`` value: letters (any script), digits, ``_``,
+    ``-`` and ``.`` are kept, every other run becomes ``_``; a leading dot becomes ``_``; empty
+    becomes ``_``; names over 80 characters are cut and get an 8-hex digest of the value."""
+    name = _UNSAFE.sub("_", value)
+    if name.startswith("."):
+        name = "_" + name[1:]
+    if not name:
+        name = "_"
+    if len(name) > 80:
+        name = name[:80] + "-" + hashlib.sha1(value.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return name

@@ -1,0 +1,38 @@
+#!/usr/bin/env python
+"""JSONL → Megatron-LM ``<prefix>_<key>_document.bin/.idx`` (see docs/data_format.md).
+
+    python tools/preprocess_data.py --input 'corpus/*.jsonl.gz' --output-prefix data/corpus \\
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
+
+Progress goes to stderr every --log-interval documents, then a summary. Exit status 1 with a
+message naming the file, line and fix on bad input (nothing is left at the output paths).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ru.config.base import parse_configs  # noqa: E402
+from megatron_ru.config.tokenizer import TokenizerConfig  # noqa: E402
+from megatron_ru.data.preprocess.config import PreprocessConfig  # noqa: E402
+from megatron_ru.data.preprocess.pipeline import Summary, format_summary, run  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> Summary:
+    cfgs = parse_configs([PreprocessConfig, TokenizerConfig], argv, description=__doc__.split("\n")[0])
+    summary = run(cfgs[PreprocessConfig], cfgs[TokenizerConfig])
+    print(format_summary(summary), file=sys.stderr)
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
+        sys.exit(130)
