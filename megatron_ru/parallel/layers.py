@@ -173,11 +173,12 @@ class VocabParallelEmbedding(nn.Module):
 
 def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group: ProcessGroup | None,
                        sequence_parallel: bool = False) -> torch.Tensor:
-    """Vocab-parallel logits [..., vocab/tp] of ``hidden`` against a row-split (vocab) weight,
-    e.g. the word-embedding matrix when input and output embeddings are tied. With
-    ``sequence_parallel`` the hidden states are sequence shards [s/tp, b, h] and are gathered."""
+    """Vocab-parallel logits [b, s, vocab/tp] of hidden states [s, b, h] against a weight
+    split by vocabulary rows (the output layer, or the word embedding when tied). With
+    ``sequence_parallel`` the input is a sequence shard [s/tp, b, h] and is gathered first."""
     if sequence_parallel and group_size(tp_group) > 1:
         hidden = gather_from_sequence_parallel_region(hidden, tp_group)
     else:
         hidden = copy_to_tensor_model_parallel_region(hidden, tp_group)
-    return F.linear(hidden, weight)
+    # batch-first logits: transposing h-wide activations is cheaper than vocab-wide logits
+    return F.linear(hidden.transpose(0, 1), weight)

@@ -1,0 +1,139 @@
+"""Model architecture configuration (Megatron flag names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ru.config.base import arg
+
+
+@dataclass
+class ModelConfig:
+    """Model architecture"""
+
+    num_layers: Optional[int] = arg(None, "Number of transformer layers.")
+    hidden_size: Optional[int] = arg(None, "Transformer hidden size.")
+    ffn_hidden_size: Optional[int] = arg(
+        None, "MLP hidden size. Default 4*hidden-size, or with --swiglu Megatron's "
+              "int(4*hidden-size*2/3/64)*64.")
+    num_attention_heads: Optional[int] = arg(None, "Number of attention (query) heads.")
+    group_query_attention: bool = arg(False, "Use grouped-query attention (with --num-query-groups).")
+    num_query_groups: int = arg(1, "Number of key/value heads with --group-query-attention "
+                                   "(ignored otherwise: then every head has its own key/value).")
+    max_position_embeddings: Optional[int] = arg(
+        None, "Maximum sequence length; the size of the learned position table.")
+    position_embedding_type: str = arg("learned_absolute", "Position embedding type.",
+                                       choices=("learned_absolute", "rope"))
+    rotary_base: int = arg(10000, "Base of the rotary position embedding frequencies.")
+    normalization: str = arg("LayerNorm", "Normalization layer.", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = arg(1e-5, "Epsilon of LayerNorm/RMSNorm.")
+    swiglu: bool = arg(False, "Use SwiGLU instead of GELU in the MLP.")
+    disable_bias_linear: bool = arg(False, "No biases in the attention and MLP linear layers.")
+    untie_embeddings_and_output_weights: bool = arg(
+        False, "Separate output layer weights instead of reusing the input embedding.")
+    hidden_dropout: float = arg(0.1, "Dropout on the residual branches and embeddings.")
+    attention_dropout: float = arg(0.1, "Dropout on attention probabilities.")
+    make_vocab_size_divisible_by: int = arg(
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.")
+    recompute_granularity: Optional[str] = arg(
+        None, "Activation recomputation: 'full' recomputes each transformer layer in backward.",
+        choices=("full",))
+    checkpoint_activations: bool = arg(False, "Alias of --recompute-granularity full.")
+
+    # ---- derived values (resolved from the flags above) ----
+    @property
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        assert self.hidden_size is not None
+        if self.swiglu:
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        assert self.num_attention_heads is not None
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        assert self.hidden_size is not None and self.num_attention_heads is not None
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def recompute(self) -> bool:
+        return self.recompute_granularity == "full" or self.checkpoint_activations
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if value is None:
+                found.append(f"{flag} is required")
+            elif value < 1:
+                found.append(f"{flag} must be >= 1, got {value}")
+        if found:
+            return found
+        heads, hidden = self.num_attention_heads, self.hidden_size
+        if hidden % heads:
+            found.append(f"--hidden-size ({hidden}) must be divisible by --num-attention-heads ({heads})")
+        elif self.position_embedding_type == "rope" and (hidden // heads) % 2:
+            found.append(f"rotary embeddings need an even head size; --hidden-size/--num-attention-heads "
+                         f"= {hidden // heads}")
+        if self.group_query_attention:
+            groups = self.num_query_groups
+            if groups < 1 or heads % groups:
+                found.append(f"--num-attention-heads ({heads}) must be divisible by --num-query-groups "
+                             f"({groups})")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            found.append(f"--ffn-hidden-size must be >= 1, got {self.ffn_hidden_size}")
+        if self.position_embedding_type == "learned_absolute":
+            if self.max_position_embeddings is None:
+                found.append("--max-position-embeddings is required with --position-embedding-type "
+                             "learned_absolute")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            found.append(f"--max-position-embeddings must be >= 1, got {self.max_position_embeddings}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                found.append(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        if self.make_vocab_size_divisible_by < 1:
+            found.append(f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        if self.norm_epsilon <= 0:
+            found.append(f"--norm-epsilon must be > 0, got {self.norm_epsilon}")
+        if self.init_method_std <= 0:
+            found.append(f"--init-method-std must be > 0, got {self.init_method_std}")
+        if self.rotary_base <= 0:
+            found.append(f"--rotary-base must be > 0, got {self.rotary_base}")
+        return found
+
+
+def model_parallel_problems(cfg: ModelConfig, tp: int, pp: int = 1) -> list[str]:
+    """Rules that depend on the layout: what must divide by --tensor-model-parallel-size (TP)
+    and --pipeline-model-parallel-size (PP)."""
+    found: list[str] = []
+    if cfg.num_attention_heads and cfg.num_attention_heads % tp:
+        found.append(f"--num-attention-heads ({cfg.num_attention_heads}) must be divisible by "
+                     f"--tensor-model-parallel-size ({tp})")
+    if cfg.num_attention_heads and cfg.group_query_attention and cfg.num_query_groups % tp:
+        found.append(f"--num-query-groups ({cfg.num_query_groups}) must be divisible by "
+                     f"--tensor-model-parallel-size ({tp})")
+    if cfg.hidden_size and cfg.num_attention_heads:
+        ffn = cfg.resolved_ffn_hidden_size
+        if ffn % tp:
+            found.append(f"the MLP size --ffn-hidden-size ({ffn}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
+    if cfg.num_layers and cfg.num_layers % pp:
+        found.append(f"--num-layers ({cfg.num_layers}) must be divisible by "
+                     f"--pipeline-model-parallel-size ({pp})")
+    return found

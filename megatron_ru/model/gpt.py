@@ -1,0 +1,204 @@
+"""GPT/LLaMA decoder as a sequence of layers: embedding, N transformer layers, final norm,
+output head — the same layer objects serve DeepSpeed's PipelineModule (via
+:func:`build_layer_specs`) and the plain :class:`GPTModel` used when PP = 1.
+
+Interfaces between layers: the embedding takes token ids [b, s] (or a tuple
+``(tokens, position_ids)``) and returns hidden states [s, b, h] ([s/tp, b, h] with sequence
+parallelism); the output head returns vocab-parallel logits [b, s, padded_vocab/tp];
+:class:`GPTLoss` turns them and labels [b, s] (optionally ``(labels, loss_mask)``) into the
+mean loss over unmasked tokens.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.model.init import normal_init
+from megatron_ru.model.transformer import Norm, TransformerLayer, _split_region_rng
+from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_ru.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
+from megatron_ru.parallel.mappings import scatter_to_sequence_parallel_region
+from megatron_ru.parallel.utils import ProcessGroup, group_size, pad_vocab_size
+
+TIED_KEY = "embed"
+TIED_WEIGHT_ATTR = "word_embeddings.weight"
+
+
+def padded_vocab_size(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None) -> int:
+    return pad_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, group_size(tp_group))
+
+
+def _unpack_inputs(inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(inputs, (tuple, list)):
+        tokens = inputs[0]
+        return tokens, (inputs[1] if len(inputs) > 1 else None)
+    return inputs, None
+
+
+class EmbeddingLayer(nn.Module):
+    """Word (+ learned position) embeddings and embedding dropout. When embeddings are tied it
+    also serves as the output head on the last stage (:func:`tied_output_logits`)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.vocab_size = vocab_size
+        self.dropout = cfg.hidden_dropout
+        std = cfg.init_method_std
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab_size(cfg, vocab_size, tp_group), cfg.hidden_size, tp_group=tp_group,
+            init_method=normal_init(std, seed, "embedding.word_embeddings.weight", valid_rows=vocab_size),
+            device=device, dtype=dtype)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                    device=device, dtype=dtype)
+            full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
+            normal_init(std, seed, "embedding.position_embeddings.weight")(full)
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(full)
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        tokens, position_ids = _unpack_inputs(inputs)
+        x = self.word_embeddings(tokens)                   # [b, s, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()                 # [s, b, h]
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        if self.training and self.dropout > 0:
+            with _split_region_rng(self.sequence_parallel):
+                x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+def tied_output_logits(embedding: EmbeddingLayer, hidden: torch.Tensor) -> torch.Tensor:
+    """Output head reusing the word embeddings (TiedLayerSpec ``forward_fn``)."""
+    return parallel_lm_logits(hidden, embedding.word_embeddings.weight, embedding.tp_group,
+                              embedding.sequence_parallel)
+
+
+class OutputLayer(ColumnParallelLinear):
+    """Untied output head: vocab-parallel logits [b, s, padded_vocab/tp] from [s, b, h]."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(cfg.hidden_size, padded_vocab_size(cfg, vocab_size, tp_group), tp_group=tp_group,
+                         bias=False, sequence_parallel=sequence_parallel,
+                         init_method=normal_init(cfg.init_method_std, seed, "output_layer.weight",
+                                                 valid_rows=vocab_size),
+                         device=device, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return parallel_lm_logits(hidden, self.weight, self.tp_group, self.sequence_parallel)
+
+
+class FinalNorm(Norm):
+    """The decoder's final norm as a pipeline layer."""
+
+    def __init__(self, cfg: ModelConfig, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 *, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, tp_group=tp_group,
+                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+
+
+class GPTLoss:
+    """``loss_fn(logits, labels)`` -> mean cross-entropy over unmasked tokens. ``labels`` is
+    [b, s] token ids, or ``(labels, loss_mask)`` with loss_mask [b, s] (1 = counts)."""
+
+    def __init__(self, vocab_size: int, tp_group: ProcessGroup | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.tp_group = tp_group
+
+    def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
+        loss_mask = None
+        if isinstance(labels, (tuple, list)):
+            labels, loss_mask = labels
+        losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.vocab_size)
+        if loss_mask is None:
+            return losses.mean()
+        mask = loss_mask.to(losses.dtype)
+        return (losses * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def _check(cfg: ModelConfig, tp_group: ProcessGroup | None) -> None:
+    from megatron_ru.config.model import model_parallel_problems
+    found = cfg.problems() + model_parallel_problems(cfg, group_size(tp_group), 1)
+    if found:
+        raise ValueError("invalid model configuration:\n" + "\n".join(f"  - {p}" for p in found))
+
+
+def build_layer_specs(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
+                      sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
+                      dtype: torch.dtype = torch.float32) -> list:
+    """The model as DeepSpeed pipeline layer specs: [embedding, layer 0 .. N-1, final norm,
+    output head]. With tied embeddings the first and last specs are ``TiedLayerSpec("embed")``
+    sharing ``word_embeddings.weight``. Use with ``PipelineModule(layers=..., loss_fn=GPTLoss(...),
+    partition_method="type:TransformerLayer")``."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    _check(cfg, tp_group)
+    common = dict(seed=seed, device=device, dtype=dtype)
+    emb_args = (EmbeddingLayer, cfg, vocab_size, tp_group, sequence_parallel)
+    specs: list = []
+    if cfg.tied_embeddings:
+        specs.append(TiedLayerSpec(TIED_KEY, *emb_args, tied_weight_attr=TIED_WEIGHT_ATTR, **common))
+    else:
+        specs.append(LayerSpec(*emb_args, **common))
+    for i in range(cfg.num_layers):
+        specs.append(LayerSpec(TransformerLayer, cfg, i, tp_group, sequence_parallel, **common))
+    specs.append(LayerSpec(FinalNorm, cfg, tp_group, sequence_parallel, device=device, dtype=dtype))
+    if cfg.tied_embeddings:
+        specs.append(TiedLayerSpec(TIED_KEY, *emb_args, forward_fn=tied_output_logits,
+                                   tied_weight_attr=TIED_WEIGHT_ATTR, **common))
+    else:
+        specs.append(LayerSpec(OutputLayer, cfg, vocab_size, tp_group, sequence_parallel, **common))
+    return specs
+
+
+class GPTModel(nn.Module):
+    """The whole model in one process group stage (PP = 1). Parameter names follow
+    Megatron-core (``embedding.word_embeddings.weight``, ``decoder.layers.{i}...``,
+    ``decoder.final_layernorm.*``, ``output_layer.weight``)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        _check(cfg, tp_group)
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size(cfg, vocab_size, tp_group)
+        common = dict(seed=seed, device=device, dtype=dtype)
+        self.embedding = EmbeddingLayer(cfg, vocab_size, tp_group, sequence_parallel, **common)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(
+            TransformerLayer(cfg, i, tp_group, sequence_parallel, **common) for i in range(cfg.num_layers))
+        self.decoder.final_layernorm = FinalNorm(cfg, tp_group, sequence_parallel, device=device, dtype=dtype)
+        self.output_layer = (None if cfg.tied_embeddings else
+                             OutputLayer(cfg, vocab_size, tp_group, sequence_parallel, **common))
+        self.loss_fn = GPTLoss(vocab_size, tp_group)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel logits [b, s, padded_vocab/tp], or the mean loss when ``labels`` is given."""
+        x = self.embedding((tokens, position_ids))
+        for layer in self.decoder.layers:
+            x = layer(x, position_ids)
+        x = self.decoder.final_layernorm(x)
+        if self.output_layer is None:
+            logits = tied_output_logits(self.embedding, x)
+        else:
+            logits = self.output_layer(x)
+        if labels is None:
+            return logits
+        return self.loss_fn(logits, labels if loss_mask is None else (labels, loss_mask))

@@ -1,0 +1,210 @@
+"""Transformer block pieces: norms, rotary embeddings, attention, MLP, the layer.
+
+Activations are [s, b, h] (Megatron's layout): sequence parallelism then splits dim 0.
+Under sequence parallelism the norms and dropouts see [s/tp, b, h] shards and the
+column-parallel inputs gather the sequence; the row-parallel outputs reduce-scatter it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.model.init import normal_init, scaled_std
+from megatron_ru.parallel import random as tp_random
+from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_ru.parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron_ru.parallel.utils import ProcessGroup, divide, group_size
+
+try:  # apex's fused norms, when installed (GPU clusters); torch's own kernels otherwise
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+    _HAVE_APEX = True
+except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+    _HAVE_APEX = False
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the last dimension. Its parameters are replicated on TP
+    ranks; under sequence parallelism each rank normalises different tokens, so the weight
+    passes through ``copy_to`` whose backward sums the partial gradients over TP ranks."""
+
+    def __init__(self, hidden_size: int, normalization: str = "LayerNorm", eps: float = 1e-5, *,
+                 tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {normalization!r}")
+        self.normalization = normalization
+        self.eps = eps
+        self.shape = (hidden_size,)
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+                     if normalization == "LayerNorm" else None)
+        for p in self.parameters():
+            p.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.sequence_parallel:
+            weight = copy_to_tensor_model_parallel_region(weight, self.tp_group)
+            bias = None if bias is None else copy_to_tensor_model_parallel_region(bias, self.tp_group)
+        if _HAVE_APEX and x.is_cuda:
+            if bias is None:
+                return fused_rms_norm_affine(x, weight, self.shape, self.eps)
+            return fused_layer_norm_affine(x, weight, bias, self.shape, self.eps)
+        if bias is None:
+            return F.rms_norm(x, self.shape, weight, self.eps)
+        return F.layer_norm(x, self.shape, weight, bias, self.eps)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables broadcastable to [s, b, heads, d] for positions [s] or [b, s]
+    (LLaMA's non-interleaved "rotate half" convention; computed in fp32)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                                .float() / head_dim))
+    pos = positions.float()
+    freqs = pos.unsqueeze(-1) * inv_freq                  # [s, d/2] or [b, s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = emb.unsqueeze(1) if emb.dim() == 2 else emb.transpose(0, 1)   # [s, 1|b, d]
+    emb = emb.unsqueeze(2)                                # [s, 1|b, 1, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _split_region_rng(active: bool) -> contextlib.AbstractContextManager:
+    """Dropout on activations that differ between TP ranks draws from the TP stream."""
+    return tp_random.get_rng_tracker().fork() if active else contextlib.nullcontext()
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads, split over TP ranks by query group.
+
+    linear_qkv's output rows are packed per query group, Megatron style:
+    ``[q_0 .. q_{r-1}, k, v]`` for group 0, then group 1, ... (r = heads / groups), so a
+    contiguous TP shard holds whole groups with their keys and values.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group: ProcessGroup | None,
+                 sequence_parallel: bool, seed: int, device: torch.device | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        prefix = f"decoder.layers.{layer_number}.self_attention."
+        tp = group_size(tp_group)
+        self.head_dim = cfg.head_dim
+        self.groups_per_rank = divide(cfg.query_groups, tp, "--num-query-groups over tensor-parallel size")
+        self.heads_per_group = divide(cfg.num_attention_heads, cfg.query_groups,
+                                      "--num-attention-heads over --num-query-groups")
+        self.rope = cfg.position_embedding_type == "rope"
+        self.rotary_base = cfg.rotary_base
+        self.dropout = cfg.attention_dropout
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.head_dim
+        std = cfg.init_method_std
+        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                      device=device, dtype=dtype)
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size,
+                                               init_method=normal_init(std, seed, prefix + "linear_qkv.weight"),
+                                               **common)
+        self.linear_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, input_is_parallel=True,
+            init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_proj.weight"),
+            **common)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)                           # [s, b, groups/tp * (r + 2) * d]
+        s, b = qkv.shape[:2]
+        r, d = self.heads_per_group, self.head_dim
+        qkv = qkv.view(s, b, self.groups_per_rank, r + 2, d)
+        q = qkv[:, :, :, :r].reshape(s, b, self.groups_per_rank * r, d)
+        k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]      # [s, b, groups/tp, d]
+        if self.rope:
+            positions = position_ids if position_ids is not None else torch.arange(s, device=x.device)
+            cos, sin = rotary_cos_sin(positions, d, self.rotary_base, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))   # [b, heads, s, d]
+        dropout = self.dropout if self.training else 0.0
+        with _split_region_rng(dropout > 0):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                 enable_gqa=r > 1)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
+        return self.linear_proj(out)
+
+
+class MLP(nn.Module):
+    """h -> ffn -> h with GELU, or SwiGLU with linear_fc1 holding [gate; up] (split per TP
+    rank with stride 2 so every rank owns matching gate and up rows)."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group: ProcessGroup | None,
+                 sequence_parallel: bool, seed: int, device: torch.device | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        prefix = f"decoder.layers.{layer_number}.mlp."
+        ffn = cfg.resolved_ffn_hidden_size
+        self.swiglu = cfg.swiglu
+        std = cfg.init_method_std
+        common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                      device=device, dtype=dtype)
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, ffn * (2 if cfg.swiglu else 1),
+                                               partition_stride=2 if cfg.swiglu else 1,
+                                               init_method=normal_init(std, seed, prefix + "linear_fc1.weight"),
+                                               **common)
+        self.linear_fc2 = RowParallelLinear(
+            ffn, cfg.hidden_size, input_is_parallel=True,
+            init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_fc2.weight"),
+            **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). Input and output
+    [s, b, h] ([s/tp, b, h] under sequence parallelism)."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.hidden_dropout = cfg.hidden_dropout
+        self.recompute = cfg.recompute
+        norm = dict(normalization=cfg.normalization, eps=cfg.norm_epsilon, tp_group=tp_group,
+                    sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        parts = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, seed=seed, device=device, dtype=dtype)
+        self.input_layernorm = Norm(cfg.hidden_size, **norm)
+        self.self_attention = Attention(cfg, layer_number, **parts)
+        self.pre_mlp_layernorm = Norm(cfg.hidden_size, **norm)
+        self.mlp = MLP(cfg, layer_number, **parts)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        with _split_region_rng(self.sequence_parallel):
+            return F.dropout(x, self.hidden_dropout, training=True)
+
+    def _forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), position_ids))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            return tp_random.checkpoint(self._forward, x, position_ids)
+        return self._forward(x, position_ids)
