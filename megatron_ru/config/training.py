@@ -43,19 +43,11 @@ class TrainingConfig:
     deepspeed_config: Optional[str] = arg(
         None, "DeepSpeed JSON config; default: generated from the flags (batch sizes and "
               "precision must agree with the flags).", flags=("--deepspeed_config", "--deepspeed-config"))
-    recompute_granularity: Optional[str] = arg(
-        None, "Activation recomputation: 'full' recomputes each transformer layer in backward.",
-        choices=("full",))
-    checkpoint_activations: bool = arg(False, "Alias of --recompute-granularity full (Megatron-DeepSpeed).")
     train_only_embeddings: bool = arg(
         False, "Freeze everything except the input embedding and the output layer.")
     freeze: Optional[list[str]] = arg(
         None, "Freeze parameters whose name matches any of these fnmatch patterns "
               "(e.g. 'layers.0.*' '*.norm.weight').")
-
-    @property
-    def recompute(self) -> bool:
-        return self.recompute_granularity == "full" or self.checkpoint_activations
 
     def problems(self) -> list[str]:
         out = []

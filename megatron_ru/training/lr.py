@@ -105,6 +105,6 @@ class MegatronLRScheduler:
         """Restore the step count. The schedule of the current flags wins (``override_schedule``)
         so that a resumed run may change e.g. ``--train-iters``; Megatron does the same by default."""
         self.num_steps = int(state["num_steps"])
-        if not override_schedule:
+        if not override_schedule and "schedule" in state:
             self.schedule = LRSchedule(**state["schedule"])
         self._apply()

@@ -1,0 +1,209 @@
+"""All of ``pretrain_gpt.py``'s configuration: parse every concern's dataclass, resolve derived
+values (data-parallel size, gradient accumulation, iterations) and validate across concerns.
+
+Validation happens before any process group exists: the world size comes from the launcher's
+environment (``discover_environment``), the device type from what torch sees. Every problem is
+collected and raised in one ValueError that names the flag to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from megatron_ru.config.base import parse_configs, validate_all
+from megatron_ru.config.data import DataConfig
+from megatron_ru.config.model import ModelConfig, model_parallel_problems
+from megatron_ru.config.parallel import ParallelConfig
+from megatron_ru.config.tokenizer import TokenizerConfig
+from megatron_ru.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
+from megatron_ru.parallel.topology import layout_problems
+
+CONFIG_CLASSES: tuple[type, ...] = (ParallelConfig, ModelConfig, DataConfig, TokenizerConfig, TrainingConfig,
+                                    OptimizerConfig, CheckpointConfig, LoggingConfig)
+_FIELD_OF = {ParallelConfig: "parallel", ModelConfig: "model", DataConfig: "data", TokenizerConfig: "tokenizer",
+             TrainingConfig: "training", OptimizerConfig: "optimizer", CheckpointConfig: "checkpoint",
+             LoggingConfig: "logging"}
+
+
+@dataclass
+class Arguments:
+    parallel: ParallelConfig
+    model: ModelConfig
+    data: DataConfig
+    tokenizer: TokenizerConfig
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    world_size: int
+    device_type: str
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world_size // max(1, self.tp * self.pp))
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.training
+        return t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * self.dp
+
+    @property
+    def grad_accum(self) -> int:
+        return max(1, self.global_batch_size // (self.training.micro_batch_size * self.dp))
+
+    @property
+    def train_iters(self) -> int:
+        t = self.training
+        if t.train_iters is not None:
+            return t.train_iters
+        return max(1, (t.train_samples or 0) // self.global_batch_size)
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.training.bf16 else "fp16" if self.training.fp16 else "fp32"
+
+    def configs(self) -> list[Any]:
+        return [getattr(self, name) for name in _FIELD_OF.values()]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: every flag by concern plus the resolved values (stored in checkpoints)."""
+        out: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in _FIELD_OF.values()}
+        out["resolved"] = {"world_size": self.world_size, "data_parallel_size": self.dp,
+                           "global_batch_size": self.global_batch_size, "gradient_accumulation_steps":
+                           self.grad_accum, "train_iters": self.train_iters, "precision": self.precision}
+        return out
+
+
+# ---- cross-config rules (each takes the Arguments, returns problems naming flags) ----------
+
+def _layout_rule(a: Arguments) -> list[str]:
+    return layout_problems(a.world_size, a.tp, a.pp) + model_parallel_problems(a.model, a.tp, a.pp)
+
+
+def _zero_rule(a: Arguments) -> list[str]:
+    if a.pp > 1 and a.training.zero_stage > 1:
+        return [f"--zero-stage {a.training.zero_stage} cannot be combined with --pipeline-model-parallel-size "
+                f"{a.pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; use --zero-stage 1 or "
+                f"--pipeline-model-parallel-size 1"]
+    return []
+
+
+def _precision_rule(a: Arguments) -> list[str]:
+    if a.training.fp16 and a.device_type == "cpu":
+        return ["--fp16 needs a GPU: DeepSpeed's CPU accelerator has no float16 training; use --bf16 or "
+                "drop --fp16 (fp32) on this machine"]
+    return []
+
+
+def _batch_rule(a: Arguments) -> list[str]:
+    t = a.training
+    if t.micro_batch_size < 1 or a.tp * a.pp < 1 or a.world_size % (a.tp * a.pp):
+        return []  # reported by other rules
+    per_step = t.micro_batch_size * a.dp
+    if t.global_batch_size is not None and t.global_batch_size % per_step:
+        return [f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
+                f"({t.micro_batch_size}) x data-parallel size ({a.dp} = WORLD_SIZE {a.world_size} / (TP {a.tp} "
+                f"x PP {a.pp})) = {per_step}; e.g. --global-batch-size {max(per_step, t.global_batch_size // per_step * per_step)}"]
+    if t.train_samples is not None and t.train_samples < a.global_batch_size:
+        return [f"--train-samples ({t.train_samples}) is smaller than one global batch ({a.global_batch_size})"]
+    return []
+
+
+def _sequence_rule(a: Arguments) -> list[str]:
+    seq = getattr(a.data, "seq_length", None)
+    mpe = a.model.max_position_embeddings
+    if seq is not None and mpe is not None and a.model.position_embedding_type == "learned_absolute" and seq > mpe:
+        return [f"--seq-length ({seq}) exceeds --max-position-embeddings ({mpe}): raise "
+                f"--max-position-embeddings or shorten --seq-length"]
+    return []
+
+
+def _lr_rule(a: Arguments) -> list[str]:
+    from megatron_ru.training.lr import schedule_from_config
+    if a.training.train_iters is None and a.training.train_samples is None:
+        return []
+    try:
+        schedule_from_config(a.optimizer, a.train_iters, a.global_batch_size)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def _checkpoint_rule(a: Arguments) -> list[str]:
+    c = a.checkpoint
+    out = []
+    if c.finetune and not c.load:
+        out.append("--finetune loads weights from --load: add --load DIR")
+    if (c.no_load_optim or c.no_load_rng) and not c.load:
+        out.append("--no-load-optim/--no-load-rng only apply with --load DIR")
+    if a.training.exit_signal_handler and not c.save:
+        out.append("--exit-signal-handler saves a checkpoint before exiting: add --save DIR")
+    return out
+
+
+def _deepspeed_config_rule(a: Arguments) -> list[str]:
+    path = a.training.deepspeed_config
+    if not path:
+        return []
+    if not os.path.isfile(path):
+        return [f"--deepspeed_config {path}: file not found"]
+    try:
+        user = json.load(open(path, encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        return [f"--deepspeed_config {path} is not valid JSON: {e}"]
+    out = []
+    expect = {"train_batch_size": a.global_batch_size, "train_micro_batch_size_per_gpu": a.training.micro_batch_size,
+              "gradient_accumulation_steps": a.grad_accum}
+    for key, value in expect.items():
+        if key in user and user[key] != value:
+            out.append(f"--deepspeed_config {path} sets {key}={user[key]} but the flags give {value} "
+                       f"(--micro-batch-size/--global-batch-size); make them agree or drop the key")
+    for key, flag, on in (("bf16", "--bf16", a.training.bf16), ("fp16", "--fp16", a.training.fp16)):
+        enabled = bool(user.get(key, {}).get("enabled", False))
+        if enabled != on:
+            out.append(f"--deepspeed_config {path} has {key}.enabled={enabled} but {flag} is "
+                       f"{'set' if on else 'not set'}; make them agree")
+    stage = user.get("zero_optimization", {}).get("stage")
+    if stage is not None and stage != a.training.zero_stage:
+        out.append(f"--deepspeed_config {path} has zero_optimization.stage={stage} but --zero-stage is "
+                   f"{a.training.zero_stage}; make them agree")
+    return out
+
+
+RULES: tuple[Callable[[Arguments], list[str]], ...] = (
+    _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _checkpoint_rule,
+    _deepspeed_config_rule)
+
+
+def default_world_size() -> int:
+    from megatron_ru.parallel.env import discover_environment
+    return discover_environment(os.environ).world_size
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,
+                    device_type: Optional[str] = None, validate: bool = True) -> Arguments:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) into :class:`Arguments` and validate it."""
+    parsed = parse_configs(CONFIG_CLASSES, argv, description="Pretrain a GPT/LLaMA model (megatron_ru).")
+    args = Arguments(**{_FIELD_OF[cls]: parsed[cls] for cls in CONFIG_CLASSES},
+                     world_size=default_world_size() if world_size is None else world_size,
+                     device_type=device_type or default_device_type())
+    if validate:
+        validate_all(args.configs(), RULES, context=args)
+    return args

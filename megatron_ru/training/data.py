@@ -1,0 +1,61 @@
+"""Training/validation batches from the GPT datasets, resumable at any consumed-sample count.
+
+Sizes follow Megatron: train = train_iters × global batch; validation = (train_iters //
+eval_interval + 1) × eval_iters × global batch; test = eval_iters × global batch. The sampler
+splits each global batch into micro batches per data-parallel rank; every TP rank and every
+pipeline stage of one data-parallel rank reads the same samples (they are cheap memory-mapped
+reads), so no broadcast is needed. Position in the data = consumed samples, stored in checkpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor   # [b, s] inputs
+    labels: torch.Tensor   # [b, s] next tokens
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True))
+
+
+def collate(samples: list[dict[str, np.ndarray]]) -> Batch:
+    tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def dataset_sizes(train_iters: int, global_batch: int, eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
+    eval_runs = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
+    return (train_iters * global_batch, eval_runs * eval_iters * global_batch, eval_iters * global_batch)
+
+
+def build_datasets(args: Any, is_builder_rank: bool, barrier: Any) -> tuple[Any, Any, Any]:
+    from megatron_ru.data.builder import build_train_valid_test_datasets
+    sizes = dataset_sizes(args.train_iters, args.global_batch_size, args.training.eval_interval,
+                          args.training.eval_iters)
+    return build_train_valid_test_datasets(args.data, sizes, args.training.seed,
+                                           is_builder_rank=is_builder_rank, barrier=barrier)
+
+
+def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+                  dp_size: int, device: torch.device) -> Optional[Iterator[Batch]]:
+    """Endless-enough iterator of this rank's micro batches starting after ``consumed_samples``
+    (None when there is no dataset, e.g. no validation split)."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    from megatron_ru.data.sampler import MegatronPretrainingSampler
+    sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
+                                         micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate)
+    return (batch.to(device) for batch in loader)
+
+
+def pipeline_items(batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, labels) tuples as DeepSpeed's pipeline engine reads them."""
+    for b in batches:
+        yield b.tokens, b.labels

@@ -1,0 +1,174 @@
+"""The DeepSpeed bridge: config generation, optimizer, ``deepspeed.initialize`` with our groups.
+
+* PP = 1: a plain module, ``deepspeed.initialize(..., mpu=ParallelState)``; ZeRO 0-3.
+* PP > 1: a ``PipelineModule`` whose topology is ``ParallelState.ds_topology()`` (same rank order
+  as our groups: TP fastest, then DP, then PP); ZeRO 0-1. DeepSpeed then uses the module's grid as
+  its mpu (it refuses an explicit one with a pipeline).
+* Gradient clipping counts every gradient element once across the model: TP-sharded parameters
+  (``tensor_model_parallel``) on every TP rank, replicated ones (norms, biases of row-parallel
+  layers) on TP rank 0 only, pipeline-tied copies (``ds_pipe_replicated``) once. DeepSpeed's ZeRO
+  and bf16 optimizers already filter this way; its fp32 no-ZeRO path filters replicated parameters
+  by the *model*-parallel rank (TP × PP), which drops them on every stage but the first when PP > 1,
+  so that one path uses :func:`clip_grad_norm_tp_aware` instead.
+* We use torch's AdamW (no JIT build) and skip DeepSpeed's shared-memory CPU collective kernel,
+  whose first use JIT-compiles for ~50 s: gloo does the same work.
+"""
+from __future__ import annotations
+
+import json
+import math
+import types
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+log = get_logger(__name__)
+
+
+def disable_cpu_shm_comm() -> None:
+    """Keep DeepSpeed from JIT-building its shared-memory allreduce op on CPU (only a speed-up for
+    CPU inference; gloo handles our collectives)."""
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def build_ds_config(args: Any) -> dict[str, Any]:
+    """The DeepSpeed JSON config from the flags (or the user's ``--deepspeed_config`` with the
+    flags' batch sizes, precision and ZeRO stage filled in; validation already checked they agree)."""
+    t, o = args.training, args.optimizer
+    cfg: dict[str, Any] = {}
+    if t.deepspeed_config:
+        with open(t.deepspeed_config, encoding="utf-8") as f:
+            cfg = json.load(f)
+    cfg.update({
+        "train_batch_size": args.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": args.grad_accum,
+    })
+    cfg.setdefault("gradient_clipping", o.clip_grad)
+    cfg.setdefault("steps_per_print", 2 ** 31 - 1)  # our loop logs
+    cfg.setdefault("wall_clock_breakdown", False)
+    cfg.setdefault("zero_allow_untested_optimizer", True)  # torch AdamW under ZeRO
+    zero = cfg.setdefault("zero_optimization", {})
+    zero["stage"] = t.zero_stage
+    cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": bool(t.bf16)}
+    fp16 = {**cfg.get("fp16", {}), "enabled": bool(t.fp16)}
+    if t.fp16:
+        fp16.setdefault("loss_scale", 0 if t.loss_scale is None else t.loss_scale)  # 0 = dynamic
+        fp16.setdefault("initial_scale_power", int(round(math.log2(t.initial_loss_scale))))
+        fp16.setdefault("loss_scale_window", t.loss_scale_window)
+        fp16.setdefault("hysteresis", t.hysteresis)
+        fp16.setdefault("min_loss_scale", t.min_loss_scale)
+    cfg["fp16"] = fp16
+    if t.bf16:
+        # accumulate and reduce gradients in fp32: bf16 sums over micro batches lose digits
+        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    return cfg
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Megatron's grouping: no weight decay on biases and norm weights (1-D tensors)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
+    groups = optimizer_param_groups(model, opt_cfg.weight_decay)
+    if not groups:
+        raise ValueError("no trainable parameters on this rank: --freeze/--train-only-embeddings froze "
+                         "everything this pipeline stage holds")
+    if opt_cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=opt_cfg.lr, momentum=opt_cfg.sgd_momentum)
+    # foreach=False: the same arithmetic per tensor whatever the sharding (layout invariance)
+    return torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
+                             eps=opt_cfg.adam_eps, foreach=False)
+
+
+def _counts_here(p: torch.nn.Parameter, tp_rank: int) -> bool:
+    if getattr(p, "ds_pipe_replicated", False):
+        return False
+    return tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+
+
+def grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], tp_rank: int, mp_group: Any) -> torch.Tensor:
+    """Global L2 norm of the gradients of one model replica spread over the TP × PP group."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if _counts_here(p, tp_rank):
+            sq += p.grad.detach().double().pow(2).sum()
+    if dist.is_initialized() and mp_group is not None and dist.get_world_size(mp_group) > 1:
+        dist.all_reduce(sq, group=mp_group)
+    return sq.sqrt().float()
+
+
+def clip_grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], max_norm: float, tp_rank: int,
+                            mp_group: Any) -> torch.Tensor:
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm_tp_aware(params, tp_rank, mp_group)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    return norm
+
+
+def _install_fp32_clipping(engine: Any, tp_rank: int, mp_group: Any) -> None:
+    """Replace DeepSpeed's fp32 no-ZeRO clipping (see module docstring) and keep its norm."""
+
+    def clip_fp32_gradients(self: Any) -> None:
+        self._global_grad_norm = clip_grad_norm_tp_aware(self.module.parameters(), self.gradient_clipping(),
+                                                         tp_rank, mp_group)
+
+    engine.clip_fp32_gradients = types.MethodType(clip_fp32_gradients, engine)
+
+
+def initialize_engine(model: torch.nn.Module, state: Any, args: Any, schedule: Any) -> Any:
+    """``deepspeed.initialize`` for a module (PP=1) or a ``PipelineModule`` (PP>1)."""
+    disable_cpu_shm_comm()
+    import deepspeed
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from megatron_ru.training.lr import MegatronLRScheduler
+
+    is_pipe = isinstance(model, PipelineModule)
+    if (state.pp_size > 1) != is_pipe:
+        raise ValueError(f"internal: PP={state.pp_size} needs {'a' if state.pp_size > 1 else 'no'} PipelineModule")
+    optimizer = build_optimizer(model, args.optimizer)
+    ds_config = build_ds_config(args)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config, mpu=None if is_pipe else state,
+        lr_scheduler=lambda opt: MegatronLRScheduler(opt, schedule), dist_init_required=False)
+    if not (args.training.bf16 or args.training.fp16) and args.training.zero_stage == 0:
+        _install_fp32_clipping(engine, state.tp_rank, state.mp_group)
+    log_rank0(log, f"DeepSpeed engine: {type(engine).__name__}, optimizer {type(engine.optimizer).__name__}, "
+                   f"ZeRO {args.training.zero_stage}, {args.precision}, micro batch {args.training.micro_batch_size}"
+                   f" x grad accum {args.grad_accum} x DP {args.dp} = global batch {args.global_batch_size}")
+    return engine
+
+
+def loss_scale_of(engine: Any) -> float:
+    opt = engine.optimizer
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(opt, attr, None)
+        if isinstance(value, (int, float)) or torch.is_tensor(value):
+            return float(value)
+    return 1.0
+
+
+def grad_norm_of(engine: Any) -> Optional[float]:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm)

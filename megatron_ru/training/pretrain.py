@@ -1,0 +1,127 @@
+"""Build everything ``pretrain_gpt.py`` needs and run the loop: parse → groups → data → model →
+engine → (resume) → train. ``main(argv)`` is the whole program; ``run(args)`` is callable from a
+process that already initialised torch.distributed (tests).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ru.config.arguments import Arguments, parse_arguments
+from megatron_ru.training.loop import Progress, TrainResult, Trainer
+from megatron_ru.training.metrics import MetricsWriter, ModelShape
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+log = get_logger(__name__)
+
+
+def model_shape(args: Arguments, vocab_size: int) -> ModelShape:
+    m = args.model
+    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.resolved_ffn_hidden_size,
+                      num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
+                      seq_length=args.data.seq_length, vocab_size=vocab_size, gated_mlp=m.swiglu)
+
+
+def build_model(args: Arguments, state: Any, vocab_size: int) -> torch.nn.Module:
+    """``GPTModel`` for PP = 1, a DeepSpeed ``PipelineModule`` over our layer specs for PP > 1.
+    Parameters are created in fp32 (DeepSpeed casts for bf16/fp16 and keeps fp32 masters)."""
+    from megatron_ru.model.gpt import GPTLoss, GPTModel, build_layer_specs
+    common = dict(seed=args.training.seed, device=state.device)
+    tp_group = state.tp_group if state.tp_size > 1 else None
+    sp = args.parallel.sequence_parallel
+    if state.pp_size == 1:
+        return GPTModel(args.model, vocab_size, tp_group, sp, **common)
+    from deepspeed.pipe import PipelineModule
+    specs = build_layer_specs(args.model, vocab_size, tp_group, sp, **common)
+    # recomputation happens inside our layers (TP-aware RNG), not in DeepSpeed's pipeline
+    return PipelineModule(layers=specs, loss_fn=GPTLoss(vocab_size, tp_group), topology=state.ds_topology(),
+                          partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+
+
+def _resume(engine: Any, state: Any, args: Arguments) -> Progress:
+    from megatron_ru.parallel.random import set_rng_state
+    from megatron_ru.training.checkpoint import load_checkpoint
+    c = args.checkpoint
+    loaded = load_checkpoint(engine, c.load, rank=state.rank, tp=state.tp_size, pp=state.pp_size,
+                             dp=state.dp_size, zero_stage=args.training.zero_stage,
+                             load_optim=not c.no_load_optim, finetune=c.finetune)
+    if loaded is None:
+        return Progress()
+    meta, rng = loaded
+    if c.finetune:
+        return Progress()
+    if rng is not None and not c.no_load_rng:
+        set_rng_state(rng)
+    if c.no_load_optim:
+        # weights only, but the position in training (iteration, data, LR curve) continues
+        engine.lr_scheduler.load_state_dict({"num_steps": meta.iteration})
+    return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
+
+
+def run(args: Arguments) -> TrainResult:
+    from megatron_ru.data.tokenizer import build_tokenizer
+    from megatron_ru.parallel.env import init_distributed
+    from megatron_ru.parallel.random import model_parallel_seed
+    from megatron_ru.parallel.state import ParallelState
+    from megatron_ru.training.data import build_datasets
+    from megatron_ru.training.engine import initialize_engine
+    from megatron_ru.training.freeze import apply_freezing
+    from megatron_ru.training.lr import schedule_from_config
+    from megatron_ru.training.signals import ExitSignal
+
+    p = args.parallel
+    init_distributed(p.backend, p.distributed_timeout_minutes)
+    state = ParallelState.build(args.tp, args.pp, sequence_parallel=p.sequence_parallel,
+                                timeout_minutes=p.distributed_timeout_minutes)
+    # Megatron: a different dropout stream per pipeline stage, the TP stream inside the tracker
+    model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
+    tokenizer = build_tokenizer(args.tokenizer)
+    train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier)
+    model = build_model(args, state, tokenizer.vocab_size)
+    apply_freezing(model, train_only_embeddings=args.training.train_only_embeddings, freeze=args.training.freeze)
+    schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
+    engine = initialize_engine(model, state, args, schedule)
+    progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
+    metrics = MetricsWriter(args.logging, active=state.rank == 0)
+    exit_signal = ExitSignal().install() if args.training.exit_signal_handler else None
+    try:
+        trainer = Trainer(engine, state, args, train_ds, valid_ds, model_shape(args, tokenizer.vocab_size),
+                          metrics, progress, exit_signal)
+        result = trainer.train()
+    finally:
+        metrics.close()
+        if exit_signal is not None:
+            exit_signal.restore()
+    log_rank0(log, f"finished at iteration {result.iteration} ({result.exit_reason})")
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit codes: 0 done (also after a signal-triggered save), 2 invalid flags, 1 a failure."""
+    try:
+        args = parse_arguments(argv)
+    except ValueError as e:
+        log.error(str(e))
+        return 2
+    try:
+        run(args)
+    except (RuntimeError, dist.DistBackendError) as e:
+        # a peer that died shows up here as a failed collective ("Connection closed by peer")
+        log.error(f"training failed: {type(e).__name__}: {e}. If another rank died or hung, its own log "
+                  f"says why; collectives give up after --distributed-timeout-minutes "
+                  f"({args.parallel.distributed_timeout_minutes}).")
+        return 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort while exiting
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

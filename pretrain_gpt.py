@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Pretrain a GPT/LLaMA model with megatron_ru (Megatron-LM's flag names, DeepSpeed engine).
+
+    python pretrain_gpt.py ARGS                       # one process
+    torchrun --nproc-per-node 4 pretrain_gpt.py ARGS  # or: mpirun -np 4 / srun / deepspeed
+    python pretrain_gpt.py --help                     # every flag
+
+See docs/training.md. Exit status: 0 done (also after --exit-signal-handler saved), 2 invalid
+configuration, 1 a failure during training.
+"""
+import sys
+
+from megatron_ru.training.pretrain import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Checkpoint directory logic, atomic pointer, weights-only loading, crash during a save."""
+import glob
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_ru.training import checkpoint as ckpt
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _meta(it, tp=1, pp=1, dp=1, zero=0):
+    return ckpt.CheckpointMeta(iteration=it, consumed_train_samples=8 * it, consumed_valid_samples=0,
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               data_parallel_size=dp, zero_stage=zero, args={"x": 1})
+
+
+def test_pointer_is_written_atomically_and_parsed(tmp_path):
+    d = str(tmp_path)
+    assert ckpt.read_latest_iteration(d) is None
+    ckpt.write_text_atomic(os.path.join(d, ckpt.TRACKER_FILE), "10\n")
+    assert ckpt.read_latest_iteration(d) == 10
+    assert os.listdir(d) == [ckpt.TRACKER_FILE]  # no temporary file left behind
+    open(os.path.join(d, ckpt.TRACKER_FILE), "w").write("garbage")
+    with pytest.raises(ValueError, match="should hold an iteration number, found 'garbage'"):
+        ckpt.read_latest_iteration(d)
+    open(os.path.join(d, ckpt.TRACKER_FILE), "w").write("release")
+    with pytest.raises(ValueError, match="Megatron-LM release checkpoint"):
+        ckpt.read_latest_iteration(d)
+
+
+def test_keep_last_prunes_oldest(tmp_path):
+    for it in (2, 4, 6, 8):
+        os.makedirs(tmp_path / ckpt.iteration_dir_name(it))
+    assert ckpt.iteration_dir_name(8) == "iter_0000008"
+    assert ckpt.prune_checkpoints(str(tmp_path), 2, 8) == [2, 4]
+    assert ckpt.list_iterations(str(tmp_path)) == [6, 8]
+
+
+def test_layout_mismatch_messages():
+    msg = ckpt.layout_problems(_meta(4, tp=2, pp=1), tp=1, pp=2, dp=2, zero_stage=0, load_optim=False)
+    assert len(msg) == 1 and "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" in msg[0]
+    assert "resharding is not supported" in msg[0]
+    msg = ckpt.layout_problems(_meta(4, dp=2, zero=1), tp=1, pp=1, dp=4, zero_stage=1, load_optim=True)
+    assert len(msg) == 1 and "--no-load-optim" in msg[0] and "ZeRO stage 1 over 2" in msg[0]
+    assert ckpt.layout_problems(_meta(4, dp=2, zero=1), tp=1, pp=1, dp=4, zero_stage=1, load_optim=False) == []
+    assert ckpt.layout_problems(_meta(4, dp=2, zero=0), tp=1, pp=1, dp=4, zero_stage=0, load_optim=True) == []
+
+
+def test_missing_metadata_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a complete megatron_ru checkpoint"):
+        ckpt.CheckpointMeta.read(str(tmp_path))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_safe_load_refuses_code(tmp_path):
+    path = str(tmp_path / "evil.pt")
+    with open(path, "wb") as f:
+        pickle.dump({"x": _Evil()}, f, protocol=2)
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.safe_load(path)
+
+
+# ---- end to end with a DeepSpeed engine (in subprocesses: one of them is killed mid-save) -----
+
+def _engine(zero_stage):
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})
+    import deepspeed
+    import torch.distributed as dist
+
+    from megatron_ru.training.engine import disable_cpu_shm_comm
+    from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler
+    disable_cpu_shm_comm()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = LRSchedule(max_lr=1e-2, min_lr=1e-3, warmup_steps=1, decay_steps=10, decay_style="cosine")
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": zero_stage}, "steps_per_print": 10 ** 9,
+           "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg,
+                                      lr_scheduler=lambda o: MegatronLRScheduler(o, sched))
+    return engine
+
+
+def _step(engine, it):
+    g = torch.Generator().manual_seed(it)
+    x = torch.randn(4, 8, generator=g)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _worker(mode, save_dir, out_json, zero_stage):
+    """mode=crash: steps 1-2, save; steps 3-4 (losses recorded), save killed before the pointer.
+    mode=resume: load latest, steps 3-4."""
+    from megatron_ru.parallel.random import get_rng_state
+    engine = _engine(zero_stage)
+    out = {}
+    if mode == "crash":
+        for it in (1, 2):
+            _step(engine, it)
+        ckpt.save_checkpoint(engine, save_dir, 2, _meta(2, zero=zero_stage), 0, get_rng_state())
+        out["losses"] = [_step(engine, it) for it in (3, 4)]
+        json.dump(out, open(out_json, "w"))
+
+        def die():
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.save_checkpoint(engine, save_dir, 4, _meta(4, zero=zero_stage), 0, get_rng_state(), before_commit=die)
+    else:
+        meta, rng = ckpt.load_checkpoint(engine, save_dir, rank=0, tp=1, pp=1, dp=1, zero_stage=zero_stage,
+                                         load_optim=True, finetune=False)
+        out["iteration"] = meta.iteration
+        out["rng_keys"] = sorted(rng)
+        out["lr_steps"] = engine.lr_scheduler.num_steps
+        out["losses"] = [_step(engine, it) for it in (3, 4)]
+        json.dump(out, open(out_json, "w"))
+
+
+def _run_worker(*args):
+    code = f"from tests.unit.test_checkpoint import _worker; _worker{args!r}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_crash_during_save_keeps_previous_checkpoint_and_resume_is_exact(tmp_path):
+    save, first, second = str(tmp_path / "ckpt"), str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    proc = _run_worker("crash", save, first, 1)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert ckpt.read_latest_iteration(save) == 2  # the pointer never moved to the half-written 4
+    assert os.path.isdir(os.path.join(save, "iter_0000004"))  # the crashed save did write files
+    files = glob.glob(os.path.join(save, "iter_0000002", "*.pt"))
+    assert any("optim_states" in f for f in files) and any("model_states" in f for f in files)
+    for f in files:
+        ckpt.safe_load(f)  # every file loads without unpickling code
+    proc = _run_worker("resume", save, second, 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = json.load(open(first)), json.load(open(second))
+    assert b["iteration"] == 2 and b["lr_steps"] == 2 and b["rng_keys"] == ["cpu", "tracker"]
+    assert b["losses"] == a["losses"]  # iterations 3-4 identical after resume
