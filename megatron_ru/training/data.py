@@ -43,7 +43,7 @@ def build_datasets(args: Any, is_builder_rank: bool, barrier: Any) -> tuple[Any,
 
 
 def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                  dp_size: int, device: torch.device) -> Optional[Iterator[Batch]]:
+                  dp_size: int, device: torch.device, num_workers: int = 0) -> Optional[Iterator[Batch]]:
     """Endless-enough iterator of this rank's micro batches starting after ``consumed_samples``
     (None when there is no dataset, e.g. no validation split)."""
     if dataset is None or len(dataset) == 0:
@@ -51,7 +51,8 @@ def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp
     from megatron_ru.data.sampler import MegatronPretrainingSampler
     sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
                                          micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=collate, persistent_workers=False)
     return (batch.to(device) for batch in loader)
 
 

@@ -70,7 +70,8 @@ class Trainer:
         self.flops_per_iter = flops_per_token(shape, args.model.recompute) * args.global_batch_size * self.seq_length
         self.peak_tflops = device_peak_tflops(args.precision, args.logging.peak_tflops)
         self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, args.training.micro_batch_size,
-                                           state.dp_rank, state.dp_size, self.device)
+                                           state.dp_rank, state.dp_size, self.device, args.data.num_workers)
+        self._last_lr = engine.lr_scheduler.get_lr()[0]
         if self.train_batches is None:
             raise ValueError("the training dataset is empty: check --data-path and --split")
         self._valid_batches: Optional[Iterator] = None
