@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from megatron_ru.config.data import SAMPLE_START_MODES
 from megatron_ru.data import helpers, helpers_ref
 from megatron_ru.data.cache import IndexCache, dataset_fingerprint, default_cache_dir, get_or_build
 from megatron_ru.data.indexed_dataset import IndexedDataset
@@ -49,7 +50,6 @@ from megatron_ru.utils.logging import RANK0, get_logger
 
 log = get_logger(__name__)
 
-SAMPLE_START_MODES = ("any", "document", "paragraph")
 INDEX_VERSION = 1  # bump when the construction changes: it is part of the cache key
 
 

@@ -1,0 +1,89 @@
+"""Train/valid/test datasets from a :class:`DataConfig`: split each dataset, then blend.
+
+Each ``--data-path`` dataset's documents are split by ``--split`` (Megatron's rounding), a
+:class:`GPTDataset` is built per split with Megatron's 0.5 % over-request when blending, and
+the splits are blended with the ``--data-path`` weights (or token counts when no weights are
+given). Datasets of weight 0 are left out of the blend.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
+from megatron_ru.data.blended import BlendedDataset, samples_per_dataset
+from megatron_ru.data.gpt_dataset import GPTDataset
+from megatron_ru.data.indexed_dataset import IndexedDataset
+from megatron_ru.utils.logging import RANK0, get_logger
+
+log = get_logger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def split_document_ranges(num_documents: int, proportions: Sequence[float]) -> list[tuple[int, int]]:
+    """Megatron's split: round each share of the documents, then shift to end at the total."""
+    bounds = [0]
+    for p in proportions:
+        bounds.append(bounds[-1] + int(round(p * float(num_documents))))
+    diff = bounds[-1] - num_documents
+    bounds = [0] + [min(max(b - diff, 0), num_documents) for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(proportions))]
+
+
+def _split_dataset(indexed: IndexedDataset, split: int, doc_range: tuple[int, int], num_samples: int,
+                   cfg: DataConfig, seed: int, is_builder_rank: bool,
+                   barrier: Optional[Callable[[], None]]) -> Optional[GPTDataset]:
+    name = SPLIT_NAMES[split]
+    start, end = doc_range
+    if end <= start:
+        if num_samples == 0:
+            return None
+        raise ValueError(f"the {name} split of {indexed.prefix} receives no documents: --split {cfg.split} over its "
+                         f"{indexed.num_documents} documents gives the {name} split documents [{start}, {end}), but "
+                         f"{num_samples} {name} samples are needed. Give the {name} split a larger share in --split, "
+                         f"use a larger corpus, or ask for no {name} samples")
+    return GPTDataset(indexed, doc_range, num_samples, cfg.seq_length, seed, name=name,
+                      sample_start=cfg.sample_start, cache_dir=cfg.data_cache_path,
+                      is_builder_rank=is_builder_rank, barrier=barrier)
+
+
+def build_train_valid_test_datasets(data_cfg: DataConfig, train_val_test_num_samples: tuple[int, int, int],
+                                    seed: int, *, is_builder_rank: bool,
+                                    barrier: Optional[Callable[[], None]]) -> tuple[Any, Any, Any]:
+    """(train, valid, test) datasets; each has ``len`` and ``[i] -> {"tokens": int64[seq_length + 1]}``,
+    or is None when its split has no documents and no samples were asked of it."""
+    problems = data_cfg.problems()
+    if problems:
+        raise ValueError("invalid data configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    prefixes, weights = parse_data_path(list(data_cfg.data_path or []))
+    proportions = parse_split(data_cfg.split)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    if data_cfg.mmap_warmup:
+        for ds in indexed:  # touch every page of the index arrays once
+            _ = (int(ds.sequence_lengths.sum(dtype=np.int64)), int(ds.sequence_pointers.sum()),
+                 int(ds.document_indices.sum()))
+    ranges = [split_document_ranges(ds.num_documents, proportions) for ds in indexed]
+    nums = [int(n) for n in train_val_test_num_samples]
+
+    if len(indexed) == 1:
+        return tuple(_split_dataset(indexed[0], s, ranges[0][s], nums[s], data_cfg, seed, is_builder_rank, barrier)
+                     for s in range(3))  # type: ignore[return-value]
+
+    if weights is None:
+        weights = [float(ds.num_tokens) for ds in indexed]
+    keep = [d for d, w in enumerate(weights) if w > 0]
+    if len(keep) < len(indexed):
+        log.info("--data-path: leaving out datasets of weight 0: %s",
+                 ", ".join(prefixes[d] for d in range(len(indexed)) if d not in keep), extra=RANK0)
+    out: list[Any] = []
+    for s in range(3):
+        if nums[s] == 0:
+            out.append(None)
+            continue
+        per = samples_per_dataset([weights[d] for d in keep], nums[s])
+        parts = [_split_dataset(indexed[d], s, ranges[d][s], n, data_cfg, seed, is_builder_rank, barrier)
+                 for d, n in zip(keep, per)]
+        out.append(BlendedDataset(parts, [weights[d] for d in keep], nums[s], name=SPLIT_NAMES[s]))
+    return out[0], out[1], out[2]
