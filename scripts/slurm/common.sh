@@ -1,0 +1,39 @@
+# shellcheck shell=bash
+# Slurm parts shared by submit_pyxis.sbatch and submit_torchrun.sbatch (sourced).
+# Needs PROJECT_DIR and the settings block of the job script.
+# shellcheck source=scripts/lib/launch.sh
+source "${PROJECT_DIR}/scripts/lib/launch.sh"
+
+# Seconds left in this job (Slurm's own count, so --time on the sbatch command line counts);
+# empty when unlimited or unknown. TIME_LIMIT (H:M:S) overrides.
+slurm_time_left() {
+  local left
+  if [ -n "${TIME_LIMIT:-}" ]; then to_seconds "${TIME_LIMIT}"; return 0; fi
+  [ -n "${SLURM_JOB_ID:-}" ] && command -v squeue >/dev/null 2>&1 || return 0
+  left="$(squeue -h -j "${SLURM_JOB_ID}" -o %L 2>/dev/null)" || return 0
+  case "${left}" in
+    "" | UNLIMITED | INVALID | NOT_SET) return 0 ;;
+    *) to_seconds "${left}" ;;
+  esac
+}
+
+slurm_setup() {
+  local hosts
+  [ -n "${SLURM_JOB_NODELIST:-}" ] || launch_die "SLURM_JOB_NODELIST is not set: submit with sbatch (or fake it for DRY_RUN=1)"
+  mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
+  NNODES="${SLURM_JOB_NUM_NODES:-${#hosts[@]}}"
+  HEAD_NODE="${hosts[0]}"
+  GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}}"
+  export MASTER_ADDR="${MASTER_ADDR:-${HEAD_NODE}}"
+  # one port per job id: two jobs sharing a node never collide
+  export MASTER_PORT="${MASTER_PORT:-$((10000 + ${SLURM_JOB_ID:-0} % 50000))}"
+  build_train_args "$(slurm_time_left)"
+  launch_log "job ${SLURM_JOB_ID:-?}: ${NNODES} node(s) x ${GPUS_PER_NODE} GPU(s), head ${HEAD_NODE}, master ${MASTER_ADDR}:${MASTER_PORT}"
+}
+
+# CPUs for each task when TASKS tasks share a node.
+cpus_per_task() {
+  local cpus="${SLURM_CPUS_ON_NODE:-1}" per
+  per=$(( cpus / $1 ))
+  echo $(( per > 0 ? per : 1 ))
+}

@@ -1,0 +1,159 @@
+"""A real one-node Slurm 22.05 cluster on loopback (munged, slurmctld, slurmd as root).
+
+The node advertises two fake GPUs as a count-only ``gpu`` GRES so job scripts written for GPU
+nodes (``--gres=gpu:N``) are accepted unchanged; the tests then run on CPU with gloo.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .system import apt_install, pid_alive, read_pid, run, stop_pid, unavailable, wait_for
+
+CONF_DIR = Path("/etc/slurm")
+MARKER = "# written by the megatron_ru scheduler test harness"
+SPOOL = Path("/var/spool/megatron_ru_slurm")
+FAKE_GPUS = 2
+# squeue states that mean "not finished yet"
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+
+
+def _slurm_conf(host: str, node_line: str) -> str:
+    return f"""{MARKER}
+ClusterName=megatron-ru-ci
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+GresTypes=gpu
+KillWait=10
+StateSaveLocation={SPOOL}/ctld
+SlurmdSpoolDir={SPOOL}/d
+SlurmctldPidFile={SPOOL}/slurmctld.pid
+SlurmdPidFile={SPOOL}/slurmd.pid
+SlurmctldLogFile={SPOOL}/slurmctld.log
+SlurmdLogFile={SPOOL}/slurmd.log
+{node_line} Gres=gpu:{FAKE_GPUS} State=UNKNOWN
+PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@dataclass
+class SlurmCluster:
+    host: str = field(default_factory=socket.gethostname)
+    started: list[int] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ bring-up
+    def ensure_installed(self) -> None:
+        if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
+            return
+        apt_install(["slurm-wlm", "munge"])
+
+    def configure(self) -> None:
+        conf = CONF_DIR / "slurm.conf"
+        if conf.exists() and MARKER not in conf.read_text():
+            unavailable(f"{conf} exists and was not written by this harness; not touching a real cluster")
+        # the node line must match the hardware, or slurmd registers a smaller node and is drained
+        node_line = run(["slurmd", "-C"]).stdout.splitlines()[0]
+        node_line = re.sub(r"\s*UpTime=\S+", "", node_line)
+        for sub in ("ctld", "d"):
+            (SPOOL / sub).mkdir(parents=True, exist_ok=True)
+        conf.write_text(_slurm_conf(self.host, node_line))
+        # the gpu plugin counts character devices; copies of /dev/null stand in for /dev/nvidiaN
+        for i in range(FAKE_GPUS):
+            dev = SPOOL / f"fake_gpu{i}"
+            if not dev.is_char_device():
+                dev.unlink(missing_ok=True)
+                os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        (CONF_DIR / "gres.conf").write_text(
+            f"{MARKER}\nAutoDetect=off\nNodeName={self.host} Name=gpu File={SPOOL}/fake_gpu[0-{FAKE_GPUS - 1}]\n")
+
+    def start(self) -> None:
+        munge = pwd.getpwnam("munge")
+        run_dir = Path("/run/munge")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chown(run_dir, munge.pw_uid, munge.pw_gid)
+        if read_pid(run_dir / "munged.pid") is None:
+            run(["runuser", "-u", "munge", "--", "munged"])
+            self.started.append(self._wait_pid(run_dir / "munged.pid", "munged"))
+        for daemon, extra in (("slurmctld", ["-c"]), ("slurmd", [])):
+            pid_file = SPOOL / f"{daemon}.pid"
+            if read_pid(pid_file) is None:
+                run([daemon, *extra])
+                self.started.append(self._wait_pid(pid_file, daemon))
+        wait_for(self._node_idle, 60, "the Slurm node to become idle", interval=0.3)
+
+    def _wait_pid(self, pid_file: Path, name: str) -> int:
+        wait_for(lambda: read_pid(pid_file) is not None, 20, f"{name} to write {pid_file}")
+        return read_pid(pid_file)  # type: ignore[return-value]
+
+    def _node_idle(self) -> bool:
+        out = run(["sinfo", "-h", "-N", "-o", "%T"], check=False, timeout=10).stdout.strip()
+        if out in ("down", "drained", "down*", "drained*"):
+            run(["scontrol", "update", f"NodeName={self.host}", "State=RESUME"], check=False, timeout=10)
+        return out == "idle"
+
+    def stop(self) -> None:
+        for pid in reversed(self.started):
+            stop_pid(pid)
+        self.started.clear()
+        for pid_file in (SPOOL / "slurmctld.pid", SPOOL / "slurmd.pid", Path("/run/munge/munged.pid")):
+            read_pid(pid_file)  # removes the file when its daemon is gone
+
+    # ------------------------------------------------------------------ jobs
+    def sbatch(self, args: list[str], *, cwd: Path, env: dict[str, str]) -> int:
+        out = run(["sbatch", "--parsable", *args], cwd=cwd, env=env).stdout.strip()
+        return int(out.split(";")[0])
+
+    def wait(self, job_id: int, timeout: float) -> str:
+        """Poll squeue until the job left it, then return its final state from scontrol."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state(job_id)
+            if state not in ACTIVE_STATES:
+                return state
+            time.sleep(0.5)
+        run(["scancel", str(job_id)], check=False)
+        raise TimeoutError(f"Slurm job {job_id} still {self.state(job_id)} after {timeout:.0f} s")
+
+    def state(self, job_id: int) -> str:
+        out = run(["scontrol", "show", "job", str(job_id)], check=False, timeout=10).stdout
+        m = re.search(r"JobState=(\S+)", out)
+        return m.group(1) if m else "UNKNOWN"
+
+    def exit_code(self, job_id: int) -> str:
+        out = run(["scontrol", "show", "job", str(job_id)], check=False, timeout=10).stdout
+        m = re.search(r"\bExitCode=(\S+)", out)
+        return m.group(1) if m else "?"
+
+
+def bring_up() -> SlurmCluster:
+    if os.geteuid() != 0:
+        unavailable("a real Slurm needs root to start munged, slurmctld and slurmd")
+    cluster = SlurmCluster()
+    cluster.ensure_installed()
+    cluster.configure()
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

@@ -1,0 +1,109 @@
+"""Small system helpers shared by the Slurm and Grid Engine harnesses."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pytest
+
+_APT_STAMP = Path("/tmp/.megatron_ru_apt_updated")
+
+
+def in_ci() -> bool:
+    return bool(os.environ.get("CI"))
+
+
+def unavailable(reason: str) -> None:
+    """Skip outside CI when the machine cannot host a scheduler; in CI that is a failure."""
+    if in_ci():
+        pytest.fail(f"scheduler harness cannot run in CI: {reason}")
+    pytest.skip(reason)
+
+
+def run(cmd: Sequence[str], *, check: bool = True, timeout: float = 60, env: dict | None = None,
+        input: str | None = None, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env,
+                          input=input, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n"
+                           f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def apt_install(packages: Sequence[str], debconf: str = "") -> None:
+    """Install Debian packages (apt-get update at most once per machine boot)."""
+    if os.geteuid() != 0:
+        unavailable(f"installing {' '.join(packages)} needs root")
+    if shutil.which("apt-get") is None:
+        unavailable(f"apt-get not found; cannot install {' '.join(packages)}")
+    if debconf:
+        run(["debconf-set-selections"], input=debconf)
+    if not _APT_STAMP.exists():
+        run(["apt-get", "update", "-qq"], timeout=300)
+        _APT_STAMP.touch()
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages], timeout=600, env=env)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child still answers kill(0); reap it if it is ours
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def read_pid(pid_file: Path) -> int | None:
+    """PID from a daemon's pid file, or None (and the stale file removed) when it is not running."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pid_file.unlink(missing_ok=True)
+        return None
+    if pid_alive(pid):
+        return pid
+    pid_file.unlink(missing_ok=True)
+    return None
+
+
+def stop_pid(pid: int, timeout: float = 20, sig: int = signal.SIGTERM) -> None:
+    """Stop one daemon by its PID: the signal, then SIGKILL after ``timeout``."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        wait_for(lambda: not pid_alive(pid), timeout, f"PID {pid} to exit", interval=0.1)
+    except TimeoutError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
