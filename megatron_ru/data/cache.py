@@ -36,15 +36,26 @@ Arrays = dict[str, np.ndarray]
 Builder = Callable[[], tuple[Arrays, dict[str, Any]]]
 
 
+_digests: dict[tuple[str, int, int, int], str] = {}
+
+
 def dataset_fingerprint(prefix: str) -> dict[str, Any]:
-    """Sizes of ``.bin``/``.idx`` and a BLAKE2 digest of the ``.idx`` content."""
-    idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
-    digest = hashlib.blake2b(digest_size=16)
-    with open(idx_path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            digest.update(chunk)
-    return {"idx_bytes": os.path.getsize(idx_path), "bin_bytes": os.path.getsize(bin_path),
-            "idx_blake2b": digest.hexdigest()}
+    """Sizes of ``.bin``/``.idx`` and a BLAKE2 digest of the ``.idx`` content.
+
+    The digest is remembered per (path, inode, size, mtime) within a process, so the train,
+    valid and test splits of one dataset read the ``.idx`` once; a rewritten file (new inode
+    or mtime) is hashed again.
+    """
+    idx_path, bin_path = os.path.abspath(index_file_path(prefix)), data_file_path(prefix)
+    st = os.stat(idx_path)
+    memo_key = (idx_path, st.st_ino, st.st_size, st.st_mtime_ns)
+    if memo_key not in _digests:
+        digest = hashlib.blake2b(digest_size=16)
+        with open(idx_path, "rb") as f:
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                digest.update(chunk)
+        _digests[memo_key] = digest.hexdigest()
+    return {"idx_bytes": st.st_size, "bin_bytes": os.path.getsize(bin_path), "idx_blake2b": _digests[memo_key]}
 
 
 def description_key(description: dict[str, Any]) -> str:

@@ -189,6 +189,9 @@ class GPTDataset:
         self.indexed, self.name, self.seq_length = indexed, name, seq_length
         self.sample_start = sample_start
         self.layout = DocumentLayout.from_lengths(indexed.sequence_lengths, indexed.document_indices, sample_start)
+        if int(self.layout.sizes[start:end].sum()) == 0:
+            raise ValueError(f"{name} split of {indexed.prefix}: its documents [{start}, {end}) hold no tokens; "
+                             "adjust --split or rebuild the dataset with tools/preprocess_data.py")
         description = {"kind": "gpt", "version": INDEX_VERSION, "data": dataset_fingerprint(indexed.prefix),
                        "documents": [start, end], "num_samples": int(num_samples), "seq_length": int(seq_length),
                        "seed": int(seed), "sample_start": sample_start}

@@ -202,3 +202,27 @@ def test_num_epochs_closed_form_matches_megatron_loop():
                     if (total - 1) // seq >= n:
                         break
                 assert num_epochs_needed(tokens, seq, n) == epochs
+
+
+def test_skipped_share_is_logged_when_built(tmp_path):
+    import logging
+    write_corpus(str(tmp_path / "c"), [[7, 5], [10, 20], [3, 3, 3]])
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("megatron_ru.data.gpt_dataset")
+    logger.addHandler(handler)
+    try:
+        ds = GPTDataset(IndexedDataset(str(tmp_path / "c")), (0, 3), 10, 8, seed=0, sample_start="document",
+                        cache_dir=str(tmp_path / "cache"))
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records]
+    assert any(f"--sample-start document skips {100 * ds.skipped_share:.2f}% of the tokens" in m for m in lines)
+    assert any(m.startswith("built train indices") for m in lines)
+
+
+def test_split_without_tokens_is_a_clear_error(tmp_path):
+    write_corpus(str(tmp_path / "c"), [[5], [0], [0], [4]])
+    with pytest.raises(ValueError, match=r"documents \[1, 3\) hold no tokens; adjust --split"):
+        GPTDataset(IndexedDataset(str(tmp_path / "c")), (1, 3), 5, 4, seed=0, cache_dir=str(tmp_path / "cache"))
