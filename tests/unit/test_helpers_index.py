@@ -170,3 +170,14 @@ def test_blending_rejects_bad_weights():
             impl.build_blending_indices(np.ones(256) / 256, 5)
         with pytest.raises(ValueError):
             impl.build_blending_indices(np.array([0.5, -0.5]), 5)
+
+
+def test_missing_extension_says_how_to_build_it(monkeypatch):
+    import sys
+
+    import megatron_ru.data
+    monkeypatch.setattr(cpp, "_ext", None)
+    monkeypatch.delattr(megatron_ru.data, "_helpers", raising=False)
+    monkeypatch.setitem(sys.modules, "megatron_ru.data._helpers", None)
+    with pytest.raises(ImportError, match=r"not built .*python setup.py build_ext --inplace"):
+        cpp.build_blending_indices(np.array([1.0]), 3)
