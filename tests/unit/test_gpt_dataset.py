@@ -1,7 +1,6 @@
 """GPTDataset: exact sample content against a brute-force construction from the tokens."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
