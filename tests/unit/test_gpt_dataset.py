@@ -1,11 +1,10 @@
 """GPTDataset: exact sample content against a brute-force construction from the tokens."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from megatron_ru.data.gpt_dataset import GPTDataset, build_gpt_indices, DocumentLayout, num_epochs_needed
+from megatron_ru.data.gpt_dataset import DocumentLayout, GPTDataset, build_gpt_indices, num_epochs_needed
 from megatron_ru.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 STRIDE = 1000  # token value = document id * STRIDE + offset inside the document
