@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""tools/preprocess_data.py end to end vs the tokenizer's own batch throughput (issue 2, item 7).
+
+    python benchmarks/preprocess.py --size-mb 50 --workdir /tmp/bench_preprocess
+
+Generates a synthetic corpus of long multi-paragraph documents (cached in --workdir), trains a
+SentencePiece BPE model on its first few MB (or takes --tokenizer-model), then in the same run:
+  limit(k)  = tokens/s of SentencePieceProcessor.encode(batch, num_threads=k) over the same
+              texts already in memory (no JSON, no I/O, no start-up), k = 1, 2;
+  tool(k)   = tokens/s of `python tools/preprocess_data.py --workers k` as a subprocess, wall
+              clock including interpreter start-up, imports, reading, JSON and writing.
+Prints ratio(k) = tool(k) / limit(k) and one JSON line with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_ru.data.preprocess.synthetic import write_corpus  # noqa: E402
+
+
+def load_texts(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def tokenizer_limit(model: str, texts: list[str], threads: int, batch_chars: int) -> tuple[float, int]:
+    """Seconds and tokens for the tokenizer alone, batches of about ``batch_chars``."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model)
+    batches, cur, size = [], [], 0
+    for t in texts:
+        cur.append(t)
+        size += len(t)
+        if size >= batch_chars:
+            batches.append(cur)
+            cur, size = [], 0
+    if cur:
+        batches.append(cur)
+    t0 = time.perf_counter()
+    tokens = 0
+    for b in batches:
+        tokens += sum(a.size for a in sp.encode(b, num_threads=threads, return_type="numpy"))
+    return time.perf_counter() - t0, tokens
+
+
+def run_tool(corpus: str, model: str, out: str, workers: int, extra: list[str]) -> tuple[float, str]:
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+           "--output-prefix", out, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model,
+           "--append-eod", "--workers", str(workers), "--log-interval", "100000000"] + extra
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"preprocess_data.py failed:\n{proc.stderr}")
+    return dt, proc.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=float, default=50.0)
+    ap.add_argument("--workdir", default="/tmp/bench_preprocess")
+    ap.add_argument("--tokenizer-model", default=None)
+    ap.add_argument("--vocab-size", type=int, default=16000)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batch-chars", type=int, default=4 << 20, help="text per tokenizer call in the limit run")
+    ap.add_argument("--repeat", type=int, default=1, help="best of N for every measurement")
+    ap.add_argument("--extra", default="", help="extra preprocess_data.py flags, e.g. '--split-paragraphs'")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    corpus = os.path.join(args.workdir, f"corpus_{args.size_mb:g}mb.jsonl")
+    if not os.path.exists(corpus):
+        t0 = time.perf_counter()
+        n = write_corpus(corpus, int(args.size_mb * 1e6), seed=1, paragraphs=(10, 60))
+        print(f"generated {corpus}: {n} documents in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    model = args.tokenizer_model
+    if model is None:
+        model = os.path.join(args.workdir, f"sp_bpe_{args.vocab_size}.model")
+        if not os.path.exists(model):
+            from megatron_ru.data.tokenizers.train import train_sentencepiece
+
+            texts = load_texts(corpus)[:400]
+            train_sentencepiece(texts, model[:-len(".model")], "bpe", args.vocab_size, num_threads=2)
+    texts = load_texts(corpus)
+    mb = os.path.getsize(corpus) / 1e6
+    results: dict = {"corpus_mb": round(mb, 1), "documents": len(texts), "machine": platform.processor() or
+                     platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    for k in args.workers:
+        best = None
+        for _ in range(args.repeat):
+            dt, tokens = tokenizer_limit(model, texts, k, args.batch_chars)
+            best = dt if best is None else min(best, dt)
+        results[f"limit_{k}_tokens_per_s"] = tokens / best
+        results["tokens"] = tokens
+        print(f"tokenizer alone, {k} thread(s): {tokens} tokens in {best:.2f} s = {tokens / best:,.0f} tokens/s",
+              file=sys.stderr)
+    del texts
+    extra = args.extra.split()
+    for k in args.workers:
+        best = None
+        for _ in range(args.repeat):
+            dt, _ = run_tool(corpus, model, os.path.join(args.workdir, f"out_w{k}"), k, extra)
+            best = dt if best is None else min(best, dt)
+        toks = results["tokens"] + (results["documents"] if True else 0)  # --append-eod adds one per document
+        results[f"tool_{k}_seconds"] = best
+        results[f"tool_{k}_tokens_per_s"] = toks / best
+        results[f"ratio_{k}"] = (toks / best) / results[f"limit_{k}_tokens_per_s"]
+        print(f"preprocess_data.py --workers {k}: {best:.2f} s end to end = {toks / best:,.0f} tokens/s = "
+              f"{results[f'ratio_{k}']:.3f} of the tokenizer alone with {k} thread(s)", file=sys.stderr)
+    if all(k in args.workers for k in (1, 2)):
+        same = all(open(os.path.join(args.workdir, f"out_w1_text_document{e}"), "rb").read() ==
+                   open(os.path.join(args.workdir, f"out_w2_text_document{e}"), "rb").read() for e in (".bin", ".idx"))
+        results["outputs_identical"] = same
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

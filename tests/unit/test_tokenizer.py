@@ -1,0 +1,158 @@
+"""Tokenizers: round trips, Megatron id conventions, batch == single, GPT-2 BPE against an
+independent implementation (HF ``tokenizers``), configuration errors, no torch import."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_ru.config.tokenizer import TokenizerConfig
+from megatron_ru.data.tokenizer import NullTokenizer, build_tokenizer, vocab_size_with_padding
+from megatron_ru.data.tokenizers.train import symbols_per_token, train_sentencepiece
+from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts
+
+TEXTS = sample_texts(40, seed=11) + ["", " ", "a", "  двойной  пробел\n\n\tтаб", "emoji 🙂 ünïcödé 中文", "<EOD> x </s>"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    vocab, merges = make_gpt2_bpe_files(d)
+    return {"sp_bpe": make_sentencepiece(d, "bpe"), "sp_uni": make_sentencepiece(d, "unigram"),
+            "vocab": vocab, "merges": merges, "hf": make_hf_tokenizer_dir(d)}
+
+
+def configs(files):
+    return {
+        "sp": TokenizerConfig("SentencePieceTokenizer", files["sp_bpe"]),
+        "gptsp": TokenizerConfig("GPTSentencePieceTokenizer", files["sp_bpe"]),
+        "gptsp_unigram": TokenizerConfig("GPTSentencePieceTokenizer", files["sp_uni"]),
+        "gpt2": TokenizerConfig("GPT2BPETokenizer", vocab_file=files["vocab"], merge_file=files["merges"]),
+        "hf": TokenizerConfig("HuggingFaceTokenizer", files["hf"]),
+    }
+
+
+@pytest.mark.parametrize("name", ["sp", "gptsp", "gptsp_unigram", "gpt2", "hf"])
+def test_round_trip_and_batch(files, name):
+    tok = build_tokenizer(configs(files)[name])
+    for t in TEXTS:
+        ids = tok.tokenize(t)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.detokenize(ids) == t, (name, t)
+    assert tok.tokenize_batch(TEXTS) == [tok.tokenize(t) for t in TEXTS]
+    arrays = tok.tokenize_batch_arrays(TEXTS)
+    assert [a.tolist() for a in arrays] == [tok.tokenize(t) for t in TEXTS]
+    assert all(np.issubdtype(a.dtype, np.integer) for a in arrays)
+
+
+def test_sentencepiece_megatron_special_ids(files):
+    """Megatron's SentencePieceTokenizer appends <CLS> <SEP> <EOD> <MASK> <PAD> after the pieces
+    (bos/eos exist in the model) in that order; GPTSentencePiece uses the model's ids."""
+    import sentencepiece as spm
+
+    n = spm.SentencePieceProcessor(model_file=files["sp_bpe"]).vocab_size()
+    sp = build_tokenizer(configs(files)["sp"])
+    assert [sp.special_tokens[t] for t in ("<CLS>", "<SEP>", "<EOD>", "<MASK>", "<PAD>")] == list(range(n, n + 5))
+    assert (sp.eod, sp.bos, sp.pad, sp.vocab_size) == (n + 2, 1, n + 4, n + 5)
+    assert sp.tokenize("a<EOD>b") == sp.tokenize("a") + [n + 2] + sp.tokenize("b")
+    extra = build_tokenizer(TokenizerConfig("SentencePieceTokenizer", files["sp_bpe"], vocab_extra_ids=3))
+    assert extra.vocab_size == n + 8 and extra.tokenize("<extra_id_2>") == [n + 7]
+    gpt = build_tokenizer(configs(files)["gptsp"])
+    assert (gpt.vocab_size, gpt.eod, gpt.bos, gpt.pad) == (n, 2, 1, None)
+
+
+def test_gpt2_bpe_matches_independent_implementation(files):
+    """Our regex-based byte-level BPE gives the same ids as the HF tokenizers library (Rust)
+    loading the same vocab.json/merges.txt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    ref = Tokenizer(models.BPE.from_file(files["vocab"], files["merges"]))
+    ref.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ref.decoder = decoders.ByteLevel()
+    ours = build_tokenizer(configs(files)["gpt2"])
+    with open(files["vocab"], encoding="utf-8") as f:
+        vocab = json.load(f)
+    assert ours.eod == vocab["<|endoftext|>"] and ours.vocab_size == len(vocab)
+    extra = ["don't we'll 've 're", "x  \n\n  y", "123456 7.5", "tab\tnew\r\nline   ", "ёжик «в» тумане"]
+    for t in TEXTS + extra:
+        assert ours.tokenize(t) == ref.encode(t).ids, t
+
+
+def test_hf_tokenizer_special_ids(files):
+    tok = build_tokenizer(configs(files)["hf"])
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(os.path.join(files["hf"], "tokenizer.json"))
+    assert (tok.bos, tok.eod, tok.pad) == (raw.token_to_id("<s>"), raw.token_to_id("</s>"), raw.token_to_id("<pad>"))
+    assert tok.eod not in tok.tokenize("plain text without specials")
+
+
+def test_null_tokenizer():
+    tok = build_tokenizer(TokenizerConfig("NullTokenizer", vocab_size=100))
+    assert (tok.vocab_size, tok.eod) == (101, 100)
+    assert tok.tokenize(" 1 2\n 99 ") == [1, 2, 99] and tok.detokenize([1, 2, 99]) == "1 2 99"
+    with pytest.raises(ValueError, match="outside .0, 101.*--vocab-size"):
+        tok.tokenize("5 101")
+    with pytest.raises(ValueError, match="integers"):
+        NullTokenizer(10).tokenize("1 x")
+
+
+def test_config_problems_name_flags(tmp_path):
+    cases = [
+        (TokenizerConfig(), "--tokenizer-type is required"),
+        (TokenizerConfig("SentencePieceTokenizer"), "--tokenizer-model is required"),
+        (TokenizerConfig("GPTSentencePieceTokenizer", str(tmp_path / "nope.model")), "nope.model: no such file"),
+        (TokenizerConfig("GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json")), "--merge-file is required"),
+        (TokenizerConfig("HuggingFaceTokenizer", str(tmp_path / "none")), "no such directory"),
+        (TokenizerConfig("NullTokenizer"), "--vocab-size must be a positive integer"),
+        (TokenizerConfig("BertWordPieceCase", vocab_file="x"), "'BertWordPieceCase' is unknown"),
+    ]
+    for cfg, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            build_tokenizer(cfg)
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a SentencePiece model"):
+        build_tokenizer(TokenizerConfig("SentencePieceTokenizer", str(bad)))
+
+
+def test_mismatched_gpt2_files(files, tmp_path):
+    (tmp_path / "v.json").write_text(json.dumps({"a": 0, "b": 1}))
+    with pytest.raises(ValueError, match="no <\\|endoftext\\|> token"):
+        build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json"),
+                                        merge_file=files["merges"]))
+    (tmp_path / "m.txt").write_text("#version: 0.2\na b c\n")
+    with pytest.raises(ValueError, match="line 2: expected two symbols"):
+        build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=files["vocab"], merge_file=str(tmp_path / "m.txt")))
+
+
+def test_vocab_padding():
+    assert vocab_size_with_padding(50257, 128, 1) == 50304
+    assert vocab_size_with_padding(50257, 128, 8) == 51200
+    assert vocab_size_with_padding(1024, 128, 2) == 1024
+
+
+def test_train_unigram_and_symbols_per_token(tmp_path):
+    texts = sample_texts(120, seed=2)
+    model = train_sentencepiece(texts[:100], str(tmp_path / "u"), "unigram", 400, hard_vocab_limit=False)
+    assert sorted(os.listdir(tmp_path)) == ["u.model", "u.vocab"]  # no temporary files left
+    tok = build_tokenizer(TokenizerConfig("GPTSentencePieceTokenizer", model))
+    stats = symbols_per_token(tok, texts[100:])
+    ids = [tok.tokenize(t) for t in texts[100:]]
+    assert stats["tokens"] == sum(map(len, ids)) and stats["characters"] == sum(map(len, texts[100:]))
+    assert stats["symbols_per_token"] == pytest.approx(stats["characters"] / stats["tokens"])
+    assert stats["symbols_per_token"] > 1.5  # a trained model compresses; byte fallback alone gives < 1
+
+
+def test_tokenizer_module_does_not_import_torch(files):
+    code = ("import sys; from megatron_ru.data.tokenizer import build_tokenizer; "
+            "from megatron_ru.config.tokenizer import TokenizerConfig; "
+            "import megatron_ru.data.preprocess.pipeline; "
+            f"build_tokenizer(TokenizerConfig('HuggingFaceTokenizer', {files['hf']!r})); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
