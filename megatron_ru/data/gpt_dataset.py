@@ -29,8 +29,11 @@ document (or paragraph) start; it reads ``seq_length + 1`` tokens across boundar
 default mode, and the next sample starts at the first boundary at or after its token
 ``seq_length`` (where the default mode would start it). Tokens between that point and the
 next boundary are never an input; their share is logged when the index is built and kept as
-``dataset.skipped_share``. Epochs are added until the requested samples exist, and there is
-no separate last epoch in this mode (all epochs are shuffled together).
+``dataset.skipped_share``. Epochs are added until the requested samples exist. With E > 1
+epochs, doc_idx is always the first E-1 epochs shuffled together followed by the last epoch
+shuffled alone (the sample count per epoch is only known after building), and the samples
+that start in the last epoch are shuffled apart when fewer than 80 % of an epoch's samples
+are needed from it (Megatron's rule, on sample counts).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ from megatron_ru.utils.logging import RANK0, get_logger
 
 log = get_logger(__name__)
 
-INDEX_VERSION = 1  # bump when the construction changes: it is part of the cache key
+INDEX_VERSION = 2  # bump when the construction changes: it is part of the cache key
 
 
 @dataclass
@@ -155,14 +158,19 @@ def build_gpt_indices(layout: DocumentLayout, documents: np.ndarray, num_samples
         raise ValueError(f"--sample-start {sample_start!r}: choose one of {', '.join(SAMPLE_START_MODES)}")
     while True:  # boundary starts skip tokens, so the sample count per epoch is only known after building
         rng = np.random.RandomState(seed)
-        doc_idx = build_doc_idx(documents, epochs, rng, False)
+        doc_idx = build_doc_idx(documents, epochs, rng, epochs > 1)
         sample_idx = impl.build_boundary_sample_idx(layout.sizes, doc_idx, seq_length,
                                                     layout.boundary_ptr, layout.boundary_off)
         made = len(sample_idx) - 1
         if made >= num_samples:
             break
         epochs += max(1, math.ceil((num_samples - made) * epochs / made)) if made else epochs
-    shuffle_idx = build_shuffle_idx(made, made, rng)
+    first = made
+    if epochs > 1:  # Megatron's rule on sample counts: samples starting in the first E-1 epochs
+        from_full = int(np.searchsorted(sample_idx[:made, 0], (epochs - 1) * len(documents)))
+        if num_samples - from_full < int(0.80 * from_full / (epochs - 1)):
+            first = from_full
+    shuffle_idx = build_shuffle_idx(first, made, rng)
     share = skipped_token_share(layout, doc_idx, sample_idx, seq_length)
     return GPTIndices(doc_idx, sample_idx, shuffle_idx, epochs, share)
 

@@ -224,3 +224,19 @@ def test_split_without_tokens_is_a_clear_error(tmp_path):
     write_corpus(str(tmp_path / "c"), [[5], [0], [0], [4]])
     with pytest.raises(ValueError, match=r"documents \[1, 3\) hold no tokens; adjust --split"):
         GPTDataset(IndexedDataset(str(tmp_path / "c")), (1, 3), 5, 4, seed=0, cache_dir=str(tmp_path / "cache"))
+
+
+def test_boundary_mode_separates_a_little_used_last_epoch(tmp_path):
+    # 10 documents of 12 tokens, S = 8, document starts: exactly one sample per document
+    write_corpus(str(tmp_path / "c"), [[12]] * 10)
+    ds_in = IndexedDataset(str(tmp_path / "c"))
+    ds = GPTDataset(ds_in, (0, 10), 21, 8, seed=4, sample_start="document", cache_dir=str(tmp_path / "cache"))
+    assert ds.num_epochs == 3 and len(ds) == 30
+    assert sorted(ds.doc_idx[:20].tolist()) == sorted(list(range(10)) * 2)
+    assert sorted(ds.doc_idx[20:].tolist()) == list(range(10))
+    # 1 of the last epoch's 10 samples needed (< 80 %): the first 20 shuffled samples are epochs 1-2
+    assert sorted(ds.shuffle_idx[:20].tolist()) == list(range(20))
+    joint = GPTDataset(ds_in, (0, 10), 28, 8, seed=4, sample_start="document", cache_dir=str(tmp_path / "cache"))
+    assert joint.num_epochs == 3 and len(joint) == 30
+    assert sorted(joint.shuffle_idx[:20].tolist()) != list(range(20))  # 8 of 10 needed: one shuffle
+    np.testing.assert_array_equal(joint.doc_idx, ds.doc_idx)
