@@ -1,0 +1,52 @@
+"""ParallelConfig: Megatron flag names, launcher-compat flags, one-shot validation."""
+import pytest
+
+from megatron_ru.config.base import parse_configs, validate_all
+from megatron_ru.config.parallel import ParallelConfig
+
+
+def _parse(argv):
+    return parse_configs([ParallelConfig], argv)[ParallelConfig]
+
+
+def test_defaults_and_megatron_flags():
+    cfg = _parse([])
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.sequence_parallel) == (1, 1, False)
+    assert cfg.distributed_backend == "auto" and cfg.backend is None and cfg.distributed_timeout_minutes == 10
+    cfg = _parse(["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                  "--sequence-parallel", "--distributed-backend", "gloo", "--distributed-timeout-minutes", "0.5"])
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.sequence_parallel) == (4, 2, True)
+    assert cfg.backend == "gloo" and cfg.distributed_timeout_minutes == 0.5
+    validate_all([cfg])
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=3"], ["--local-rank", "3"], ["--use-mpi"],
+                                  ["--use-mpi", "--local_rank", "0"]])
+def test_launcher_compat_flags_are_accepted(argv):
+    cfg = _parse(argv)
+    validate_all([cfg])
+
+
+def test_unknown_backend_is_refused_by_the_parser():
+    with pytest.raises(SystemExit):
+        _parse(["--distributed-backend", "mpi"])
+
+
+def test_all_problems_reported_at_once_naming_flags():
+    cfg = ParallelConfig(tensor_model_parallel_size=0, pipeline_model_parallel_size=0, sequence_parallel=True,
+                         distributed_timeout_minutes=0)
+    with pytest.raises(ValueError) as err:
+        validate_all([cfg])
+    msg = str(err.value)
+    assert "(4 problems)" in msg
+    for fragment in ("--tensor-model-parallel-size must be >= 1 (got 0)",
+                     "--pipeline-model-parallel-size must be >= 1 (got 0)",
+                     "--sequence-parallel needs --tensor-model-parallel-size > 1 (got 0)",
+                     "--distributed-timeout-minutes must be > 0 (got 0)"):
+        assert fragment in msg
+
+
+def test_sequence_parallel_needs_tp():
+    assert ParallelConfig(sequence_parallel=True).problems() == [
+        "--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); drop --sequence-parallel or raise TP"]
+    assert ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True).problems() == []
