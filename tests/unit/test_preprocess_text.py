@@ -1,0 +1,113 @@
+"""Document splitting (exact partitions), chunking for huge texts, group-name sanitizing, and
+the batch reader / partition planner (every line exactly once, with its true line number)."""
+from __future__ import annotations
+
+import gzip
+import random
+import re
+
+import pytest
+
+from megatron_ru.config.tokenizer import TokenizerConfig
+from megatron_ru.data.preprocess.reader import expand_inputs, plan_partitions, read_batches
+from megatron_ru.data.preprocess.text import chunk_text, sanitize_name, split_paragraphs, split_sentences
+from megatron_ru.data.tokenizer import build_tokenizer
+from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_sentencepiece, sample_texts
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    alphabet = ["a", "b", "Я", "ж", " ", " ", "\n", "\n\n", ".", "!", "?", "«", "»", "\t", "1", "A. ", ". B"]
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+def test_paragraphs_are_an_exact_partition():
+    t = "  Intro line\nsame paragraph.\n\n \n Second.\n\n\nThird\n\n"
+    assert split_paragraphs(t) == ["  Intro line\nsame paragraph.\n\n \n ", "Second.\n\n\n", "Third\n\n"]
+    assert split_paragraphs("one") == ["one"] and split_paragraphs("") == [""]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = random_text(rng, rng.randint(0, 80))
+        parts = split_paragraphs(text)
+        assert "".join(parts) == text
+        assert all(re.search(r"\n[^\S\n]*\n", p.rstrip()) is None for p in parts)  # no break inside
+
+
+def test_sentences():
+    t = "Первое предложение. Второе!\nТретье? «Цитата» здесь. А. С. Пушкин писал. 2024 год\n\nАбзац"
+    assert split_sentences(t) == ["Первое предложение.", "Второе!", "Третье?", "«Цитата» здесь.",
+                                  "А. С. Пушкин писал.", "2024 год", "Абзац"]
+    kept = split_sentences(t, keep_newlines=True)
+    assert kept[1] == "Второе!\n" and "".join(kept) == t
+    assert split_sentences("e.g. lower case goes on. Next") == ["e.g. lower case goes on.", "Next"]
+    rng = random.Random(1)
+    for _ in range(300):
+        text = random_text(rng, rng.randint(0, 80))
+        assert "".join(split_sentences(text, keep_newlines=True)) == text
+        # without --keep-newlines only the whitespace between sentences is dropped
+        assert re.sub(r"\s", "", "".join(split_sentences(text))) == re.sub(r"\s", "", text)
+
+
+def test_chunking_is_exact_and_bounded():
+    rng = random.Random(2)
+    for _ in range(200):
+        text = random_text(rng, rng.randint(0, 400))
+        m = rng.randint(5, 60)
+        parts = chunk_text(text, m)
+        assert "".join(parts) == text
+        assert all(len(p) <= 2 * m for p in parts)
+    assert chunk_text("short", 10) == ["short"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    vocab, merges = make_gpt2_bpe_files(d)
+    return [build_tokenizer(TokenizerConfig("GPTSentencePieceTokenizer", make_sentencepiece(d))),
+            build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))]
+
+
+def test_chunked_tokenization_equals_whole_text(tokenizers):
+    """The reason for the cut rule: for these tokenizers, ids of the chunks == ids of the text."""
+    text = "\n\n".join(sample_texts(30, seed=4)) + "\n \n  tail  \n"
+    for tok in tokenizers:
+        whole = tok.tokenize(text)
+        for m in (50, 200, 1000):
+            chunks = chunk_text(text, m)
+            assert len(chunks) > 1
+            assert [i for c in chunks for i in tok.tokenize(c)] == whole, (tok.name, m)
+
+
+def test_sanitize_name():
+    assert sanitize_name("ru/news wiki") == "ru_news_wiki"
+    assert sanitize_name("новости-2024.v1") == "новости-2024.v1"
+    assert sanitize_name("../etc") == "_._etc"
+    assert sanitize_name("") == "_"
+    long = sanitize_name("x" * 300)
+    assert len(long) == 89 and long != sanitize_name("x" * 301)
+
+
+def test_reader_and_partitions_cover_every_line_once(tmp_path):
+    rng = random.Random(3)
+    lines = [("x" * rng.randint(0, 300)).encode() for _ in range(400)]
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines[:150]) + b"\n")
+    (tmp_path / "b.jsonl").write_bytes(b"\n".join(lines[150:300]))  # no final newline
+    with gzip.open(tmp_path / "c.jsonl.gz", "wb") as f:
+        f.write(b"\n".join(lines[300:]) + b"\n")
+    files = expand_inputs([str(tmp_path / "*.jsonl"), str(tmp_path / "c.jsonl.gz"), str(tmp_path / "a.jsonl")])
+    assert [f.rsplit("/", 1)[1] for f in files] == ["a.jsonl", "b.jsonl", "c.jsonl.gz"]
+    expected = ([("a.jsonl", i + 1, lines[i]) for i in range(150)] + [("b.jsonl", i + 1, lines[150 + i]) for i in range(150)]
+                + [("c.jsonl.gz", i + 1, lines[300 + i]) for i in range(100)])
+    for n in (1, 2, 3, 7, 1000):
+        for batch_bytes in (1, 500, 1 << 20):
+            got = []
+            for part in plan_partitions(files, n):
+                for b in read_batches(part, batch_bytes):
+                    ls = b.data.split(b"\n")
+                    if ls[-1] == b"":
+                        ls.pop()
+                    got += [(b.path.rsplit("/", 1)[1], b.first_line + i, l) for i, l in enumerate(ls)]
+            assert got == expected, (n, batch_bytes)
+    with pytest.raises(FileNotFoundError, match="--input .*nothing\\*.jsonl: the pattern matches no file"):
+        expand_inputs([str(tmp_path / "nothing*.jsonl")])
+    with pytest.raises(FileNotFoundError, match="--input .*missing.jsonl: no such file"):
+        expand_inputs([str(tmp_path / "missing.jsonl")])
