@@ -72,7 +72,7 @@ def _parse(line: bytes, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
         raise Invalid("invalid JSON", f"invalid JSON ({e.msg} at column {e.colno})",
                       "each line must be one JSON object") from None
     if not isinstance(obj, dict):
-        raise Invalid("not a JSON object", f"expected a JSON object, got a JSON {type(obj).__name__}",
+        raise Invalid("not a JSON object", f"expected a JSON object, got a JSON {_json_type(obj)}",
                       "each line must be one JSON object like {\"text\": \"...\"}")
     texts = []
     for key in opts.json_keys:

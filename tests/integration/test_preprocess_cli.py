@@ -1,0 +1,251 @@
+"""tools/preprocess_data.py end to end: round trips, an independent reader of the documented
+byte layout, determinism across --workers/--partitions, and every kind of bad input."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_ru.config.tokenizer import TokenizerConfig
+from megatron_ru.data.tokenizer import build_tokenizer
+from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
+_spec = importlib.util.spec_from_file_location("preprocess_data_tool", TOOL)
+tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tool)
+
+
+def read_dataset(prefix: str) -> tuple[np.dtype, list[list[np.ndarray]]]:
+    """Independent reader written from docs/data_format.md: documents as lists of sequences."""
+    codes = {1: "u1", 2: "i1", 3: "<i2", 4: "<i4", 5: "<i8", 6: "<f8", 7: "<f4", 8: "<u2"}
+    idx = open(prefix + ".idx", "rb").read()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    version, code, n_seq, n_doc = struct.unpack_from("<QBQQ", idx, 9)
+    assert version == 1
+    off = 34
+    lengths = struct.unpack_from(f"<{n_seq}i", idx, off)
+    pointers = struct.unpack_from(f"<{n_seq}q", idx, off + 4 * n_seq)
+    doc_idx = struct.unpack_from(f"<{n_doc}q", idx, off + 12 * n_seq)
+    assert len(idx) == off + 12 * n_seq + 8 * n_doc
+    dtype = np.dtype(codes[code])
+    data = open(prefix + ".bin", "rb").read()
+    assert len(data) == sum(lengths) * dtype.itemsize
+    seqs = [np.frombuffer(data, dtype, count=n, offset=p) for n, p in zip(lengths, pointers)]
+    assert doc_idx[0] == 0 and doc_idx[-1] == n_seq and list(doc_idx) == sorted(doc_idx)
+    return dtype, [seqs[a:b] for a, b in zip(doc_idx[:-1], doc_idx[1:])]
+
+
+@pytest.fixture(scope="module")
+def tok_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    vocab, merges = make_gpt2_bpe_files(d)
+    return {"sp": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", make_sentencepiece(d)],
+            "gptsp": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", make_sentencepiece(d)],
+            "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
+            "hf": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", make_hf_tokenizer_dir(d)]}
+
+
+def tokenizer_of(args: list[str]):
+    flags = dict(zip(args[::2], args[1::2]))
+    return build_tokenizer(TokenizerConfig(flags["--tokenizer-type"], flags.get("--tokenizer-model"),
+                                           flags.get("--vocab-file"), flags.get("--merge-file")))
+
+
+TEXTS = sample_texts(60, seed=7) + ["  leading spaces\n\nand a trailing break\n\n", "one", "<EOD> is text here"]
+
+
+def write_jsonl(path, records, mode="w"):
+    with open(path, mode, encoding="utf-8") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_jsonl(tmp_path / "in.jsonl", [{"text": t, "domain": ("ru/news", "wiki")[i % 2]}
+                                               for i, t in enumerate(TEXTS)])
+
+
+def run(input_, prefix, tok_args, *extra):
+    return tool.main(["--input", *([input_] if isinstance(input_, str) else input_), "--output-prefix", str(prefix),
+                      *tok_args, *extra])
+
+
+def outputs(tmp_path, stem="out"):
+    return sorted(f for f in os.listdir(tmp_path) if f.startswith(stem))
+
+
+MODES = {"plain": [], "eod": ["--append-eod"], "sentences": ["--split-sentences", "--keep-newlines"],
+         "sentences_no_newlines": ["--split-sentences", "--append-eod"], "paragraphs": ["--split-paragraphs", "--append-eod"]}
+
+
+@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "gpt2"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_round_trip(tmp_path, corpus, tok_files, tok_name, mode):
+    args = MODES[mode]
+    summary = run(corpus, tmp_path / "out", tok_files[tok_name], *args, "--batch-bytes", "3000")
+    tok = tokenizer_of(tok_files[tok_name])
+    dtype, docs = read_dataset(str(tmp_path / "out_text_document"))
+    assert dtype == np.dtype("<u2") and len(docs) == len(TEXTS) == summary.documents
+    for text, seqs in zip(TEXTS, docs):
+        seqs = [s.tolist() for s in seqs]
+        if "--append-eod" in args:
+            assert seqs[-1][-1] == tok.eod
+            seqs[-1] = seqs[-1][:-1]
+        assert all(tok.eod not in s for s in seqs) or "<EOD>" in text
+        decoded = [tok.detokenize(s) for s in seqs]
+        if mode == "sentences_no_newlines":  # Megatron semantics: whitespace between sentences dropped
+            assert re.sub(r"\s", "", "".join(decoded)) == re.sub(r"\s", "", text)
+            assert len(seqs) > 1 or "." not in text.strip()[:-1]
+        else:
+            assert "".join(decoded) == text
+        if mode == "paragraphs":
+            assert len(seqs) == len(re.findall(r"\S\n[^\S\n]*\n\s*(?=\S)", text)) + 1
+    assert outputs(tmp_path) == ["out_text_document.bin", "out_text_document.idx"]
+
+
+def test_int32_and_hf_and_two_keys(tmp_path, tok_files):
+    """NullTokenizer with a 70,000-id vocabulary → int32; an HF directory; two --json-keys."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 70000, size=int(rng.integers(1, 50))).tolist() for _ in range(40)]
+    path = write_jsonl(tmp_path / "n.jsonl", [{"text": " ".join(map(str, d)), "title": f"{i} {i}"} for i, d in enumerate(docs)])
+    run(path, tmp_path / "out", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70000"], "--append-eod",
+        "--json-keys", "text", "title")
+    dtype, got = read_dataset(str(tmp_path / "out_text_document"))
+    assert dtype == np.dtype("<i4")
+    assert [s[0].tolist() for s in got] == [d + [70000] for d in docs]
+    _, titles = read_dataset(str(tmp_path / "out_title_document"))
+    assert [s[0].tolist() for s in titles] == [[i, i, 70000] for i in range(40)]
+    run(path, tmp_path / "hf", tok_files["hf"], "--json-keys", "title")
+    tok = tokenizer_of(tok_files["hf"])
+    _, got = read_dataset(str(tmp_path / "hf_title_document"))
+    assert [tok.detokenize(s[0]) for s in got] == [f"{i} {i}" for i in range(40)]
+
+
+def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, tok_files):
+    base = ["--split-paragraphs", "--append-eod", "--group-by-key", "domain", "--batch-bytes", "2000"]
+    variants = {"w1": [], "w2": ["--workers", "2"], "w2p3": ["--workers", "2", "--partitions", "3"],
+                "chunked": ["--tokenize-chunk-chars", "40"]}
+    for name, extra in variants.items():
+        s = run(corpus, tmp_path / name, tok_files["gptsp"], *base, *extra)
+        assert sorted(s.outputs) == [str(tmp_path / f"{name}_{g}_text_document") for g in ("ru_news", "wiki")]
+    for g in ("ru_news", "wiki"):
+        for ext in (".bin", ".idx"):
+            ref = open(tmp_path / f"w1_{g}_text_document{ext}", "rb").read()
+            for name in variants:
+                assert open(tmp_path / f"{name}_{g}_text_document{ext}", "rb").read() == ref, (name, g, ext)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    _, news = read_dataset(str(tmp_path / "w1_ru_news_text_document"))
+    assert len(news) == (len(TEXTS) + 1) // 2
+
+
+def test_gz_glob_and_several_files_equal_one_file(tmp_path, corpus, tok_files):
+    lines = open(corpus, encoding="utf-8").read().splitlines(keepends=True)
+    os.makedirs(tmp_path / "parts")
+    with gzip.open(tmp_path / "parts" / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(lines[:20])
+    (tmp_path / "parts" / "b.jsonl").write_text("".join(lines[20:]), encoding="utf-8")
+    run(corpus, tmp_path / "one", tok_files["gpt2"])
+    run(str(tmp_path / "parts" / "*"), tmp_path / "glob", tok_files["gpt2"], "--workers", "2", "--partitions", "2")
+    for ext in (".bin", ".idx"):
+        assert open(tmp_path / f"one_text_document{ext}", "rb").read() == open(tmp_path / f"glob_text_document{ext}", "rb").read()
+
+
+BAD_LINES = {
+    "invalid JSON": ('{"text": "a" "b"}', r"invalid JSON \(Expecting ',' delimiter at column 14\)"),
+    "missing key": ('{"body": "x"}', r"no key 'text' \(the object has keys \['body'\]\); choose the key with --json-keys"),
+    "non-string": ('{"text": 42}', r"key 'text' is a JSON number, not a string"),
+    "not an object": ('["text"]', r"expected a JSON object, got a JSON array"),
+    "lone surrogate": ('{"text": "a\\ud800b"}', r"the text contains a lone surrogate"),
+    "invalid UTF-8": (b'{"text": "caf\xe9"}', r"invalid UTF-8 \(byte 0xe9 at byte 13 of the line\); re-encode"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LINES))
+def test_bad_input_fails_with_location_and_leaves_nothing(tmp_path, tok_files, case):
+    bad, pattern = BAD_LINES[case]
+    good = [json.dumps({"text": t}) for t in TEXTS[:40]]
+    path = tmp_path / "in.jsonl"
+    with open(path, "wb") as f:
+        for line in good[:2] + [bad] + good[2:]:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    for workers in ("1", "2"):
+        with pytest.raises(ValueError, match=re.escape(f"{path}:3: ") + pattern) as e:
+            run(str(path), tmp_path / "out", tok_files["gptsp"], "--workers", workers, "--batch-bytes", "200")
+        assert str(path) in str(e.value) and "--skip-invalid" in str(e.value)
+        assert outputs(tmp_path) == []
+        assert not [f for f in os.listdir(tmp_path) if "tmp" in f]
+    summary = run(str(path), tmp_path / "out", tok_files["gptsp"], "--skip-invalid", "--workers", "2")
+    assert summary.documents == 40 and sum(summary.skipped.values()) == 1
+    assert list(summary.first_skipped.values()) == [f"{path}:3"]
+
+
+def test_error_in_a_late_partition_leaves_nothing(tmp_path, tok_files):
+    lines = [json.dumps({"text": t}) for t in TEXTS] + ["not json"]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    with pytest.raises(ValueError, match=f"{re.escape(path)}:{len(lines)}: invalid JSON"):
+        run(path, tmp_path / "out", tok_files["gptsp"], "--workers", "2", "--partitions", "3")
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_empty_and_blank_are_skipped_and_counted(tmp_path, tok_files):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": "x y"}, {"text": ""}, {"text": " \n "}, "", {"text": "z"}])
+    s = run(path, tmp_path / "out", tok_files["gptsp"])
+    assert s.documents == 2 and dict(s.skipped) == {"empty 'text'": 2, "blank line": 1}
+    assert "skipped 2 × empty 'text' (first at " in tool.format_summary(s)
+    _, docs = read_dataset(str(tmp_path / "out_text_document"))
+    assert len(docs) == 2
+    empty = write_jsonl(tmp_path / "e.jsonl", [{"text": ""}])
+    with pytest.raises(ValueError, match=r"no documents for key\(s\) \['text'\].*nothing was written"):
+        run(empty, tmp_path / "none", tok_files["gptsp"])
+    assert outputs(tmp_path, "none") == []
+
+
+def test_group_value_errors(tmp_path, tok_files):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a", "d": "x y"}, {"text": "b", "d": "x/y"}])
+    with pytest.raises(ValueError, match="values 'x y' and 'x/y' both map to the file name part 'x_y'"):
+        run(path, tmp_path / "out", tok_files["gptsp"], "--group-by-key", "d")
+    path = write_jsonl(tmp_path / "in2.jsonl", [{"text": "a", "d": None}])
+    with pytest.raises(ValueError, match="in2.jsonl:1: key 'd' is a JSON null; --group-by-key needs a string or integer"):
+        run(path, tmp_path / "out", tok_files["gptsp"], "--group-by-key", "d")
+    assert outputs(tmp_path) == []
+
+
+def test_tokenizer_problems_fail_before_any_work(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"--tokenizer-model .*nope.model: no such file"):
+        run(corpus, tmp_path / "sub" / "out", ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                               "--tokenizer-model", str(tmp_path / "nope.model")])
+    with pytest.raises(ValueError, match="--split-sentences and --split-paragraphs exclude each other"):
+        run(corpus, tmp_path / "sub" / "out", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "5"],
+            "--split-sentences", "--split-paragraphs")
+    assert not os.path.exists(tmp_path / "sub")
+
+
+def test_cli_exit_codes_progress_and_summary(tmp_path, corpus, tok_files):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, TOOL, "--input", corpus, "--output-prefix", str(tmp_path / "out")]
+    p = subprocess.run(cmd + tok_files["gptsp"] + ["--log-interval", "10", "--batch-bytes", "4000", "--workers", "2"],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"processed \d+ documents \([\d.]+ docs/s\), \d+ tokens \(\d+ tokens/s\), [\d.]+ MB "
+                     r"\([\d.]+ MB/s\)", p.stderr)
+    assert f"{len(TEXTS)} documents" in p.stderr and "skipped nothing" in p.stderr
+    p = subprocess.run(cmd + ["--tokenizer-type", "WordPiece"], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "--tokenizer-type: invalid choice: 'WordPiece'" in p.stderr
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])
+    p = subprocess.run([sys.executable, TOOL, "--input", bad, "--output-prefix", str(tmp_path / "bad")]
+                       + tok_files["gptsp"], capture_output=True, text=True, env=env)
+    assert p.returncode == 1 and f"error: {bad}:1: invalid JSON" in p.stderr
+    assert outputs(tmp_path, "bad_") == []
