@@ -75,16 +75,28 @@ class DocumentLayout:
     @classmethod
     def from_lengths(cls, sequence_lengths: np.ndarray, document_indices: np.ndarray,
                      sample_start: str) -> "DocumentLayout":
-        seq_start = np.zeros(len(sequence_lengths) + 1, dtype=np.int64)
-        np.cumsum(sequence_lengths, out=seq_start[1:])
         doc_first = np.asarray(document_indices, dtype=np.int64)
-        sizes = seq_start[doc_first[1:]] - seq_start[doc_first[:-1]]
+        sizes = document_sizes(sequence_lengths, doc_first)
         if sample_start == "paragraph":
+            seq_start = np.zeros(len(sequence_lengths) + 1, dtype=np.int64)
+            np.cumsum(sequence_lengths, out=seq_start[1:])
             doc_of_seq = np.repeat(np.arange(len(sizes)), np.diff(doc_first))
             offsets = seq_start[:-1] - seq_start[doc_first[:-1]][doc_of_seq]
             return cls(sizes, doc_first.copy(), offsets)
         # "document" (and unused for "any"): one boundary per document, at its start
         return cls(sizes, np.arange(len(sizes) + 1, dtype=np.int64), np.zeros(len(sizes), np.int64))
+
+
+def document_sizes(sequence_lengths: np.ndarray, document_indices: np.ndarray) -> np.ndarray:
+    """Tokens per document (int64), without a per-sequence temporary."""
+    doc_first = np.asarray(document_indices, dtype=np.int64)
+    sizes = np.zeros(len(doc_first) - 1, dtype=np.int64)
+    # reduceat over the starts of non-empty documents only: each sums up to the next such start,
+    # which is exactly its own sequences (documents in between hold none)
+    nonempty = doc_first[:-1] < doc_first[1:]
+    if nonempty.any():
+        sizes[nonempty] = np.add.reduceat(np.asarray(sequence_lengths), doc_first[:-1][nonempty], dtype=np.int64)
+    return sizes
 
 
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
@@ -196,8 +208,9 @@ class GPTDataset:
                              f"the corpus of {indexed.num_documents} documents; adjust --split")
         self.indexed, self.name, self.seq_length = indexed, name, seq_length
         self.sample_start = sample_start
-        self.layout = DocumentLayout.from_lengths(indexed.sequence_lengths, indexed.document_indices, sample_start)
-        if int(self.layout.sizes[start:end].sum()) == 0:
+        # per-document sizes are all that reading needs; boundaries are only built with the index
+        self.doc_sizes = document_sizes(indexed.sequence_lengths, indexed.document_indices)
+        if int(self.doc_sizes[start:end].sum()) == 0:
             raise ValueError(f"{name} split of {indexed.prefix}: its documents [{start}, {end}) hold no tokens; "
                              "adjust --split or rebuild the dataset with tools/preprocess_data.py")
         description = {"kind": "gpt", "version": INDEX_VERSION, "data": dataset_fingerprint(indexed.prefix),
@@ -208,7 +221,8 @@ class GPTDataset:
 
         def build() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             t0 = time.perf_counter()
-            idx = build_gpt_indices(self.layout, np.arange(start, end), num_samples, seq_length, seed, sample_start)
+            layout = DocumentLayout.from_lengths(indexed.sequence_lengths, indexed.document_indices, sample_start)
+            idx = build_gpt_indices(layout, np.arange(start, end), num_samples, seq_length, seed, sample_start)
             meta = {"num_epochs": idx.num_epochs, "skipped_share": idx.skipped_share,
                     "seconds": round(time.perf_counter() - t0, 3)}
             log.info("built %s indices for %s: %d samples (%d asked) over %d epoch(s) of documents [%d, %d) in %.2f s",
@@ -243,7 +257,7 @@ class GPTDataset:
         filled = 0
         while filled < count:
             doc = int(self.doc_idx[pos])
-            take = min(count - filled, int(self.layout.sizes[doc]) - offset)
+            take = min(count - filled, int(self.doc_sizes[doc]) - offset)
             if take > 0:
                 self._read_document(doc, offset, out[filled:filled + take])
                 filled += take

@@ -240,3 +240,20 @@ def test_boundary_mode_separates_a_little_used_last_epoch(tmp_path):
     assert joint.num_epochs == 3 and len(joint) == 30
     assert sorted(joint.shuffle_idx[:20].tolist()) != list(range(20))  # 8 of 10 needed: one shuffle
     np.testing.assert_array_equal(joint.doc_idx, ds.doc_idx)
+
+
+def test_document_sizes_with_empty_documents():
+    from megatron_ru.data.gpt_dataset import document_sizes
+    lengths = np.array([3, 0, 4, 5, 2], dtype=np.int32)
+    # documents: [3] | [] | [0, 4] | [5, 2] | []
+    first = np.array([0, 1, 1, 3, 5, 5])
+    assert document_sizes(lengths, first).tolist() == [3, 0, 4, 7, 0]
+    assert document_sizes(np.zeros(0, np.int32), np.array([0, 0, 0])).tolist() == [0, 0]
+    assert document_sizes(lengths, np.array([0])).tolist() == []
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(0, 9, size=int(rng.integers(0, 30))).astype(np.int32)
+        cuts = np.sort(rng.integers(0, len(lengths) + 1, size=int(rng.integers(0, 12))))
+        first = np.concatenate([[0], cuts, [len(lengths)]])
+        ends = np.concatenate([[0], np.cumsum(lengths)])
+        np.testing.assert_array_equal(document_sizes(lengths, first), ends[first[1:]] - ends[first[:-1]])
