@@ -202,6 +202,8 @@ class GPTDataset:
             raise ValueError(f"--sample-start {sample_start!r}: choose one of {', '.join(SAMPLE_START_MODES)}")
         if seq_length <= 0:
             raise ValueError(f"--seq-length must be positive, got {seq_length}")
+        if num_samples < 0:
+            raise ValueError(f"{name}: cannot ask for {num_samples} samples")
         start, end = (int(x) for x in document_range)
         if not 0 <= start < end <= indexed.num_documents:
             raise ValueError(f"{name} split of {indexed.prefix}: document range [{start}, {end}) is empty or outside "
