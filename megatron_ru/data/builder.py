@@ -87,3 +87,41 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, train_val_test_num_sam
                  for d, n in zip(keep, per)]
         out.append(BlendedDataset(parts, [weights[d] for d in keep], nums[s], name=SPLIT_NAMES[s]))
     return out[0], out[1], out[2]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[str]:
+    """Build (or check) the index cache ahead of a job, e.g. on a login node, and describe it:
+
+        python -m megatron_ru.data.builder --data-path 0.7 ru_text_document 0.3 en_text_document \\
+            --seq-length 2048 --train-samples 1000000 --valid-samples 10000 --data-cache-path /shared/cache
+    """
+    import argparse
+
+    from megatron_ru.config.base import add_config_arguments, from_namespace
+    parser = argparse.ArgumentParser(description="Build the GPT dataset index cache and describe the datasets.")
+    add_config_arguments(parser, DataConfig)
+    parser.add_argument("--train-samples", type=int, required=True)
+    parser.add_argument("--valid-samples", type=int, default=0)
+    parser.add_argument("--test-samples", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=1234, help="Same as the training --seed.")
+    ns = parser.parse_args(argv)
+    cfg = from_namespace(DataConfig, ns)
+    datasets = build_train_valid_test_datasets(cfg, (ns.train_samples, ns.valid_samples, ns.test_samples),
+                                               ns.seed, is_builder_rank=True, barrier=None)
+    lines = []
+    for split, ds in zip(SPLIT_NAMES, datasets):
+        if ds is None:
+            lines.append(f"{split}: none")
+            continue
+        parts = ds.datasets if isinstance(ds, BlendedDataset) else [ds]
+        desc = "; ".join(f"{p.indexed.prefix} docs {p.doc_idx.size // max(p.num_epochs, 1)} x {p.num_epochs} epoch(s), "
+                         f"{len(p)} samples" + (f", {100 * p.skipped_share:.2f}% skipped" if p.skipped_share is not None else "")
+                         for p in parts)
+        lines.append(f"{split}: {len(ds)} samples of {cfg.seq_length + 1} tokens ({desc})")
+    for line in lines:
+        print(line)
+    return lines
+
+
+if __name__ == "__main__":
+    main()

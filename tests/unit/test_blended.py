@@ -142,3 +142,15 @@ def test_data_config_flags():
     assert DataConfig().sample_start == "any" and DataConfig().split == "969,30,1"
     with pytest.raises(SystemExit):
         parse_configs([DataConfig], ["--sample-start", "sentence"])
+
+
+def test_builder_cli_describes_and_caches(tmp_path, capsys):
+    from megatron_ru.data.builder import main
+    ru, en = _corpora(tmp_path)
+    lines = main(["--data-path", "0.7", ru, "0.3", en, "--seq-length", "16", "--split", "90,10,0",
+                  "--data-cache-path", str(tmp_path / "cache"), "--train-samples", "100", "--valid-samples", "10",
+                  "--sample-start", "document"])
+    assert lines[0].startswith("train: 100 samples of 17 tokens (") and "skipped" in lines[0]
+    assert lines[1].startswith("valid: 10 samples") and lines[2] == "test: none"
+    assert capsys.readouterr().out.splitlines() == lines
+    assert len([f for f in (tmp_path / "cache").iterdir() if f.name.endswith(".done")]) == 4
