@@ -229,3 +229,23 @@ class Encoder:
         res.error = (f"{path}:{line_no}: {e.detail}; {e.fix}, or pass --skip-invalid to skip such lines "
                      "(they are counted in the summary)")
         return False
+
+
+def iter_texts(paths: list[str], json_keys: tuple[str, ...] = ("text",), skip_invalid: bool = False):
+    """Texts of every ``json_keys`` entry of every line of ``paths`` (JSONL, ``.gz`` ok), for
+    tools that need plain text (tokenizer training); bad lines fail with file:line."""
+    import gzip
+
+    opts = EncodeOptions(json_keys=json_keys, skip_invalid=skip_invalid)
+    for path in paths:
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    _, texts = _parse(raw.rstrip(b"\r\n"), opts)
+                except Invalid as e:
+                    if skip_invalid:
+                        continue
+                    raise ValueError(f"{path}:{line_no}: {e.detail}; {e.fix}, or pass --skip-invalid") from None
+                yield from (t for t in texts if t.strip())

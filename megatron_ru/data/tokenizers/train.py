@@ -41,8 +41,19 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, model_type: str
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"--model-type {model_type!r}: choose bpe or unigram")
     tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
+    failure: list[BaseException] = []
+
+    def pieces() -> Iterator[str]:
+        # SentencePiece turns an exception inside the iterator into a RuntimeError; keep the
+        # original (e.g. a ValueError naming the bad input line) to re-raise it.
+        try:
+            yield from training_pieces(texts)
+        except BaseException as e:
+            failure.append(e)
+            raise
+
     kwargs = dict(
-        sentence_iterator=training_pieces(texts), model_prefix=tmp_prefix, model_type=model_type,
+        sentence_iterator=pieces(), model_prefix=tmp_prefix, model_type=model_type,
         vocab_size=vocab_size, character_coverage=character_coverage, byte_fallback=byte_fallback,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         add_dummy_prefix=add_dummy_prefix, allow_whitespace_only_pieces=True, split_digits=True,
@@ -56,7 +67,12 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, model_type: str
         kwargs["user_defined_symbols"] = user_defined_symbols
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)) or ".", exist_ok=True)
     try:
-        spm.SentencePieceTrainer.train(**kwargs)
+        try:
+            spm.SentencePieceTrainer.train(**kwargs)
+        except RuntimeError:
+            if failure:
+                raise failure[0] from None
+            raise
         os.replace(tmp_prefix + ".vocab", model_prefix + ".vocab")
         os.replace(tmp_prefix + ".model", model_prefix + ".model")
     finally:
