@@ -29,11 +29,11 @@ to_seconds() {
 }
 
 # Minutes of training to allow in a job of LIMIT seconds, keeping MARGIN seconds to save and
-# exit. Short jobs (tests, debug queues) keep at least half of their time for training.
+# exit. Short jobs (debug queues, tests) keep at least a tenth of their time for training.
 exit_duration_mins() {
   local limit="$1" margin="$2" usable
   usable=$(( limit - margin ))
-  if [ "${usable}" -lt $(( limit / 2 )) ]; then usable=$(( limit / 2 )); fi
+  if [ "${usable}" -lt $(( limit / 10 )) ]; then usable=$(( limit / 10 )); fi
   awk -v s="${usable}" 'BEGIN { printf "%.2f\n", s / 60 }'
 }
 

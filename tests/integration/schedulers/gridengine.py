@@ -191,7 +191,7 @@ class GridEngine:
 
         def found() -> bool:
             out = run(["qacct", "-j", str(job_id)], env=sge_env(), check=False).stdout
-            record.update(dict(ln.split(None, 1) for ln in out.splitlines() if len(ln.split(None, 1)) == 2))
+            record.update({k: v.strip() for k, v in (ln.split(None, 1) for ln in out.splitlines() if len(ln.split(None, 1)) == 2)})
             return "exit_status" in record
         wait_for(found, 20, f"the accounting record of job {job_id}", interval=0.5)
         return record
