@@ -272,7 +272,8 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
         # nothing to rendezvous with: an in-memory store avoids picking a port at all
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://{_url_host(denv.master_addr)}:{denv.master_port}",
+        url = f"tcp://{_url_host(denv.master_addr)}:{denv.master_port}"
+        dist.init_process_group(backend, init_method=url,
                                 rank=denv.rank, world_size=denv.world_size, timeout=timeout)
     return denv
 
@@ -296,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ru.config.parallel import ParallelConfig
     from megatron_ru.parallel.state import ParallelState
 
-    cfg = parse_configs([ParallelConfig], argv, description="Report rank discovery and process "
-                        "groups, one JSON line per rank (run under torchrun, mpirun or srun).")[ParallelConfig]
+    description = ("Report rank discovery and process groups, one JSON line per rank (run under "
+                   "torchrun, mpirun or srun).")
+    cfg = parse_configs([ParallelConfig], argv, description=description)[ParallelConfig]
     validate_all([cfg])
     denv = init_distributed(cfg.backend, cfg.distributed_timeout_minutes)
     try:

@@ -2,7 +2,8 @@
 
     expand_hostlist("node[01-03,07]")          -> ["node01", "node02", "node03", "node07"]
     expand_hostlist("a[1-2],b3")               -> ["a1", "a2", "b3"]
-    expand_hostlist("rack[1-2]-node[01-02]")   -> ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]
+    expand_hostlist("rack[1-2]-node[01-02]")   -> ["rack1-node01", "rack1-node02",
+                                                   "rack2-node01", "rack2-node02"]
 
 A range keeps the zero padding of its lower bound ("08-10" -> 08, 09, 10). Several brackets in
 one name expand as a cartesian product, leftmost bracket outermost, as Slurm prints them.

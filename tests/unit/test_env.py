@@ -129,8 +129,9 @@ def clean_environ():
 
 def test_apply_writes_ranks_and_only_derived_master(clean_environ):
     apply_environment(DistEnv(5, 8, 1, 2, "node01", 20000, "slurm", "slurm"))
-    assert [clean_environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                       "MASTER_ADDR", "MASTER_PORT")] == ["5", "8", "1", "2", "node01", "20000"]
+    written = [clean_environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                          "MASTER_ADDR", "MASTER_PORT")]
+    assert written == ["5", "8", "1", "2", "node01", "20000"]
     del clean_environ["MASTER_ADDR"], clean_environ["MASTER_PORT"]
     apply_environment(DistEnv(3, 4, 1, 2, None, None, "openmpi", "mpi"))  # address still pending
     assert clean_environ["RANK"] == "3" and "MASTER_ADDR" not in clean_environ
@@ -161,8 +162,8 @@ def test_init_single_process_is_idempotent(clean_environ):
         again = init_distributed()                 # second call: no re-initialisation
         # the written-back RANK/WORLD_SIZE now read as a torchrun-style environment, same numbers
         assert (again.rank, again.world_size, again.local_rank, again.source) == (0, 1, 0, "torchrun")
-        clean_environ.update({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x",
-                              "MASTER_PORT": "1"})
+        clean_environ.update({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                              "MASTER_ADDR": "x", "MASTER_PORT": "1"})
         with pytest.raises(RuntimeError, match="already initialised as rank 0 of 1.*rank 1 of 2"):
             init_distributed()
     finally:

@@ -11,11 +11,13 @@ def _parse(argv):
 
 def test_defaults_and_megatron_flags():
     cfg = _parse([])
-    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.sequence_parallel) == (1, 1, False)
+    sizes = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.sequence_parallel)
+    assert sizes == (1, 1, False)
     assert cfg.distributed_backend == "auto" and cfg.backend is None and cfg.distributed_timeout_minutes == 10
-    cfg = _parse(["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
-                  "--sequence-parallel", "--distributed-backend", "gloo", "--distributed-timeout-minutes", "0.5"])
-    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.sequence_parallel) == (4, 2, True)
+    cfg = _parse(["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                  "--distributed-backend", "gloo", "--distributed-timeout-minutes", "0.5"])
+    sizes = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.sequence_parallel)
+    assert sizes == (4, 2, True)
     assert cfg.backend == "gloo" and cfg.distributed_timeout_minutes == 0.5
     validate_all([cfg])
 
@@ -48,5 +50,6 @@ def test_all_problems_reported_at_once_naming_flags():
 
 def test_sequence_parallel_needs_tp():
     assert ParallelConfig(sequence_parallel=True).problems() == [
-        "--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); drop --sequence-parallel or raise TP"]
+        "--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); "
+        "drop --sequence-parallel or raise TP"]
     assert ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True).problems() == []

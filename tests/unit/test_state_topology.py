@@ -27,22 +27,23 @@ def test_every_valid_pair_of_every_world_size_up_to_64():
         _assert_partition(lay.dp_groups(), w, lay.dp)
         _assert_partition(lay.pp_groups(), w, pp)
         _assert_partition(lay.mp_groups(), w, tp * pp)
-        member_of = {kind: {r: g for g in groups for r in g} for kind, groups in lay.groups()}
-        for r in range(w):
-            c = lay.coord(r)
+        coords = [lay.coord(r) for r in range(w)]
+        for r, c in enumerate(coords):
             assert lay.rank(c.tp, c.dp, c.pp) == r
             assert r == c.tp + tp * (c.dp + lay.dp * c.pp)  # Megatron order: TP fastest, then DP, PP
-            for kind in ("tp", "dp", "pp", "mp", "embedding"):
-                assert lay.group_of(kind, r) == member_of[kind].get(r), (w, tp, pp, r, kind)
-            coords = {kind: [lay.coord(x) for x in member_of[kind][r]] for kind in ("tp", "dp", "pp", "mp")}
-            # members of my TP group differ from me only in tp rank (in order), etc.
-            assert [x.tp for x in coords["tp"]] == list(range(tp))
-            assert {(x.dp, x.pp) for x in coords["tp"]} == {(c.dp, c.pp)}
-            assert [x.dp for x in coords["dp"]] == list(range(lay.dp))
-            assert {(x.tp, x.pp) for x in coords["dp"]} == {(c.tp, c.pp)}
-            assert [x.pp for x in coords["pp"]] == list(range(pp))
-            assert {(x.tp, x.dp) for x in coords["pp"]} == {(c.tp, c.dp)}
-            assert {x.dp for x in coords["mp"]} == {c.dp}
+        # members of a TP group differ only in tp rank (listed in order), etc.
+        for kind, axis, others in (("tp", "tp", ("dp", "pp")), ("dp", "dp", ("tp", "pp")),
+                                   ("pp", "pp", ("tp", "dp"))):
+            for g in dict(lay.groups())[kind]:
+                assert [getattr(coords[x], axis) for x in g] == list(range(len(g)))
+                assert len({tuple(getattr(coords[x], o) for o in others) for x in g}) == 1
+        for g in lay.mp_groups():
+            assert len({coords[x].dp for x in g}) == 1
+        # group_of (used by ParallelState and the CLIs) agrees with the group lists
+        for kind, groups in lay.groups():
+            member_of = {r: g for g in groups for r in g}
+            for r in range(w):
+                assert lay.group_of(kind, r) == member_of.get(r), (w, tp, pp, r, kind)
         emb = lay.embedding_groups()
         if pp == 1:
             assert emb == []
