@@ -153,3 +153,26 @@ def test_loss_mask_and_padding_columns() -> None:
         assert float(got) == pytest.approx(float(expect), rel=1e-6)
         assert float(model.loss_fn(logits, (labels, mask))) == pytest.approx(float(expect), rel=1e-6)
         assert float(model(tokens, labels=labels)) == pytest.approx(float(per_token.mean()), rel=1e-6)
+
+
+def test_rng_state_round_trip_restores_both_streams() -> None:
+    from megatron_ru.parallel.random import get_rng_state, set_rng_state
+    model_parallel_seed(77, tp_rank=1)
+    ones = torch.ones(256)
+    state = get_rng_state()
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor]:
+        replicated = F.dropout(ones, 0.5, training=True)
+        with get_rng_tracker().fork():
+            split = F.dropout(ones, 0.5, training=True)
+        return replicated, split
+
+    first = draw()
+    second = draw()
+    assert not torch.equal(first[1], second[1])        # the TP stream advances between draws
+    set_rng_state(state)
+    again = draw()
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    model_parallel_seed(77, tp_rank=2)                 # another TP rank: same replicated, other split mask
+    other = draw()
+    assert torch.equal(first[0], other[0]) and not torch.equal(first[1], other[1])
