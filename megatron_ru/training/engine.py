@@ -37,6 +37,15 @@ def disable_cpu_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def attach_deepspeed_comm() -> None:
+    """Let DeepSpeed's ``deepspeed.comm`` use the process group we initialised (our rank discovery,
+    no MPI discovery that would rewrite MASTER_ADDR/PORT). Needed before building a PipelineModule."""
+    disable_cpu_shm_comm()
+    import deepspeed
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
+                               dist_init_required=False)
+
+
 def build_ds_config(args: Any) -> dict[str, Any]:
     """The DeepSpeed JSON config from the flags (or the user's ``--deepspeed_config`` with the
     flags' batch sizes, precision and ZeRO stage filled in; validation already checked they agree)."""
@@ -136,7 +145,7 @@ def _install_fp32_clipping(engine: Any, tp_rank: int, mp_group: Any) -> None:
 
 def initialize_engine(model: torch.nn.Module, state: Any, args: Any, schedule: Any) -> Any:
     """``deepspeed.initialize`` for a module (PP=1) or a ``PipelineModule`` (PP>1)."""
-    disable_cpu_shm_comm()
+    attach_deepspeed_comm()
     import deepspeed
     from deepspeed.runtime.pipe.module import PipelineModule
 

@@ -67,7 +67,7 @@ def run(args: Arguments) -> TrainResult:
     from megatron_ru.parallel.random import model_parallel_seed
     from megatron_ru.parallel.state import ParallelState
     from megatron_ru.training.data import build_datasets
-    from megatron_ru.training.engine import initialize_engine
+    from megatron_ru.training.engine import attach_deepspeed_comm, initialize_engine
     from megatron_ru.training.freeze import apply_freezing
     from megatron_ru.training.lr import schedule_from_config
     from megatron_ru.training.signals import ExitSignal
@@ -80,6 +80,7 @@ def run(args: Arguments) -> TrainResult:
     model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
     train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier)
+    attach_deepspeed_comm()
     model = build_model(args, state, tokenizer.vocab_size)
     apply_freezing(model, train_only_embeddings=args.training.train_only_embeddings, freeze=args.training.freeze)
     schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)

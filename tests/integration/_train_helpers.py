@@ -1,0 +1,67 @@
+"""Shared pieces of the training integration tests: a tiny corpus, the flags of a tiny model, and
+an in-process rank body for ``run_distributed``."""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 96
+
+
+def make_corpus(directory: str, num_docs: int = 120, seed: int = 0) -> str:
+    """A learnable token corpus (documents are runs of +1/+3 arithmetic sequences mod VOCAB with
+    some noise) written as MMIDIDX; returns the dataset prefix (NullTokenizer --vocab-size VOCAB)."""
+    from megatron_ru.data.indexed_dataset import IndexedDatasetBuilder
+    prefix = os.path.join(directory, "tiny_text_document")
+    if os.path.exists(prefix + ".idx"):
+        return prefix
+    rng = np.random.RandomState(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _ in range(num_docs):
+        n = int(rng.randint(20, 90))
+        step = int(rng.choice([1, 3]))
+        doc = (int(rng.randint(0, VOCAB - 1)) + step * np.arange(n)) % (VOCAB - 1)
+        noise = rng.rand(n) < 0.05
+        doc[noise] = rng.randint(0, VOCAB - 1, int(noise.sum()))
+        builder.add_document(np.append(doc, VOCAB - 1), [n + 1])  # VOCAB-1 plays the end-of-document id
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def tiny_argv(prefix: str, cache: str, *, iters: int = 10, extra: Sequence[str] = ()) -> list[str]:
+    """A 4-layer, hidden-64 LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, untied output) on seq 32."""
+    return [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+        "--num-query-groups", "4", "--ffn-hidden-size", "128", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(iters),
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "7",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
+        "--data-path", prefix, "--data-cache-path", cache, "--split", "90,10,0", "--num-workers", "0",
+        "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "2", "--distributed-timeout-minutes", "2",
+        *extra]
+
+
+def train_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[str, Any]]:
+    """Rank body for ``run_distributed``: train once per argv in ``runs`` (several engines in one
+    spawn to save start-up time); return losses and grad norms of each run."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.training.pretrain import run
+    out = []
+    for argv in runs:
+        result = run(parse_arguments(argv, world_size=world_size, device_type="cpu"))
+        out.append({"losses": result.losses, "grad_norms": result.grad_norms, "evals": result.evals,
+                    "iteration": result.iteration})
+    return out
+
+
+def relative_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in a)
