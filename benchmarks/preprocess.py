@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -32,8 +33,8 @@ def load_texts(path: str) -> list[str]:
         return [json.loads(line)["text"] for line in f]
 
 
-def tokenizer_limit(model: str, texts: list[str], threads: int, batch_chars: int) -> tuple[float, int]:
-    """Seconds and tokens for the tokenizer alone, batches of about ``batch_chars``."""
+def tokenizer_limit(model: str, texts: list[str], threads: int, batch_chars: int) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds and tokens for the tokenizer alone, batches of ``batch_chars``."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=model)
@@ -46,23 +47,32 @@ def tokenizer_limit(model: str, texts: list[str], threads: int, batch_chars: int
             cur, size = [], 0
     if cur:
         batches.append(cur)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = 0
     for b in batches:
         tokens += sum(a.size for a in sp.encode(b, num_threads=threads, return_type="numpy"))
-    return time.perf_counter() - t0, tokens
+    return time.perf_counter() - t0, time.process_time() - c0, tokens
 
 
-def run_tool(corpus: str, model: str, out: str, workers: int, extra: list[str]) -> tuple[float, str]:
+def run_tool(corpus: str, model: str, out: str, workers: int, extra: list[str]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (the tool and its worker processes) of one run."""
     cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
            "--output-prefix", out, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model,
            "--append-eod", "--workers", str(workers), "--log-interval", "100000000"] + extra
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     dt = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"preprocess_data.py failed:\n{proc.stderr}")
-    return dt, proc.stderr
+    return dt, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def _keep_best(results: dict, name: str, wall: float, cpu: float) -> None:
+    if wall < results.get(f"{name}_seconds", float("inf")):
+        results[f"{name}_seconds"] = wall
+        results[f"{name}_cpu_seconds"] = cpu
 
 
 def main() -> None:
@@ -90,32 +100,33 @@ def main() -> None:
 
             texts = load_texts(corpus)[:400]
             train_sentencepiece(texts, model[:-len(".model")], "bpe", args.vocab_size, num_threads=2)
-    texts = load_texts(corpus)
+    texts = load_texts(corpus)  # in memory for the limit runs: the tokenizer alone reads nothing
     mb = os.path.getsize(corpus) / 1e6
     results: dict = {"corpus_mb": round(mb, 1), "documents": len(texts), "machine": platform.processor() or
                      platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    for k in args.workers:
-        best = None
-        for _ in range(args.repeat):
-            dt, tokens = tokenizer_limit(model, texts, k, args.batch_chars)
-            best = dt if best is None else min(best, dt)
-        results[f"limit_{k}_tokens_per_s"] = tokens / best
-        results["tokens"] = tokens
-        print(f"tokenizer alone, {k} thread(s): {tokens} tokens in {best:.2f} s = {tokens / best:,.0f} tokens/s",
-              file=sys.stderr)
-    del texts
+    # Interleave limit and tool runs so that load from other processes hits both alike; keep
+    # the best of --repeat for each (the least disturbed run).
     extra = args.extra.split()
+    results["load_average_before"] = os.getloadavg()[0]
+    for _ in range(args.repeat):
+        for k in args.workers:
+            wall, cpu, tokens = tokenizer_limit(model, texts, k, args.batch_chars)
+            results["tokens"] = tokens
+            _keep_best(results, f"limit_{k}", wall, cpu)
+            wall, cpu = run_tool(corpus, model, os.path.join(args.workdir, f"out_w{k}"), k, extra)
+            _keep_best(results, f"tool_{k}", wall, cpu)
+    results["load_average_after"] = os.getloadavg()[0]
+    toks = results["tokens"] + results["documents"]  # --append-eod adds one token per document
     for k in args.workers:
-        best = None
-        for _ in range(args.repeat):
-            dt, _ = run_tool(corpus, model, os.path.join(args.workdir, f"out_w{k}"), k, extra)
-            best = dt if best is None else min(best, dt)
-        toks = results["tokens"] + (results["documents"] if True else 0)  # --append-eod adds one per document
-        results[f"tool_{k}_seconds"] = best
-        results[f"tool_{k}_tokens_per_s"] = toks / best
-        results[f"ratio_{k}"] = (toks / best) / results[f"limit_{k}_tokens_per_s"]
-        print(f"preprocess_data.py --workers {k}: {best:.2f} s end to end = {toks / best:,.0f} tokens/s = "
-              f"{results[f'ratio_{k}']:.3f} of the tokenizer alone with {k} thread(s)", file=sys.stderr)
+        lw, lc = results[f"limit_{k}_seconds"], results[f"limit_{k}_cpu_seconds"]
+        tw, tc = results[f"tool_{k}_seconds"], results[f"tool_{k}_cpu_seconds"]
+        results[f"limit_{k}_tokens_per_s"] = results["tokens"] / lw
+        results[f"tool_{k}_tokens_per_s"] = toks / tw
+        results[f"ratio_{k}"] = (toks / tw) / (results["tokens"] / lw)
+        results[f"cpu_ratio_{k}"] = (toks / tc) / (results["tokens"] / lc)
+        print(f"--workers {k}: tool {tw:.2f} s wall ({toks / tw:,.0f} tokens/s), tokenizer alone with {k} thread(s) "
+              f"{lw:.2f} s ({results['tokens'] / lw:,.0f} tokens/s): ratio {results[f'ratio_{k}']:.3f}; "
+              f"tokens per CPU-second ratio {results[f'cpu_ratio_{k}']:.3f}", file=sys.stderr)
     if all(k in args.workers for k in (1, 2)):
         same = all(open(os.path.join(args.workdir, f"out_w1_text_document{e}"), "rb").read() ==
                    open(os.path.join(args.workdir, f"out_w2_text_document{e}"), "rb").read() for e in (".bin", ".idx"))

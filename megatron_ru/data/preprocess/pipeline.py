@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_module
 import time
 import traceback
 from collections import Counter, deque
@@ -204,8 +205,18 @@ def _run_partitions(parts: list[list[Segment]], cfg: PreprocessConfig, tokenizer
         p.start()
     summaries: list[Optional[Summary]] = [None] * len(parts)
     errors: dict[int, str] = {}
-    for _ in procs:
-        index, status, payload = queue.get()
+    reported: set[int] = set()
+    while len(reported) < len(procs):
+        try:
+            index, status, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            # A partition killed from outside (e.g. out of memory) never reports: do not wait forever.
+            for i, p in enumerate(procs):
+                if i not in reported and p.exitcode is not None and p.exitcode != 0 and queue.empty():
+                    reported.add(i)
+                    errors[i] = f"partition {i} ({parts[i][0].path} ...) died with exit code {p.exitcode}"
+            continue
+        reported.add(index)
         if status == "error":
             errors[index] = payload
         else:
