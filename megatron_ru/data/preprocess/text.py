@@ -14,7 +14,7 @@ _PARAGRAPH_BREAK = re.compile(r"\n[^\S\n]*\n\s*")
 
 # Sentence end: terminal punctuation, optional closing quotes/brackets, then whitespace, and the
 # next sentence starting with an upper-case letter, a digit or an opening quote/bracket.
-_SENTENCE_END = re.compile(r"""[.!?…]+[»"'”’)\]]*(\s+)(?=[\p{Lu}\d«"'“(\[])""".replace(r"\p{Lu}", "A-ZА-ЯЁ"))
+_SENTENCE_END = re.compile(r"""[.!?…]+[»"'”’)\]]*(\s+)(?=[A-ZА-ЯЁ\d«"'“(\[])""")
 # A single letter before the period is an initial ("А. С. Пушкин"), not a sentence end.
 _INITIAL = re.compile(r"(?:^|\s)\w\.$")
 
