@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -300,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     description = ("Report rank discovery and process groups, one JSON line per rank (run under "
                    "torchrun, mpirun or srun).")
     cfg = parse_configs([ParallelConfig], argv, description=description)[ParallelConfig]
-    validate_all([cfg])
-    denv = init_distributed(cfg.backend, cfg.distributed_timeout_minutes)
+    try:
+        validate_all([cfg])
+        denv = init_distributed(cfg.backend, cfg.distributed_timeout_minutes)
+    except (ValueError, RuntimeError) as e:  # a user mistake: say it plainly, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         state = ParallelState.build(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                     sequence_parallel=cfg.sequence_parallel,
@@ -313,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                   "pp": (state.pp_ranks, state.pp_group), "mp": (state.mp_ranks, state.mp_group)}
         report["allreduce_ok"] = {k: _group_check(state, k, m, g) for k, (m, g) in checks.items()}
         print(json.dumps(report, sort_keys=True), flush=True)
+    except ValueError as e:  # e.g. WORLD_SIZE not divisible by TP x PP
+        print(f"error: rank {denv.rank}: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,4 +1,5 @@
 """Rank discovery: every launcher environment, precedence, and inconsistent environments."""
+import json
 import os
 import sys
 
@@ -169,3 +170,21 @@ def test_init_single_process_is_idempotent(clean_environ):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_env_cli_reports_mistakes_without_traceback(clean_environ, capsys):
+    clean_environ.update({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert penv.main([]) == 2
+    assert capsys.readouterr().err.strip() == ("error: inconsistent launcher environment: "
+                                               "RANK=3 must be in [0, WORLD_SIZE=2)")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        del clean_environ[name]
+    assert penv.main(["--tensor-model-parallel-size", "2"]) == 2    # one process cannot hold TP=2
+    assert "WORLD_SIZE=1 is not divisible by TP x PP = 2 x 1 = 2" in capsys.readouterr().err
+    assert not dist.is_initialized()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # written back by the run above
+        del clean_environ[name]
+    assert penv.main([]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["source"], report["rank"], report["world_size"], report["tp_group"]) == ("single", 0, 1, [0])
+    assert report["allreduce_ok"] == {"tp": True, "dp": True, "pp": True, "mp": True}
