@@ -20,11 +20,12 @@ PROJECT_DIR="${PROJECT_DIR:-${SGE_O_WORKDIR:-${PWD}}}"  # -cwd: where qsub ran
 JOB_SCRIPT_PATH="${BASH_SOURCE[0]}"
 
 # ------------------------------------------------------------------------------ settings
-# Every value can be overridden from the environment (`qsub -v NAME=VALUE,...`).
+# Every value can be overridden from the environment (`qsub -v NAME=VALUE,...` or `qsub -V`);
+# an empty value (FFN_HIDDEN_SIZE= MODEL_ARGS=) means "none".
 # Model: GPT 345M (Megatron-LM's reference GPT-2 medium).
-: "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=1024}" "${NUM_ATTENTION_HEADS:=16}" "${FFN_HIDDEN_SIZE:=}"
+: "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=1024}" "${NUM_ATTENTION_HEADS:=16}" "${FFN_HIDDEN_SIZE=}"
 : "${SEQ_LENGTH:=1024}" "${MAX_POSITION_EMBEDDINGS:=${SEQ_LENGTH}}"
-: "${MODEL_ARGS:=}"
+: "${MODEL_ARGS=}"
 # LLaMA-2 7B on V100 16 GB (rt_F=4: 16 GPUs):
 #   NUM_LAYERS=32 HIDDEN_SIZE=4096 FFN_HIDDEN_SIZE=11008 NUM_ATTENTION_HEADS=32 SEQ_LENGTH=4096
 #   TP=4 PP=4 MICRO_BATCH_SIZE=1 GLOBAL_BATCH_SIZE=1024
@@ -40,15 +41,15 @@ JOB_SCRIPT_PATH="${BASH_SOURCE[0]}"
 : "${WEIGHT_DECAY:=0.1}" "${CLIP_GRAD:=1.0}"
 # Data and tokenizer (DATA_PATH may be a blend: "0.7 prefix_a 0.3 prefix_b").
 : "${DATA_PATH:=${PROJECT_DIR}/data/corpus_text_document}" "${SPLIT:=949,50,1}"
-: "${TOKENIZER_ARGS:=--tokenizer-type GPT2BPETokenizer --vocab-file ${PROJECT_DIR}/data/gpt2-vocab.json --merge-file ${PROJECT_DIR}/data/gpt2-merges.txt}"
+: "${TOKENIZER_ARGS=--tokenizer-type GPT2BPETokenizer --vocab-file ${PROJECT_DIR}/data/gpt2-vocab.json --merge-file ${PROJECT_DIR}/data/gpt2-merges.txt}"
 # Checkpoints: resume from SAVE_DIR when it has one, else start from INIT_CHECKPOINT (if set).
-: "${SAVE_DIR:=${PROJECT_DIR}/checkpoints/gpt_345m}" "${INIT_CHECKPOINT:=}" "${SAVE_INTERVAL:=1000}"
+: "${SAVE_DIR:=${PROJECT_DIR}/checkpoints/gpt_345m}" "${INIT_CHECKPOINT=}" "${SAVE_INTERVAL:=1000}"
 : "${EXIT_MARGIN_SECONDS:=900}"  # stop training this long before h_rt to save and exit
 : "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
-: "${EXTRA_ARGS:=}"  # any further pretrain_gpt.py flags
+: "${EXTRA_ARGS=}"  # any further pretrain_gpt.py flags
 # Cluster: modules (loaded only where `module` exists), GPUs per node (default: from rt_*).
 : "${ABCI_MODULES:=python/3.11 cuda/12.1/12.1.1 cudnn/8.9/8.9.7 nccl/2.18/2.18.5-1 hpcx/2.12}"
-: "${GPUS_PER_NODE:=}" "${MASTER_IFACE:=bond0}" "${MPIRUN_ARGS:=}"
+: "${GPUS_PER_NODE=}" "${MASTER_IFACE:=bond0}" "${MPIRUN_ARGS=}"
 : "${MPI_EXPORT_VARS:=VIRTUAL_ENV PYTHONPATH OMP_NUM_THREADS DS_ACCELERATOR CUDA_DEVICE_MAX_CONNECTIONS NCCL_IB_DISABLE NCCL_DEBUG MEGATRON_RU_LOG_LEVEL TORCH_EXTENSIONS_DIR}"
 # ---------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -100,7 +101,11 @@ class GridEngine:
 
     def _start_daemon(self, daemon: str, pid_file) -> None:
         if read_pid(pid_file()) is None:
-            run([daemon], env=sge_env())
+            # a minimal environment (jobs inherit the execd's), detached from pytest's pipes
+            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root",
+                   "SGE_ROOT": str(SGE_ROOT), "SGE_CELL": SGE_CELL}
+            subprocess.run([daemon], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True, check=True, timeout=60)
             wait_for(lambda: read_pid(pid_file()) is not None, 30, f"{daemon} to write its pid file")
             self.started.append(read_pid(pid_file()))  # type: ignore[arg-type]
 

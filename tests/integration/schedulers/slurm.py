@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .system import apt_install, pid_alive, read_pid, run, stop_pid, unavailable, wait_for
+from .system import apt_install, read_pid, run, spawn, stop_pid, unavailable, wait_for
 
 CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by the megatron_ru scheduler test harness"
@@ -91,19 +91,24 @@ class SlurmCluster:
         run_dir = Path("/run/munge")
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chown(run_dir, munge.pw_uid, munge.pw_gid)
+        # every daemon runs in the foreground as our child, so its PID is known from the start
         if read_pid(run_dir / "munged.pid") is None:
-            run(["runuser", "-u", "munge", "--", "munged"])
-            self.started.append(self._wait_pid(run_dir / "munged.pid", "munged"))
+            self.started.append(spawn(["munged", "--foreground"], SPOOL / "munged.out", user="munge"))
+            self._wait(lambda: (run_dir / "munge.socket.2").exists(), "munged", "munged.out")
         for daemon, extra in (("slurmctld", ["-c"]), ("slurmd", [])):
-            pid_file = SPOOL / f"{daemon}.pid"
-            if read_pid(pid_file) is None:
-                run([daemon, *extra])
-                self.started.append(self._wait_pid(pid_file, daemon))
-        wait_for(self._node_idle, 60, "the Slurm node to become idle", interval=0.3)
+            if read_pid(SPOOL / f"{daemon}.pid") is None:
+                self.started.append(spawn([daemon, "-D", *extra], SPOOL / f"{daemon}.out"))
+        self._wait(lambda: "UP" in run(["scontrol", "ping"], check=False, timeout=10).stdout,
+                   "slurmctld", "slurmctld.log")
+        self._wait(self._node_idle, "the Slurm node to become idle", "slurmd.log")
 
-    def _wait_pid(self, pid_file: Path, name: str) -> int:
-        wait_for(lambda: read_pid(pid_file) is not None, 20, f"{name} to write {pid_file}")
-        return read_pid(pid_file)  # type: ignore[return-value]
+    def _wait(self, predicate, what: str, log_name: str) -> None:
+        try:
+            wait_for(predicate, 60, what, interval=0.3)
+        except TimeoutError as e:
+            log = SPOOL / log_name
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else ""
+            raise TimeoutError(f"{e}; last lines of {log}:\n{tail}") from None
 
     def _node_idle(self) -> bool:
         out = run(["sinfo", "-h", "-N", "-o", "%T"], check=False, timeout=10).stdout.strip()

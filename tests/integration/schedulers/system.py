@@ -50,6 +50,16 @@ def apt_install(packages: Sequence[str], debconf: str = "") -> None:
     run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages], timeout=600, env=env)
 
 
+def spawn(cmd: Sequence[str], log_path: Path, *, user: str | None = None,
+          env: dict | None = None) -> int:
+    """Start a daemon in the foreground as our own child, detached from the test's terminal and
+    pipes (a daemon holding pytest's capture pipes can stall), and return its PID."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, user=user, group=user)
+    return proc.pid
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,0 +1,53 @@
+"""scripts/slurm/*.sbatch submitted with a real `sbatch` to a real one-node Slurm.
+
+The node advertises two fake GPUs (count-only GRES), so `--gres=gpu:2` is accepted; the ranks
+run on CPU with gloo. pyxis/enroot are not installed: submit_pyxis.sbatch runs without
+CONTAINER_IMAGE, i.e. plain `srun` (its container flags are checked in test_scripts_dry_run).
+1. submit_pyxis.sbatch: srun starts one task per "GPU"; ranks from SLURM_*; trains and saves;
+2. submit_torchrun.sbatch: one torchrun per node with a c10d rendezvous on the head node;
+   resumes from the first job's checkpoint and trains further.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.schedulers.fixtures import REPO, slurm_cluster, tiny_corpus  # noqa: F401
+from tests.integration.schedulers.training import (check_fresh_run, check_ranks, check_resumed, job_env,
+                                                   latest_iteration)
+
+JOB_TIMEOUT = 150
+
+
+def submit(cluster, script: str, env: dict[str, str], log: Path, time_limit: str = "10:00") -> str:
+    # one node with two GPUs instead of the script's production allocation
+    job_id = cluster.sbatch(["--nodes=1", "--gres=gpu:2", f"--time={time_limit}", f"--output={log}",
+                             *(["--ntasks-per-node=2"] if "pyxis" in script else []), script],
+                            cwd=REPO, env=env)
+    state = cluster.wait(job_id, JOB_TIMEOUT)
+    text = log.read_text() if log.exists() else ""
+    assert state == "COMPLETED", f"job {job_id} ({script}) ended {state} " \
+                                 f"(exit {cluster.exit_code(job_id)}):\n{text[-4000:]}"
+    return text
+
+
+@pytest.mark.slow
+def test_slurm_srun_then_torchrun_resume(slurm_cluster, tiny_corpus, tmp_path):  # noqa: F811
+    save = tmp_path / "checkpoints"
+    m1, m2 = tmp_path / "metrics_1.jsonl", tmp_path / "metrics_2.jsonl"
+
+    log = submit(slurm_cluster, "scripts/slurm/submit_pyxis.sbatch", job_env(tiny_corpus, save, m1, 8),
+                 tmp_path / "job1.log")
+    first = check_fresh_run(log, m1, save, 8)
+    check_ranks(log, save, "slurm")
+    assert "1 node(s) x 2 GPU(s), head " in log
+    assert "--container-image" not in log  # no image given: plain srun
+
+    log = submit(slurm_cluster, "scripts/slurm/submit_torchrun.sbatch", job_env(tiny_corpus, save, m2, 12),
+                 tmp_path / "job2.log")
+    second = check_resumed(log, m2, save, 8, first)
+    assert [r["iteration"] for r in second] == [9, 10, 11, 12]
+    assert latest_iteration(save) == 12
+    check_ranks(log, save, "torchrun")
+    assert "--rdzv-backend=c10d" in log
