@@ -1,7 +1,8 @@
 """Training/validation batches from the GPT datasets, resumable at any consumed-sample count.
 
 Sizes follow Megatron: train = train_iters × global batch; validation = (train_iters //
-eval_interval + 1) × eval_iters × global batch; test = eval_iters × global batch. The sampler
+eval_interval + 1) × eval_iters × global batch. The test split is not read by training (no
+samples are asked of it), so ``--split 98,2,0`` is fine. The sampler
 splits each global batch into micro batches per data-parallel rank; every TP rank and every
 pipeline stage of one data-parallel rank reads the same samples (they are cheap memory-mapped
 reads), so no broadcast is needed. Position in the data = consumed samples, stored in checkpoints.
@@ -31,7 +32,7 @@ def collate(samples: list[dict[str, np.ndarray]]) -> Batch:
 
 def dataset_sizes(train_iters: int, global_batch: int, eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
     eval_runs = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
-    return (train_iters * global_batch, eval_runs * eval_iters * global_batch, eval_iters * global_batch)
+    return (train_iters * global_batch, eval_runs * eval_iters * global_batch, 0)
 
 
 def build_datasets(args: Any, is_builder_rank: bool, barrier: Any) -> tuple[Any, Any, Any]:
@@ -51,8 +52,10 @@ def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp
     from megatron_ru.data.sampler import MegatronPretrainingSampler
     sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
                                          micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    # its own generator: creating a loader iterator draws a seed, which must not shift the global
+    # RNG stream that dropout uses (a resumed run creates its loaders at a different point)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate, persistent_workers=False)
+                                         collate_fn=collate, generator=torch.Generator().manual_seed(0))
     return (batch.to(device) for batch in loader)
 
 

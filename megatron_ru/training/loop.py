@@ -107,7 +107,7 @@ class Trainer:
         with torch.no_grad():
             for _ in range(t.eval_iters):
                 if self.is_pipe:
-                    total += self.engine.eval_batch(data_iter=pipeline_items(self._valid_batches)).double()
+                    total += self.engine.eval_batch(data_iter=pipeline_items(self._valid_batches)).double().reshape(())
                 else:
                     for _ in range(self.args.grad_accum):
                         b = next(self._valid_batches)

@@ -1,0 +1,42 @@
+"""Acceptance 2: 12 iterations in one go vs 6 + stop + resume + 6: iterations 7-12 identical
+(fp32, CPU), for PP = 1 (DP = 2, ZeRO 1) and PP = 2 layouts, with dropout on (RNG restored) and
+evaluations in between (validation position restored)."""
+import json
+import os
+
+import pytest
+
+from megatron_ru.training.checkpoint import read_latest_iteration
+from tests.dist_utils import run_distributed
+from tests.integration._train_helpers import make_corpus, tiny_argv, train_body
+
+pytestmark = pytest.mark.slow
+
+
+def test_resume_is_exact_for_pp1_and_pp2(tmp_path):
+    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+    layouts = {"pp1": ["--zero-stage", "1"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+    runs = []
+    for name, layout in layouts.items():
+        save = str(tmp_path / name)
+        extra = [*layout, "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "4",
+                 "--eval-iters", "1"]
+        runs.append(tiny_argv(prefix, cache, iters=12, extra=extra))
+        runs.append(tiny_argv(prefix, cache, iters=12, extra=[*extra, "--save", save, "--exit-interval", "6",
+                                                              "--metrics-file", str(tmp_path / f"{name}.jsonl")]))
+        runs.append(tiny_argv(prefix, cache, iters=12, extra=[*extra, "--save", save, "--load", save,
+                                                              "--metrics-file", str(tmp_path / f"{name}.jsonl")]))
+    results = run_distributed(train_body, 2, args=(runs,), timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
+    for i, name in enumerate(layouts):
+        full, first, second = results[3 * i: 3 * i + 3]
+        assert first["iteration"] == 6 and sorted(first["losses"]) == list(range(1, 7))
+        assert sorted(second["losses"]) == list(range(7, 13))
+        assert [first["losses"][k] for k in range(1, 7)] == [full["losses"][k] for k in range(1, 7)]
+        assert [second["losses"][k] for k in range(7, 13)] == [full["losses"][k] for k in range(7, 13)], name
+        full_evals = {e["iteration"]: e["val_loss"] for e in full["evals"]}
+        resumed = {e["iteration"]: e["val_loss"] for e in first["evals"] + second["evals"]}
+        assert resumed == full_evals and sorted(full_evals) == [4, 8, 12]
+        assert read_latest_iteration(str(tmp_path / name)) == 12
+        recs = [json.loads(x) for x in open(tmp_path / f"{name}.jsonl")]
+        assert [r["iteration"] for r in recs if r["type"] == "train"] == list(range(1, 13))
+        assert os.path.isdir(tmp_path / name / "iter_0000006")
