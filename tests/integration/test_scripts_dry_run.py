@@ -1,0 +1,180 @@
+"""DRY_RUN=1 output of the job scripts in faked scheduler environments, checked line by line,
+plus the shell helpers they share (time limits, exit duration) and the qsub -g wrapper."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.schedulers.slurm import SlurmCluster
+
+REPO = Path(__file__).resolve().parents[2]
+QSUB_WRAPPER = REPO / "tests/integration/schedulers/bin/qsub"
+
+
+def run_script(script: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "DRY_RUN": "1"}
+    proc = subprocess.run(["bash", script], cwd=REPO, env={**base, **env}, capture_output=True, text=True,
+                          timeout=60)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def abci_env(tmp_path: Path, hosts: list[str], job_id: int = 4242, **extra: str) -> dict[str, str]:
+    (tmp_path / "hostlist").write_text("".join(f"{h}\n" for h in hosts))
+    return {"JOB_ID": str(job_id), "SGE_JOB_HOSTLIST": str(tmp_path / "hostlist"),
+            "SGE_LOCALDIR": str(tmp_path), "SAVE_DIR": str(tmp_path / "ckpt"), **extra}
+
+
+def flag(tokens: list[str], name: str) -> str:
+    return tokens[tokens.index(name) + 1]
+
+
+def test_abci_two_nodes_four_gpus(tmp_path):
+    out = run_script("scripts/abci/submit_multinode.sh", abci_env(tmp_path, ["node1", "node2"])).stdout
+    lines = out.splitlines()
+    hostfile = tmp_path / "hostfile.4242"
+    assert lines[:7] == ["MASTER_ADDR=node1", "MASTER_PORT=14242", f"# hostfile {hostfile}",
+                         "node1 slots=4", "node2 slots=4", "# command", lines[6]]
+    assert len(lines) == 7
+    assert hostfile.read_text() == "node1 slots=4\nnode2 slots=4\n"
+    cmd = shlex.split(lines[6])
+    assert cmd[:15] == ["mpirun", "-np", "8", "-npernode", "4", "--hostfile", str(hostfile),
+                        "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
+    mpi_end = cmd.index("python")
+    assert cmd[mpi_end - 4:mpi_end] == ["-bind-to", "none", "-map-by", "slot"]
+    train = cmd[mpi_end + 2:]
+    assert cmd[mpi_end + 1] == str(REPO / "pretrain_gpt.py")
+    assert "--use-mpi" not in train
+    # the 345M GPT block at the top of the script, fp16 on V100, resume-aware save
+    assert [flag(train, f) for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")] \
+        == ["24", "1024", "16", "1024"]
+    assert "--fp16" in train and "--exit-signal-handler" in train
+    assert flag(train, "--save") == str(tmp_path / "ckpt") and "--load" not in train
+    # h_rt=24:00:00 from the #$ line, 900 s kept to save: 85500 s = 1425 minutes of training
+    assert flag(train, "--exit-duration-in-mins") == "1425.00"
+
+
+def test_abci_port_resource_types_and_overrides(tmp_path):
+    env = abci_env(tmp_path, ["a1", "a2", "a3"], job_id=123456, RESOURCE_TYPE="rt_AF", H_RT="2:00:00",
+                   EXIT_MARGIN_SECONDS="600", TP="4", PP="2", EXTRA_ARGS="--recompute-granularity full")
+    lines = run_script("scripts/abci/submit_multinode.sh", env).stdout.splitlines()
+    assert lines[:2] == ["MASTER_ADDR=a1", "MASTER_PORT=33456"]  # 10000 + 123456 % 50000
+    assert lines[3:6] == ["a1 slots=8", "a2 slots=8", "a3 slots=8"]
+    cmd = shlex.split(lines[-1])
+    assert cmd[1:5] == ["-np", "24", "-npernode", "8"]
+    assert flag(cmd, "--tensor-model-parallel-size") == "4" and flag(cmd, "--pipeline-model-parallel-size") == "2"
+    assert flag(cmd, "--exit-duration-in-mins") == "110.00"
+    assert cmd[-2:] == ["--recompute-granularity", "full"]
+    env.update(GPUS_PER_NODE="2")
+    cmd = shlex.split(run_script("scripts/abci/submit_single_node.sh", env).stdout.splitlines()[-1])
+    assert cmd[1:5] == ["-np", "6", "-npernode", "2"]
+
+
+def test_abci_resume_and_initial_checkpoint(tmp_path):
+    init = tmp_path / "hf_converted"
+    init.mkdir()
+    env = abci_env(tmp_path, ["node1"], INIT_CHECKPOINT=str(init))
+    proc = run_script("scripts/abci/submit_single_node.sh", env, check=False)
+    assert proc.returncode == 2 and f"INIT_CHECKPOINT={init} has no latest_checkpointed_iteration.txt" in proc.stderr
+    (init / "latest_checkpointed_iteration.txt").write_text("0\n")
+    cmd = shlex.split(run_script("scripts/abci/submit_single_node.sh", env).stdout.splitlines()[-1])
+    assert cmd[cmd.index("--load"):cmd.index("--load") + 3] == ["--load", str(init), "--finetune"]
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("1200\n")
+    proc = run_script("scripts/abci/submit_single_node.sh", env)
+    cmd = shlex.split(proc.stdout.splitlines()[-1])
+    assert flag(cmd, "--load") == str(save) and "--finetune" not in cmd
+    assert f"resuming from {save} (iteration 1200)" in proc.stderr
+
+
+def test_abci_loads_modules_only_where_module_exists(tmp_path):
+    env = abci_env(tmp_path, ["node1"])
+    proc = run_script("scripts/abci/submit_single_node.sh", env)
+    assert "no environment modules here" in proc.stderr
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "module_calls"
+    (bindir / "module").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (bindir / "module").chmod(0o755)
+    env.update(PATH=f"{bindir}:/usr/local/bin:/usr/bin:/bin", ABCI_MODULES="cuda/12.1/12.1.1 hpcx/2.12")
+    run_script("scripts/abci/submit_single_node.sh", env)
+    assert calls.read_text().splitlines() == ["load cuda/12.1/12.1.1", "load hpcx/2.12"]
+
+
+def test_abci_bad_settings_name_the_variable(tmp_path):
+    proc = run_script("scripts/abci/submit_single_node.sh", abci_env(tmp_path, ["n1"], PRECISION="fp8"), check=False)
+    assert proc.returncode == 2 and "PRECISION must be bf16, fp16 or fp32 (got 'fp8')" in proc.stderr
+    proc = run_script("scripts/abci/submit_single_node.sh", abci_env(tmp_path, ["n1"], RESOURCE_TYPE="rt_C.large"),
+                      check=False)
+    assert proc.returncode == 2 and "unknown ABCI resource type 'rt_C.large': set GPUS_PER_NODE" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def scontrol():
+    SlurmCluster().ensure_installed()  # `scontrol show hostnames` needs no running daemon
+
+
+def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu-[001-002]", "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "64", "TIME_LIMIT": "4:00:00",
+            "SAVE_DIR": str(tmp_path / "ckpt"), **extra}
+
+
+def test_slurm_srun_with_and_without_container(tmp_path, scontrol):
+    cmd = shlex.split(run_script("scripts/slurm/submit_pyxis.sbatch", slurm_env(tmp_path)).stdout.strip())
+    entry = cmd.index("python")
+    assert cmd[:entry] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=8", "--ntasks=16",
+                           "--cpus-per-task=8"]
+    assert cmd[entry + 1] == str(REPO / "pretrain_gpt.py")
+    assert flag(cmd, "--exit-duration-in-mins") == "225.00" and "--bf16" in cmd
+    env = slurm_env(tmp_path, CONTAINER_IMAGE="/shared/megatron_ru.sqsh")
+    cmd = shlex.split(run_script("scripts/slurm/submit_pyxis.sbatch", env).stdout.strip())
+    entry = cmd.index("python")
+    assert cmd[6:entry] == ["--container-image=/shared/megatron_ru.sqsh", f"--container-mounts={REPO}:{REPO}",
+                            f"--container-workdir={REPO}"]
+    assert cmd[entry + 1] == "/workspace/megatron_ru/pretrain_gpt.py"
+
+
+def test_slurm_torchrun_rendezvous_on_head_node(tmp_path, scontrol):
+    proc = run_script("scripts/slurm/submit_torchrun.sbatch", slurm_env(tmp_path))
+    cmd = shlex.split(proc.stdout.strip())
+    t = cmd.index("torchrun")
+    assert cmd[:t] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2",
+                       "--cpus-per-task=64"]
+    assert cmd[t:t + 7] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-id=77", "--rdzv-backend=c10d",
+                            "--rdzv-endpoint=gpu-001:10077", str(REPO / "pretrain_gpt.py")]
+    assert "head gpu-001, master gpu-001:10077" in proc.stderr
+
+
+def shell(snippet: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f'set -euo pipefail; source scripts/lib/launch.sh; {snippet}'],
+                          cwd=REPO, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("limit,seconds", [("90", 90), ("5:30", 330), ("1:00:00", 3600), ("24:00:00", 86400),
+                                           ("1-02:03:04", 93784), ("2-12", 216000), ("08:09:07", 29347)])
+def test_time_limits(limit, seconds):
+    assert shell(f"to_seconds {limit}").stdout.strip() == str(seconds)
+
+
+def test_bad_time_limit_and_exit_duration():
+    proc = shell("to_seconds 1:xx:00")
+    assert proc.returncode == 2 and "cannot read the time limit '1:xx:00' (expected H:M:S)" in proc.stderr
+    # margin kept for the save; a job shorter than the margin still trains a tenth of its time
+    assert shell("exit_duration_mins 86400 900").stdout.strip() == "1425.00"
+    assert shell("exit_duration_mins 600 900").stdout.strip() == "1.00"
+
+
+def test_qsub_wrapper_drops_only_the_group_option(tmp_path):
+    fake = tmp_path / "qsub"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
+    proc = subprocess.run([str(QSUB_WRAPPER), "-g", "gcb50000", "-cwd", "-l", "rt_F=2", "-V", "job.sh", "-g", "x"],
+                          env={**os.environ, "REAL_QSUB": str(fake)}, capture_output=True, text=True, timeout=30)
+    assert proc.stdout.splitlines() == ["-cwd", "-l", "rt_F=2", "-V", "job.sh", "-g", "x"]
