@@ -41,23 +41,26 @@ def _unpack_inputs(inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 class EmbeddingLayer(nn.Module):
     """Word (+ learned position) embeddings and embedding dropout. When embeddings are tied it
-    also serves as the output head on the last stage (:func:`tied_output_logits`)."""
+    also serves as the output head on the last stage (:func:`tied_output_logits`); built there
+    with ``output_only=True`` it holds just the word embeddings (no unused position table)."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, output_only: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         self.vocab_size = vocab_size
         self.dropout = cfg.hidden_dropout
+        self.output_only = output_only
+        self.has_position_table = cfg.position_embedding_type == "learned_absolute"
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size(cfg, vocab_size, tp_group), cfg.hidden_size, tp_group=tp_group,
             init_method=normal_init(std, seed, "embedding.word_embeddings.weight", valid_rows=vocab_size),
             device=device, dtype=dtype)
         self.position_embeddings = None
-        if cfg.position_embedding_type == "learned_absolute":
+        if cfg.position_embedding_type == "learned_absolute" and not output_only:
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                     device=device, dtype=dtype)
             full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
@@ -67,6 +70,9 @@ class EmbeddingLayer(nn.Module):
 
     def forward(self, inputs: Any) -> torch.Tensor:
         tokens, position_ids = _unpack_inputs(inputs)
+        if self.output_only and self.has_position_table:
+            raise RuntimeError("this EmbeddingLayer was built output_only (last pipeline stage) and has no "
+                               "position embeddings; use it through tied_output_logits")
         x = self.word_embeddings(tokens)                   # [b, s, h]
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -143,7 +149,8 @@ def build_layer_specs(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup 
                       dtype: torch.dtype = torch.float32) -> list:
     """The model as DeepSpeed pipeline layer specs: [embedding, layer 0 .. N-1, final norm,
     output head]. With tied embeddings the first and last specs are ``TiedLayerSpec("embed")``
-    sharing ``word_embeddings.weight``. Use with ``PipelineModule(layers=..., loss_fn=GPTLoss(...),
+    sharing ``word_embeddings.weight`` (on a separate last stage it is built ``output_only``).
+    Use with ``PipelineModule(layers=..., loss_fn=GPTLoss(...),
     partition_method="type:TransformerLayer")``."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
     _check(cfg, tp_group)
@@ -158,8 +165,10 @@ def build_layer_specs(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup 
         specs.append(LayerSpec(TransformerLayer, cfg, i, tp_group, sequence_parallel, **common))
     specs.append(LayerSpec(FinalNorm, cfg, tp_group, sequence_parallel, device=device, dtype=dtype))
     if cfg.tied_embeddings:
+        # DeepSpeed builds a tied module from the first spec a stage owns: with one stage that is
+        # the full embedding above, on a separate last stage this word-embeddings-only head
         specs.append(TiedLayerSpec(TIED_KEY, *emb_args, forward_fn=tied_output_logits,
-                                   tied_weight_attr=TIED_WEIGHT_ATTR, **common))
+                                   tied_weight_attr=TIED_WEIGHT_ATTR, output_only=True, **common))
     else:
         specs.append(LayerSpec(OutputLayer, cfg, vocab_size, tp_group, sequence_parallel, **common))
     return specs

@@ -2,6 +2,7 @@
 pipeline layer sequence, recomputation with dropout, the loss mask, sharding helpers."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -101,14 +102,20 @@ def test_layer_specs_compose_to_gpt_model(make_cfg) -> None:
     if tied:
         assert specs[0].key == specs[-1].key == "embed"
         assert specs[-1].forward_fn is tied_output_logits and specs[-1].tied_weight_attr == ["word_embeddings.weight"]
+        # a separate last stage holds only the tied word embeddings (nothing without a gradient)
+        assert [n for n, _ in layers[-1].named_parameters()] == ["word_embeddings.weight"]
+        with pytest.raises(RuntimeError, match="output_only") if cfg.position_embedding_type != "rope" \
+                else contextlib.nullcontext():
+            layers[-1](torch.zeros(1, 4, dtype=torch.long))
     tokens, labels = _batch(1)
     x = tokens
-    for i, (spec, layer) in enumerate(zip(specs, layers)):
-        forward_fn = getattr(spec, "forward_fn", None)
-        x = forward_fn(layer, x) if forward_fn is not None and i == len(specs) - 1 else layer(x)
-    expect = model(tokens)
-    assert torch.allclose(x, expect, rtol=0, atol=1e-6)
-    assert float(model.loss_fn(x, labels)) == pytest.approx(float(model(tokens, labels=labels)), rel=1e-6)
+    with torch.no_grad():
+        for i, (spec, layer) in enumerate(zip(specs, layers)):
+            forward_fn = getattr(spec, "forward_fn", None)
+            x = forward_fn(layer, x) if forward_fn is not None and i == len(specs) - 1 else layer(x)
+        expect = model(tokens)
+        assert torch.allclose(x, expect, rtol=0, atol=1e-6)
+        assert float(model.loss_fn(x, labels)) == pytest.approx(float(model(tokens, labels=labels)), rel=1e-6)
 
 
 def test_recompute_replays_dropout_including_tp_stream() -> None:
