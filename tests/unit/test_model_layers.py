@@ -128,7 +128,7 @@ def test_recompute_replays_dropout_including_tp_stream() -> None:
         model_parallel_seed(123, tp_rank=0)
         loss = model(tokens, labels=labels)
         loss.backward()
-        return float(loss), [p.grad.clone() for p in model.parameters()]
+        return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
     loss_a, ga = grads(False)
     loss_b, gb = grads(True)
