@@ -168,7 +168,7 @@ BAD_LINES = {
     "missing key": ('{"body": "x"}', r"no key 'text' \(the object has keys \['body'\]\); choose the key with --json-keys"),
     "non-string": ('{"text": 42}', r"key 'text' is a JSON number, not a string"),
     "not an object": ('["text"]', r"expected a JSON object, got a JSON array"),
-    "lone surrogate": ('{"text": "a\\ud800b"}', r"the text contains a lone surrogate"),
+    "lone surrogate": ('{"text": "a\\ud800b"}', r"key 'text' contains a lone surrogate escape"),
     "invalid UTF-8": (b'{"text": "caf\xe9"}', r"invalid UTF-8 \(byte 0xe9 at byte 13 of the line\); re-encode"),
 }
 
