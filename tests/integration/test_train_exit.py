@@ -1,0 +1,71 @@
+"""Exit paths and parameter freezing: SIGTERM with --exit-signal-handler saves and exits 0;
+--train-only-embeddings / --freeze choose what the optimizer updates."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_ru.training.checkpoint import read_latest_iteration
+from tests.integration._train_helpers import REPO, VOCAB, make_corpus, tiny_argv
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+    metrics, save = tmp_path / "m.jsonl", str(tmp_path / "ckpt")
+    args = tiny_argv(prefix, cache, iters=10000, extra=["--eval-iters", "0", "--metrics-file", str(metrics),
+                                                        "--save", save, "--exit-signal-handler"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "exiting at iteration" in out and "exit signal" in out
+    last = [json.loads(x) for x in open(metrics)][-1]["iteration"]
+    assert read_latest_iteration(save) == last >= 2
+    meta = json.load(open(os.path.join(save, f"iter_{last:07d}", "metadata.json")))
+    assert meta["iteration"] == last and meta["consumed_train_samples"] == 4 * last
+
+
+def test_train_only_embeddings_and_freeze_patterns():
+    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.model.gpt import GPTModel
+    from megatron_ru.training.engine import build_optimizer
+    from megatron_ru.training.freeze import apply_freezing
+    args = parse_arguments(tiny_argv("/nonexistent", "/tmp"), world_size=1, device_type="cpu", validate=False)
+    model = GPTModel(args.model, VOCAB - 1)
+    frozen = apply_freezing(model, train_only_embeddings=True)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == ["embedding.word_embeddings.weight", "output_layer.weight"]
+    assert len(frozen) == len(list(model.parameters())) - 2
+    opt = build_optimizer(model, args.optimizer)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 2
+
+    model = GPTModel(args.model, VOCAB - 1)
+    apply_freezing(model, freeze=["decoder.layers.0.*", "*final_layernorm*"])
+    names = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert names and all(n.startswith("decoder.layers.0.") or "final_layernorm" in n for n in names)
+    assert any(n.startswith("decoder.layers.1.") for n, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="--freeze pattern 'decoder.layer.0.*' matches no parameter"):
+        apply_freezing(model, freeze=["decoder.layer.0.*"])
+    # nothing trainable left on a rank is a clear error, not a DeepSpeed crash
+    apply_freezing(model, freeze=["*"])
+    with pytest.raises(ValueError, match="no trainable parameters on this rank"):
+        build_optimizer(model, args.optimizer)
