@@ -27,14 +27,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per_rank = logits.shape[-1]
         start = rank * per_rank
         work = logits.float()
+        # padded vocabulary entries: never a valid prediction, excluded from max and softmax
         valid = per_rank if vocab_size is None else max(0, min(per_rank, vocab_size - start))
-        if valid < per_rank:
-            # padded vocabulary entries: never a valid prediction, excluded from the softmax
-            work = work.clone()
-            work[..., valid:] = float("-inf")
-        logits_max = work.max(dim=-1).values
+        if valid == per_rank:
+            logits_max = work.max(dim=-1).values
+        elif valid > 0:
+            logits_max = work[..., :valid].max(dim=-1).values
+        else:
+            logits_max = work.new_full(work.shape[:-1], float("-inf"))
         _all_reduce_(logits_max, dist.ReduceOp.MAX, group)
-        work = work - logits_max.unsqueeze(-1)
+        work = work - logits_max.unsqueeze(-1)             # a new tensor: the input stays intact
+        if valid < per_rank:
+            work[..., valid:] = float("-inf")
 
         outside = (target < start) | (target >= start + per_rank)
         local_target = (target - start).masked_fill(outside, 0)
@@ -54,10 +58,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax.clone()  # keep the saved tensor intact for retain_graph re-runs
-        # d loss / d logit = softmax - onehot(target), the onehot living on one rank only
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
+        # d loss / d logit = softmax - onehot(target), the onehot living on one rank only;
+        # a new tensor, so the saved softmax survives a retain_graph re-run
+        grad = softmax * grad_loss.unsqueeze(-1)
+        hit = (outside.to(grad.dtype) - 1.0) * grad_loss
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), hit.unsqueeze(-1))
         return grad.to(ctx.input_dtype), None, None, None
 
 

@@ -140,7 +140,7 @@ def _check_embedding_and_loss(group, rank: int, size: int, out: dict) -> None:
     from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_ru.parallel.layers import VocabParallelEmbedding
     from megatron_ru.parallel.utils import gather_full_tensor, pad_vocab_size
-    vocab, h = 50, 6                                   # 50 is not divisible by 4 (nor by 2*... with 3)
+    vocab, h = 50, 6                                   # 50 is not divisible by 4
     padded = pad_vocab_size(vocab, 3, size)            # 54 at TP=2, 60 at TP=4: some padding either way
     ids = torch.randint(0, vocab, (5, 3), generator=_gen(7))
     W = torch.cat([_randn(vocab, h, seed=8), torch.zeros(padded - vocab, h)])
@@ -153,20 +153,25 @@ def _check_embedding_and_loss(group, rank: int, size: int, out: dict) -> None:
     out["embedding.fwd"] = _rel(y.detach(), F.embedding(ids, W))
     out["embedding.dW"] = _rel(gather_full_tensor(emb.weight.grad, group, 0), Wr.grad)
 
-    logits = _randn(5, 3, padded, seed=10) * 3
-    logits[..., vocab:] = 40.0                         # garbage in padded columns must not matter
-    target = torch.randint(0, vocab, (5, 3), generator=_gen(11))
-    target[0, 0], target[0, 1] = 0, vocab - 1          # first and last real ids (first and last rank)
-    upstream = _randn(5, 3, seed=12)
-    ref_in = logits[..., :vocab].clone().requires_grad_()
-    ref = F.cross_entropy(ref_in.reshape(-1, vocab), target.reshape(-1), reduction="none").reshape(5, 3)
-    (ref * upstream).sum().backward()
-    ref_grad = torch.cat([ref_in.grad, torch.zeros(5, 3, padded - vocab)], -1)
-    local = logits.chunk(size, -1)[rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, target, group, vocab_size=vocab)
-    (loss * upstream).sum().backward()
-    out["cross_entropy.fwd"] = _rel(loss.detach(), ref.detach())
-    out["cross_entropy.bwd"] = _rel(gather_full_tensor(local.grad, group, 2), ref_grad)
+    # 50 over 2/4 ranks: the last rank is partly padding; 10 padded to 8*tp: at TP=4 ranks 2 and 3
+    # hold nothing but padding
+    for vocab, divisible_by in ((50, 3), (10, 8)):
+        padded = pad_vocab_size(vocab, divisible_by, size)
+        logits = _randn(5, 3, padded, seed=10) * 3
+        logits[..., vocab:] = 40.0                     # garbage in padded columns must not matter
+        target = torch.randint(0, vocab, (5, 3), generator=_gen(11))
+        target[0, 0], target[0, 1] = 0, vocab - 1      # first and last real ids
+        upstream = _randn(5, 3, seed=12)
+        ref_in = logits[..., :vocab].clone().requires_grad_()
+        ref = F.cross_entropy(ref_in.reshape(-1, vocab), target.reshape(-1), reduction="none").reshape(5, 3)
+        (ref * upstream).sum().backward()
+        ref_grad = torch.cat([ref_in.grad, torch.zeros(5, 3, padded - vocab)], -1)
+        local = logits.chunk(size, -1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, target, group, vocab_size=vocab)
+        (loss * upstream).sum().backward()
+        out[f"cross_entropy[vocab={vocab}].fwd"] = _rel(loss.detach(), ref.detach())
+        out[f"cross_entropy[vocab={vocab}].bwd"] = _rel(gather_full_tensor(local.grad, group, 2), ref_grad)
+        out[f"cross_entropy[vocab={vocab}].input_untouched"] = _rel(local.detach(), logits.chunk(size, -1)[rank])
 
 
 def _check_rng(group, rank: int, size: int, out: dict) -> None:
