@@ -253,7 +253,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
     Idempotent: when torch.distributed is already initialised, returns the discovered env
     (after checking rank and world size agree) without re-initialising."""
     denv = discover_environment(os.environ)
-    if denv.master_from == "mpi":
+    if denv.master_from == "mpi" and not dist.is_initialized():
         denv = share_master_over_mpi(denv)
     apply_environment(denv)
     if dist.is_initialized():
