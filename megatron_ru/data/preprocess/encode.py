@@ -7,6 +7,7 @@ order) is reported with its file, line number and a fix unless ``skip_invalid``.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -50,6 +51,10 @@ class BatchResult:
     skipped: Counter = field(default_factory=Counter)
     first_skipped: dict[str, str] = field(default_factory=dict)
     error: Optional[str] = None
+
+
+_NON_SPACE = re.compile(r"\S")
+_NON_SPACE_BYTES = re.compile(rb"\S")
 
 
 class Invalid(Exception):
@@ -139,7 +144,7 @@ class Encoder:
         docs: list[tuple[int, Optional[str], str, list[str]]] = []
         for i, raw in enumerate(lines):
             line_no = batch.first_line + i
-            if not raw.strip():
+            if _NON_SPACE_BYTES.search(raw) is None:
                 res.skipped["blank line"] += 1
                 continue
             try:
@@ -149,7 +154,7 @@ class Encoder:
                     return res
                 continue
             for key, text in zip(o.json_keys, texts):
-                if not text.strip():
+                if _NON_SPACE.search(text) is None:  # (no copy of a possibly huge text, unlike strip)
                     self._count(res, f"empty '{key}'", batch.path, line_no)
                     continue
                 docs.append((line_no, group, key, self._segments(text)))
@@ -203,7 +208,6 @@ class Encoder:
 
     def _assemble(self, docs, arrays, res: BatchResult) -> None:
         parts: dict[tuple[Optional[str], str], tuple[list, list, list]] = {}
-        eod = np.asarray([self.tok.eod], dtype=np.int64)
         for (line_no, group, key, _), segs in zip(docs, arrays):
             if segs is None:
                 continue
@@ -212,7 +216,7 @@ class Encoder:
                 res.skipped[f"no tokens '{key}'"] += 1
                 continue
             if self.opts.append_eod:
-                segs[-1] = np.concatenate([segs[-1], eod])
+                segs[-1] = np.append(segs[-1], np.asarray(self.tok.eod, dtype=segs[-1].dtype))
             toks, lens, counts = parts.setdefault((group, key), ([], [], []))
             toks.extend(segs)
             lens.extend(s.size for s in segs)
