@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,41 @@ def test_qsub_wrapper_drops_only_the_group_option(tmp_path):
     proc = subprocess.run([str(QSUB_WRAPPER), "-g", "gcb50000", "-cwd", "-l", "rt_F=2", "-V", "job.sh", "-g", "x"],
                           env={**os.environ, "REAL_QSUB": str(fake)}, capture_output=True, text=True, timeout=30)
     assert proc.stdout.splitlines() == ["-cwd", "-l", "rt_F=2", "-V", "job.sh", "-g", "x"]
+
+
+RANK_PROGRAM = """
+import os, signal, sys, time
+rank = os.environ["OMPI_COMM_WORLD_RANK"]
+def handler(signum, frame):
+    open(os.path.join(sys.argv[1], f"rank{rank}"), "w").write(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, handler)
+open(os.path.join(sys.argv[1], f"ready{rank}"), "w").close()
+time.sleep(60)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("sig", ["TERM", "USR1", "USR2"])
+def test_scheduler_signal_reaches_every_mpi_rank_as_usr1(tmp_path, sig):
+    """The job shell turns the scheduler's SIGTERM/SIGUSR1/SIGUSR2 into SIGUSR1 for mpirun, which
+    passes it to every rank (where --exit-signal-handler saves); the job's status is the ranks'."""
+    prog = tmp_path / "rank.py"
+    prog.write_text(RANK_PROGRAM)
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    shell_proc = subprocess.Popen(
+        ["bash", "-c", f"set -euo pipefail; source scripts/lib/launch.sh; "
+                       f"run_or_print mpirun -np 2 --oversubscribe python3 {prog} {tmp_path}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and shell_proc.poll() is None, shell_proc.communicate()
+            time.sleep(0.1)
+        shell_proc.send_signal(getattr(signal, f"SIG{sig}"))
+        _, err = shell_proc.communicate(timeout=30)
+    finally:
+        shell_proc.kill()
+    assert shell_proc.returncode == 0, err
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["SIGUSR1", "SIGUSR1"]
+    assert "signal received: asking every rank to save and exit" in err

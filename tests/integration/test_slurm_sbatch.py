@@ -4,11 +4,14 @@ The node advertises two fake GPUs (count-only GRES), so `--gres=gpu:2` is accept
 run on CPU with gloo. pyxis/enroot are not installed: submit_pyxis.sbatch runs without
 CONTAINER_IMAGE, i.e. plain `srun` (its container flags are checked in test_scripts_dry_run).
 1. submit_pyxis.sbatch: srun starts one task per "GPU"; ranks from SLURM_*; trains and saves;
-2. submit_torchrun.sbatch: one torchrun per node with a c10d rendezvous on the head node;
-   resumes from the first job's checkpoint and trains further.
+2. submit_torchrun.sbatch: one torchrun per node with a c10d rendezvous on the head node,
+   submitted with a short --time and more iterations than fit: it resumes from the first
+   job's checkpoint and the --exit-duration-in-mins derived from the time left makes it save
+   and exit 0 before Slurm's limit (test_abci_qsub shows such a checkpoint resumes).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -44,10 +47,12 @@ def test_slurm_srun_then_torchrun_resume(slurm_cluster, tiny_corpus, tmp_path): 
     assert "1 node(s) x 2 GPU(s), head " in log
     assert "--container-image" not in log  # no image given: plain srun
 
-    log = submit(slurm_cluster, "scripts/slurm/submit_torchrun.sbatch", job_env(tiny_corpus, save, m2, 12),
-                 tmp_path / "job2.log")
+    # --time=2: about 120 s left at start, 105 s kept for start-up, save and exit -> ~15 s of training
+    env = job_env(tiny_corpus, save, m2, 100000, extra={"EXIT_MARGIN_SECONDS": "105", "SAVE_INTERVAL": "100000"})
+    log = submit(slurm_cluster, "scripts/slurm/submit_torchrun.sbatch", env, tmp_path / "job2.log", time_limit="2")
     second = check_resumed(log, m2, save, 8, first)
-    assert [r["iteration"] for r in second] == [9, 10, 11, 12]
-    assert latest_iteration(save) == 12
+    assert re.search(r"--exit-duration-in-mins 0\.2[0-5]\b", log), log[-3000:]  # (~120 s - 105 s) / 60
+    assert "exiting at iteration" in log and "--exit-duration-in-mins" in log.split("exiting at iteration")[1]
+    assert latest_iteration(save) == second[-1]["iteration"] > 8
     check_ranks(log, save, "torchrun")
     assert "--rdzv-backend=c10d" in log
