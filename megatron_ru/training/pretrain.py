@@ -61,7 +61,8 @@ def _resume(engine: Any, state: Any, args: Arguments) -> Progress:
     return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
 
 
-def run(args: Arguments) -> TrainResult:
+def setup(args: Arguments) -> Trainer:
+    """Everything before the first iteration: groups, seeds, tokenizer, data, model, engine, resume."""
     from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.random import model_parallel_seed
@@ -88,14 +89,18 @@ def run(args: Arguments) -> TrainResult:
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
     metrics = MetricsWriter(args.logging, active=state.rank == 0)
     exit_signal = ExitSignal().install() if args.training.exit_signal_handler else None
+    return Trainer(engine, state, args, train_ds, valid_ds, model_shape(args, tokenizer.vocab_size),
+                   metrics, progress, exit_signal)
+
+
+def run(args: Arguments) -> TrainResult:
+    trainer = setup(args)
     try:
-        trainer = Trainer(engine, state, args, train_ds, valid_ds, model_shape(args, tokenizer.vocab_size),
-                          metrics, progress, exit_signal)
         result = trainer.train()
     finally:
-        metrics.close()
-        if exit_signal is not None:
-            exit_signal.restore()
+        trainer.metrics.close()
+        if trainer.exit_signal is not None:
+            trainer.exit_signal.restore()
     log_rank0(log, f"finished at iteration {result.iteration} ({result.exit_reason})")
     return result
 
