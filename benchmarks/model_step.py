@@ -67,14 +67,16 @@ def step_fns(ours, hf, tokens, labels):
     return ours_step, hf_step
 
 
-def timed(fn, device: torch.device) -> float:
+def timed(fn, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process). On a shared CPU machine the CPU time is the
+    steadier figure: it does not count time spent descheduled by other jobs."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def flops_per_step(p: dict) -> float:
@@ -111,7 +113,8 @@ def main() -> None:
     for _ in range(args.steps):
         t_ours.append(timed(ours_step, device))
         t_hf.append(timed(hf_step, device))
-    m_ours, m_hf = statistics.median(t_ours), statistics.median(t_hf)
+    m_ours, m_hf = (statistics.median(t[0] for t in ts) for ts in (t_ours, t_hf))
+    c_ours, c_hf = (statistics.median(t[1] for t in ts) for ts in (t_ours, t_hf))
     tokens_per_step = p["batch"] * p["seq"]
     result = {"preset": args.preset, "dtype": args.dtype, "device": str(device),
               "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -119,7 +122,9 @@ def main() -> None:
               "ours_s_per_step": round(m_ours, 4), "transformers_s_per_step": round(m_hf, 4),
               "ours_tokens_per_s": round(tokens_per_step / m_ours, 1),
               "transformers_tokens_per_s": round(tokens_per_step / m_hf, 1),
-              "ratio_transformers_over_ours": round(m_hf / m_ours, 3)}
+              "ratio_transformers_over_ours": round(m_hf / m_ours, 3),
+              "ours_cpu_s_per_step": round(c_ours, 4), "transformers_cpu_s_per_step": round(c_hf, 4),
+              "cpu_time_ratio_transformers_over_ours": round(c_hf / c_ours, 3)}
     if device.type == "cuda":
         tflops = flops_per_step(p) / m_ours / 1e12
         name = torch.cuda.get_device_name()
@@ -127,8 +132,9 @@ def main() -> None:
         result.update({"ours_tflops": round(tflops, 1), "peak_tflops": peak,
                        "ours_mfu": round(tflops / peak, 3) if peak else None,
                        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
-    print(f"ours {m_ours * 1e3:.1f} ms/step, transformers {m_hf * 1e3:.1f} ms/step, "
-          f"ratio (transformers/ours) {m_hf / m_ours:.3f}")
+    print(f"wall: ours {m_ours * 1e3:.1f} ms/step, transformers {m_hf * 1e3:.1f} ms/step, "
+          f"ratio (transformers/ours) {m_hf / m_ours:.3f}; CPU time: ours {c_ours * 1e3:.1f} ms, "
+          f"transformers {c_hf * 1e3:.1f} ms, ratio {c_hf / c_ours:.3f}")
     print(json.dumps(result))
 
 
