@@ -176,6 +176,7 @@ class Encoder:
             flat = self.tok.tokenize_batch_arrays(chunks)
         except Exception:  # find the line that failed, to name it
             return self._tokenize_one_by_one(docs, res, path)
+        del chunks  # copies of the text: free them before the arrays are concatenated
         out: list[Optional[list[np.ndarray]]] = []
         k = 0
         n_iter = iter(counts)
