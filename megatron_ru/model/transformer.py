@@ -25,6 +25,9 @@ try:  # apex's fused norms, when installed (GPU clusters); torch's own kernels o
 except Exception:  # noqa: BLE001 - any import failure means "not usable here"
     _HAVE_APEX = False
 
+# SDPA shares key/value heads across query heads natively from torch 2.5 (no repeated copies)
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dimension. Its parameters are replicated on TP
@@ -135,9 +138,13 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))   # [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
+        gqa = {}
+        if r > 1 and _SDPA_HAS_GQA:
+            gqa = {"enable_gqa": True}
+        elif r > 1:
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         with _split_region_rng(dropout > 0):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                 enable_gqa=r > 1)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         return self.linear_proj(out)
 
