@@ -76,6 +76,7 @@ def _parse(line: bytes, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
     except json.JSONDecodeError as e:
         raise Invalid("invalid JSON", f"invalid JSON ({e.msg} at column {e.colno})",
                       "each line must be one JSON object") from None
+    del s  # the parsed copy is what we keep (matters for a 100 MB line)
     if not isinstance(obj, dict):
         raise Invalid("not a JSON object", f"expected a JSON object, got a JSON {_json_type(obj)}",
                       "each line must be one JSON object like {\"text\": \"...\"}")

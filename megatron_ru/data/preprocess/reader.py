@@ -63,22 +63,22 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
             if seg.start:
                 f.seek(seg.start)
             remaining = None if seg.end is None else seg.end - seg.start
-            carry = b""
+            pending: list[bytes] = []  # blocks of a line longer than a batch, joined once complete
             while True:
                 want = batch_bytes if remaining is None else min(batch_bytes, remaining)
                 block = f.read(want) if want > 0 else b""
                 if remaining is not None:
                     remaining -= len(block)
                 if not block:
-                    if carry:
-                        yield Batch(seg.path, line_no, carry)
+                    if pending:
+                        yield Batch(seg.path, line_no, b"".join(pending))
                     break
-                buf = carry + block if carry else block
-                cut = buf.rfind(b"\n") + 1
+                cut = block.rfind(b"\n") + 1
                 if cut == 0:
-                    carry = buf  # a long line: keep reading until its newline
+                    pending.append(block)
                     continue
-                data, carry = buf[:cut], buf[cut:]
+                data = b"".join(pending + [block[:cut]]) if pending else block[:cut]
+                pending = [block[cut:]] if cut < len(block) else []
                 yield Batch(seg.path, line_no, data)
                 line_no += data.count(b"\n")
 
