@@ -183,3 +183,14 @@ def test_rng_state_round_trip_restores_both_streams() -> None:
     model_parallel_seed(77, tp_rank=2)                 # another TP rank: same replicated, other split mask
     other = draw()
     assert torch.equal(first[0], other[0]) and not torch.equal(first[1], other[1])
+
+
+def test_attention_without_native_gqa_gives_the_same_logits(monkeypatch) -> None:
+    import megatron_ru.model.transformer as transformer
+    model = GPTModel(_llama(), VOCAB, seed=2)
+    tokens = _batch(4)[0]
+    with torch.no_grad():
+        native = model(tokens)
+        monkeypatch.setattr(transformer, "_SDPA_HAS_GQA", False)     # torch < 2.5: repeated key/value heads
+        repeated = model(tokens)
+    assert torch.allclose(native, repeated, rtol=0, atol=1e-6)
