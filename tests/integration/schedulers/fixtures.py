@@ -1,4 +1,4 @@
-"""pytest fixtures: the two schedulers (one bring-up per session) and a tiny training setup.
+"""pytest fixtures: the two schedulers (one bring-up per test module) and a tiny training setup.
 
 Import them into a test module: ``from tests.integration.schedulers.fixtures import grid_engine``.
 """
@@ -17,14 +17,15 @@ from . import gridengine, slurm
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="session")
+# module scope: the daemons stop as soon as the module that needs them is done
+@pytest.fixture(scope="module")
 def grid_engine():
     ge = gridengine.bring_up()
     yield ge
     ge.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm_cluster():
     cluster = slurm.bring_up()
     yield cluster

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .system import apt_install, read_pid, run, spawn, stop_pid, unavailable, wait_for
+from .system import apt_install, read_pid, run, spawn, stop_pids, unavailable, wait_for
 
 CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by the megatron_ru scheduler test harness"
@@ -117,8 +117,9 @@ class SlurmCluster:
         return out == "idle"
 
     def stop(self) -> None:
-        for pid in reversed(self.started):
-            stop_pid(pid)
+        # slurmd and slurmctld first: they still talk to munged while shutting down
+        stop_pids(self.started[1:])
+        stop_pids(self.started[:1])
         self.started.clear()
         for pid_file in (SPOOL / "slurmctld.pid", SPOOL / "slurmd.pid", Path("/run/munge/munged.pid")):
             read_pid(pid_file)  # removes the file when its daemon is gone

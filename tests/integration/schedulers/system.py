@@ -104,16 +104,19 @@ def read_pid(pid_file: Path) -> int | None:
     return None
 
 
-def stop_pid(pid: int, timeout: float = 20, sig: int = signal.SIGTERM) -> None:
-    """Stop one daemon by its PID: the signal, then SIGKILL after ``timeout``."""
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return
-    try:
-        wait_for(lambda: not pid_alive(pid), timeout, f"PID {pid} to exit", interval=0.1)
-    except TimeoutError:
+def stop_pids(pids: Sequence[int], timeout: float = 20, sig: int = signal.SIGTERM) -> None:
+    """Stop daemons by PID: the signal to all of them at once (they shut down in parallel),
+    then SIGKILL to any still running after ``timeout``."""
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
+    try:
+        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout, f"PIDs {list(pids)} to exit", interval=0.1)
+    except TimeoutError:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -69,11 +69,21 @@ def check_ranks(log: str, save_dir: Path, source: str) -> None:
     assert world == WORLD_SIZE, meta
 
 
+def log_losses(log: str) -> list[tuple[int, float]]:
+    """(iteration, lm loss) of every Megatron-style progress line in a job log."""
+    return [(int(it), float(loss)) for it, loss in
+            re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+.\dE]+) \|", log)]
+
+
 def check_fresh_run(log: str, metrics: Path, save_dir: Path, iters: int) -> list[dict]:
     recs = train_records(metrics)
     assert [r["iteration"] for r in recs] == list(range(1, iters + 1)), f"iterations logged: {recs}\n{log[-3000:]}"
     losses = [r["lm_loss"] for r in recs]
     assert losses[-1] < losses[0] - 0.3, f"loss did not decrease: {losses}"
+    # the job log shows the same falling curve as the JSONL metrics
+    printed = log_losses(log)
+    assert [it for it, _ in printed] == list(range(1, iters + 1)), printed
+    assert all(abs(a - b) <= 1e-5 * abs(b) for (_, a), b in zip(printed, losses)), (printed, losses)
     assert latest_iteration(save_dir) == iters
     assert "training from scratch" in log
     return recs
