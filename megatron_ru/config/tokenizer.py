@@ -32,8 +32,8 @@ class TokenizerConfig:
         None, "NullTokenizer: number of ordinary token ids; the end-of-document id is this value.")
     vocab_extra_ids: int = arg(0, "SentencePieceTokenizer: add <extra_id_0..N-1> special tokens (T5 style).")
     tokenizer_num_threads: int = arg(
-        1, "Threads the tokenizer's own batch API may use inside one process (preprocessing workers "
-        "use 1 each; --workers is the way to use more cores).")
+        1, "Threads the tokenizer's own batch API uses within one process (within each preprocessing "
+        "worker too; preprocessing scales with --workers).")
 
     def problems(self) -> list[str]:
         found: list[str] = []

@@ -34,6 +34,8 @@ class PreprocessConfig:
                                     "(bounds memory for huge documents; see docs/data_format.md).")
     dataset_impl: str = arg("mmap", "Accepted for Megatron-LM scripts; only the mmap format exists.",
                             choices=("mmap",))
+    keep_sequential_samples: bool = arg(False, "Accepted for Megatron-LM scripts: input order is always kept "
+                                        "here, with any --partitions.")
     lang: str = arg("english", "Accepted for Megatron-LM scripts (nltk language); the splitter here is "
                     "language-independent.")
 
