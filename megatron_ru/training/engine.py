@@ -74,6 +74,11 @@ def build_ds_config(args: Any) -> dict[str, Any]:
         fp16.setdefault("hysteresis", t.hysteresis)
         fp16.setdefault("min_loss_scale", t.min_loss_scale)
     cfg["fp16"] = fp16
+    if args.parallel.sequence_parallel:
+        # DeepSpeed's pipeline splits activations/gradients sent between stages across the TP
+        # ranks, assuming every TP rank holds the same tensor; with sequence parallelism each holds
+        # its own shard, so each rank must send its whole tensor
+        cfg["pipeline"] = {**cfg.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     if t.bf16:
         # accumulate and reduce gradients in fp32: bf16 sums over micro batches lose digits
         cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
