@@ -59,7 +59,6 @@ resource_type_of() {
 # The hosts of this job, one each: ABCI's $SGE_JOB_HOSTLIST, else $PE_HOSTFILE, else this host.
 job_hosts() {
   if [ -n "${SGE_JOB_HOSTLIST:-}" ]; then
-    [ -r "${SGE_JOB_HOSTLIST}" ] || launch_die "SGE_JOB_HOSTLIST=${SGE_JOB_HOSTLIST} is not readable"
     awk 'NF && !seen[$1]++ {print $1}' "${SGE_JOB_HOSTLIST}"
   elif [ -n "${PE_HOSTFILE:-}" ] && [ -r "${PE_HOSTFILE}" ]; then
     awk 'NF && !seen[$1]++ {print $1}' "${PE_HOSTFILE}"
@@ -106,8 +105,12 @@ run_abci_job() {
   limit_s=""
   if [ -n "${h_rt}" ]; then limit_s="$(to_seconds "${h_rt}")"; fi
 
+  if [ -n "${SGE_JOB_HOSTLIST:-}" ] && [ ! -r "${SGE_JOB_HOSTLIST}" ]; then
+    launch_die "SGE_JOB_HOSTLIST=${SGE_JOB_HOSTLIST} is not readable"
+  fi
   mapfile -t hosts < <(job_hosts)
   nhosts="${#hosts[@]}"
+  [ "${nhosts}" -gt 0 ] || launch_die "no hosts in ${SGE_JOB_HOSTLIST:-${PE_HOSTFILE:-the job}}"
   export MASTER_ADDR="${MASTER_ADDR:-$(master_addr_for "${hosts[0]}")}"
   # one port per job id: two jobs sharing a node never collide
   export MASTER_PORT="${MASTER_PORT:-$((10000 + ${JOB_ID:-0} % 50000))}"

@@ -20,7 +20,9 @@ slurm_time_left() {
 slurm_setup() {
   local hosts
   [ -n "${SLURM_JOB_NODELIST:-}" ] || launch_die "SLURM_JOB_NODELIST is not set: submit with sbatch (or fake it for DRY_RUN=1)"
+  command -v scontrol >/dev/null 2>&1 || launch_die "scontrol not found: run this inside a Slurm job"
   mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
+  [ "${#hosts[@]}" -gt 0 ] || launch_die "cannot expand SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST}"
   NNODES="${SLURM_JOB_NUM_NODES:-${#hosts[@]}}"
   HEAD_NODE="${hosts[0]}"
   GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}}"

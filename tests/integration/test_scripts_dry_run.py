@@ -115,6 +115,11 @@ def test_abci_bad_settings_name_the_variable(tmp_path):
     proc = run_script("scripts/abci/submit_single_node.sh", abci_env(tmp_path, ["n1"], RESOURCE_TYPE="rt_C.large"),
                       check=False)
     assert proc.returncode == 2 and "unknown ABCI resource type 'rt_C.large': set GPUS_PER_NODE" in proc.stderr
+    proc = run_script("scripts/abci/submit_single_node.sh",
+                      abci_env(tmp_path, [], SGE_JOB_HOSTLIST=str(tmp_path / "missing")), check=False)
+    assert proc.returncode == 2 and f"SGE_JOB_HOSTLIST={tmp_path / 'missing'} is not readable" in proc.stderr
+    proc = run_script("scripts/abci/submit_single_node.sh", abci_env(tmp_path, []), check=False)
+    assert proc.returncode == 2 and f"no hosts in {tmp_path / 'hostlist'}" in proc.stderr
 
 
 @pytest.fixture(scope="module")
