@@ -47,7 +47,11 @@ def apt_install(packages: Sequence[str], debconf: str = "") -> None:
         run(["apt-get", "update", "-qq"], timeout=300)
         _APT_STAMP.touch()
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages], timeout=600, env=env)
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
+    if run(install, timeout=600, env=env, check=False).returncode != 0:
+        # package lists from an older `apt-get update` may point at files that are gone
+        run(["apt-get", "update", "-qq"], timeout=300)
+        run(install, timeout=600, env=env)
 
 
 def spawn(cmd: Sequence[str], log_path: Path, *, user: str | None = None,
