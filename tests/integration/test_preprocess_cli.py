@@ -97,7 +97,8 @@ def test_round_trip(tmp_path, corpus, tok_files, tok_name, mode):
     args = MODES[mode]
     summary = run(corpus, tmp_path / "out", tok_files[tok_name], *args, "--batch-bytes", "3000")
     tok = tokenizer_of(tok_files[tok_name])
-    dtype, docs = read_dataset(str(tmp_path / "out_text_document"))
+    level = "sentence" if "--split-sentences" in args else "document"  # Megatron-LM's naming
+    dtype, docs = read_dataset(str(tmp_path / f"out_text_{level}"))
     assert dtype == np.dtype("<u2") and len(docs) == len(TEXTS) == summary.documents
     for text, seqs in zip(TEXTS, docs):
         seqs = [s.tolist() for s in seqs]
@@ -113,7 +114,7 @@ def test_round_trip(tmp_path, corpus, tok_files, tok_name, mode):
             assert "".join(decoded) == text
         if mode == "paragraphs":
             assert len(seqs) == len(re.findall(r"\S\n[^\S\n]*\n\s*(?=\S)", text)) + 1
-    assert outputs(tmp_path) == ["out_text_document.bin", "out_text_document.idx"]
+    assert outputs(tmp_path) == [f"out_text_{level}.bin", f"out_text_{level}.idx"]
 
 
 def test_int32_and_hf_and_two_keys(tmp_path, tok_files):

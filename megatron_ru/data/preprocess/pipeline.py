@@ -38,9 +38,10 @@ def _encode_in_worker(batch: Batch) -> BatchResult:
     return _ENCODER.encode(batch)
 
 
-def output_prefix(prefix: str, key: str, group: Optional[str]) -> str:
-    """``<prefix>_<key>_document`` or, grouped, ``<prefix>_<group>_<key>_document``."""
-    return f"{prefix}_{key}_document" if group is None else f"{prefix}_{group}_{key}_document"
+def output_prefix(prefix: str, key: str, group: Optional[str], level: str = "document") -> str:
+    """``<prefix>_<key>_<level>`` or, grouped, ``<prefix>_<group>_<key>_<level>``; the level is
+    ``sentence`` with --split-sentences (Megatron-LM's naming), else ``document``."""
+    return f"{prefix}_{key}_{level}" if group is None else f"{prefix}_{group}_{key}_{level}"
 
 
 @dataclass
@@ -70,8 +71,9 @@ class Summary:
 class _Writers:
     """One builder per (group, key), created on first use, all finalized or all aborted."""
 
-    def __init__(self, prefix: str, dtype: type, summary: Summary) -> None:
+    def __init__(self, prefix: str, dtype: type, summary: Summary, level: str) -> None:
         self.prefix = prefix
+        self.level = level
         self.dtype = dtype
         self.summary = summary
         self.builders: dict[tuple[Optional[str], str], IndexedDatasetBuilder] = {}
@@ -93,7 +95,7 @@ class _Writers:
     def builder(self, group: Optional[str], key: str) -> IndexedDatasetBuilder:
         b = self.builders.get((group, key))
         if b is None:
-            path = output_prefix(self.prefix, key, self.group_name(group)) + ".bin"
+            path = output_prefix(self.prefix, key, self.group_name(group), self.level) + ".bin"
             b = self.builders[(group, key)] = IndexedDatasetBuilder(path, self.dtype)
         return b
 
@@ -103,7 +105,7 @@ class _Writers:
 
     def finalize(self) -> None:
         for (group, key), b in self.builders.items():
-            final = output_prefix(self.prefix, key, self.group_name(group))
+            final = output_prefix(self.prefix, key, self.group_name(group), self.level)
             b.finalize(final + ".idx")
             self.summary.origin[final] = (group, key)
             self.summary.outputs[final] = {"documents": len(b.document_indices) - 1,
@@ -114,6 +116,10 @@ class _Writers:
     def abort(self) -> None:
         for b in self.builders.values():
             b.abort()
+
+
+def _level(opts: EncodeOptions) -> str:
+    return "sentence" if opts.split_sentences else "document"
 
 
 class _Progress:
@@ -161,7 +167,7 @@ def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer,
                      workers: int, batch_bytes: int, log_interval: int, require_all_keys: bool = True) -> Summary:
     """Tokenize ``segments`` into datasets at ``prefix`` (all-or-nothing)."""
     summary = Summary()
-    writers = _Writers(prefix, np.dtype(opts.dtype).type, summary)
+    writers = _Writers(prefix, np.dtype(opts.dtype).type, summary, _level(opts))
     progress = _Progress(log_interval)
     encoder = Encoder(tokenizer, opts)
     t0 = time.perf_counter()
@@ -250,7 +256,7 @@ def _merge(shards, cfg: PreprocessConfig, dtype: type) -> Summary:
             total.skipped.update(s.skipped)
             for k, v in s.first_skipped.items():
                 total.first_skipped.setdefault(k, v)
-    writers = _Writers(cfg.output_prefix, dtype, total)
+    writers = _Writers(cfg.output_prefix, dtype, total, "sentence" if cfg.split_sentences else "document")
     try:
         for shard_prefix, s in shards:
             if s is None:
