@@ -8,6 +8,7 @@ One chain of three jobs on one node with two "GPUs" (CPU ranks under mpirun, glo
 """
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -71,3 +72,23 @@ def test_abci_train_time_limit_and_resume(grid_engine, tiny_corpus, tmp_path):  
     assert [r["iteration"] for r in third] == [stopped_at + 1, stopped_at + 2]
     assert latest_iteration(save) == stopped_at + 2
     assert train_records(metrics)[-1]["lm_loss"] < first[-1]["lm_loss"]
+
+
+def test_abci_dry_run_inside_a_real_job(grid_engine, tmp_path):  # noqa: F811
+    """What the script derives from a real Grid Engine job: GPUs per node from the rt_F request
+    (read back with qstat -j), h_rt from the command line, hosts from $SGE_JOB_HOSTLIST, the
+    port from the job id."""
+    env = {"PATH": f"{QSUB_WRAPPER_DIR}:/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
+           "SGE_ROOT": str(SGE_ROOT), "SGE_CELL": SGE_CELL, "DRY_RUN": "1", "SAVE_DIR": str(tmp_path / "ckpt")}
+    log = tmp_path / "dry.log"
+    job_id = grid_engine.qsub(["-g", "ci-group", "-V", "-l", "rt_F=1", "-l", "h_rt=2:00:00", "-o", str(log),
+                               "scripts/abci/submit_multinode.sh"], cwd=REPO, env=env)
+    acct = grid_engine.wait(job_id, 60)
+    assert acct["exit_status"] == "0", log.read_text()
+    lines = [ln for ln in log.read_text().splitlines() if not ln.startswith("[launch]")]
+    host = socket.gethostname()
+    assert lines[:6] == [f"MASTER_ADDR={host}", f"MASTER_PORT={10000 + job_id % 50000}", lines[2],
+                         f"{host} slots=4", "# command", lines[5]]
+    cmd = lines[5].split()
+    assert cmd[:5] == ["mpirun", "-np", "4", "-npernode", "4"]
+    assert cmd[cmd.index("--exit-duration-in-mins") + 1] == "105.00"  # (7200 s - 900 s) / 60
