@@ -12,6 +12,7 @@ CONTAINER_IMAGE, i.e. plain `srun` (its container flags are checked in test_scri
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,29 @@ def test_slurm_srun_then_torchrun_resume(slurm_cluster, tiny_corpus, tmp_path): 
     assert latest_iteration(save) == second[-1]["iteration"] > 8
     check_ranks(log, save, "torchrun")
     assert "--rdzv-backend=c10d" in log
+
+
+def test_slurm_dry_run_inside_a_real_job(slurm_cluster, tmp_path):  # noqa: F811
+    """What the scripts derive from a real allocation: GPUs per node from --gres=gpu:2, the head
+    node from `scontrol show hostnames`, the port from the job id, the exit duration from the time
+    left (30 min - 900 s margin)."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "DRY_RUN": "1",
+           "SAVE_DIR": str(tmp_path / "ckpt")}
+    host = socket.gethostname()
+    for script, ntasks in (("scripts/slurm/submit_pyxis.sbatch", 2), ("scripts/slurm/submit_torchrun.sbatch", 1)):
+        log = tmp_path / f"{Path(script).stem}.log"
+        job_id = slurm_cluster.sbatch(["--nodes=1", f"--ntasks-per-node={ntasks}", "--gres=gpu:2", "--time=30",
+                                       f"--output={log}", script], cwd=REPO, env=env)
+        assert slurm_cluster.wait(job_id, 60) == "COMPLETED", log.read_text()
+        text = log.read_text()
+        cmd = [ln for ln in text.splitlines() if ln.startswith("srun ")][0].split()
+        minutes = float(cmd[cmd.index("--exit-duration-in-mins") + 1])
+        assert 14.9 <= minutes <= 15.0, minutes
+        assert f"head {host}, master {host}:{10000 + job_id % 50000}" in text
+        if ntasks == 2:
+            assert cmd[:6] == ["srun", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=2", "--ntasks=2",
+                               "--cpus-per-task=1"]
+        else:
+            t = cmd.index("torchrun")
+            assert cmd[t + 1:t + 6] == ["--nnodes=1", "--nproc-per-node=2", f"--rdzv-id={job_id}",
+                                        "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{10000 + job_id % 50000}"]
