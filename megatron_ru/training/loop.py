@@ -97,11 +97,7 @@ class Trainer:
         if self.valid_ds is None or t.eval_iters == 0:
             return None
         if self._valid_batches is None:
-            self._valid_batches = micro_batches(self.valid_ds, self.progress.consumed_valid_samples,
-                                                t.micro_batch_size, self.state.dp_rank, self.state.dp_size,
-                                                self.device)
-        if self._valid_batches is None:
-            return None
+            self._valid_batches = self._cycle_valid()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.engine.eval()
         with torch.no_grad():
@@ -116,6 +112,23 @@ class Trainer:
         self.engine.train()
         mean = total / t.eval_iters
         return float(mean.item()) if self.is_pipe else _dp_mean(mean, self.state)
+
+    def _cycle_valid(self) -> Iterator:
+        """Validation micro batches continuing at the consumed-sample position; when the split is
+        exhausted (e.g. a resumed run that evaluates more often than the first) start it over."""
+        t, n = self.args.training, len(self.valid_ds)
+        start = self.progress.consumed_valid_samples % n
+        while True:
+            got = 0
+            for batch in micro_batches(self.valid_ds, start, t.micro_batch_size, self.state.dp_rank,
+                                       self.state.dp_size, self.device):
+                got += 1
+                yield batch
+            if got == 0 and start == 0:
+                raise ValueError(f"the validation split has {n} samples, fewer than one micro batch per "
+                                 f"data-parallel rank: give it a larger share in --split or set --eval-iters 0")
+            log_rank0(log, f"validation split ({n} samples) read to the end: starting it over")
+            start = 0
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, result: TrainResult) -> None:

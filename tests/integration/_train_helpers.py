@@ -50,12 +50,20 @@ def tiny_argv(prefix: str, cache: str, *, iters: int = 10, extra: Sequence[str] 
 
 def train_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[str, Any]]:
     """Rank body for ``run_distributed``: train once per argv in ``runs`` (several engines in one
-    spawn to save start-up time); return losses and grad norms of each run."""
+    spawn to save start-up time); return losses and grad norms of each run. An argv starting with
+    ``"expect-error"`` must raise ValueError; its message is returned instead."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megatron_ru.config.arguments import parse_arguments
     from megatron_ru.training.pretrain import run
     out = []
     for argv in runs:
+        if argv[0] == "expect-error":
+            try:
+                run(parse_arguments(argv[1:], world_size=world_size, device_type="cpu"))
+            except ValueError as e:
+                out.append({"error": str(e)})
+                continue
+            raise AssertionError(f"expected a ValueError from {argv[1:]}")
         result = run(parse_arguments(argv, world_size=world_size, device_type="cpu"))
         out.append({"losses": result.losses, "grad_norms": result.grad_norms, "evals": result.evals,
                     "iteration": result.iteration})

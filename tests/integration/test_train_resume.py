@@ -26,7 +26,19 @@ def test_resume_is_exact_for_pp1_and_pp2(tmp_path):
                                                               "--metrics-file", str(tmp_path / f"{name}.jsonl")]))
         runs.append(tiny_argv(prefix, cache, iters=12, extra=[*extra, "--save", save, "--load", save,
                                                               "--metrics-file", str(tmp_path / f"{name}.jsonl")]))
+    pp1, pp2 = str(tmp_path / "pp1"), str(tmp_path / "pp2")
+    # weights only: --finetune restarts at iteration 0; --no-load-optim keeps the position
+    runs.append(tiny_argv(prefix, cache, iters=3, extra=["--zero-stage", "1", "--load", pp1, "--finetune"]))
+    runs.append(tiny_argv(prefix, cache, iters=14, extra=["--zero-stage", "1", "--load", pp1, "--no-load-optim"]))
+    # another pipeline layout is refused with both layouts named
+    runs.append(["expect-error", *tiny_argv(prefix, cache, iters=14, extra=["--load", pp2])])
     results = run_distributed(train_body, 2, args=(runs,), timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
+    finetune, no_optim, mismatch = results[6:]
+    assert sorted(finetune["losses"]) == [1, 2, 3]
+    assert finetune["losses"][1] < results[0]["losses"][1] - 0.2  # starts from the trained weights
+    assert sorted(no_optim["losses"]) == [13, 14]
+    assert "saved with --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2, this run uses 1 and 1" \
+        in mismatch["error"]
     for i, name in enumerate(layouts):
         full, first, second = results[3 * i: 3 * i + 3]
         assert first["iteration"] == 6 and sorted(first["losses"]) == list(range(1, 7))
