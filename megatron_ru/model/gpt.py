@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init
-from megatron_ru.model.transformer import Norm, TransformerLayer, _split_region_rng
+from megatron_ru.model.transformer import Norm, TransformerLayer, split_region_rng
 from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ru.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from megatron_ru.parallel.mappings import scatter_to_sequence_parallel_region
@@ -82,7 +82,7 @@ class EmbeddingLayer(nn.Module):
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         if self.training and self.dropout > 0:
-            with _split_region_rng(self.sequence_parallel):
+            with split_region_rng(self.sequence_parallel):
                 x = F.dropout(x, self.dropout, training=True)
         return x
 

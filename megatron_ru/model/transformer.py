@@ -88,7 +88,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
-def _split_region_rng(active: bool) -> contextlib.AbstractContextManager:
+def split_region_rng(active: bool) -> contextlib.AbstractContextManager:
     """Dropout on activations that differ between TP ranks draws from the TP stream."""
     return tp_random.get_rng_tracker().fork() if active else contextlib.nullcontext()
 
@@ -143,7 +143,7 @@ class Attention(nn.Module):
             gqa = {"enable_gqa": True}
         elif r > 1:
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-        with _split_region_rng(dropout > 0):
+        with split_region_rng(dropout > 0):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         return self.linear_proj(out)
@@ -204,7 +204,7 @@ class TransformerLayer(nn.Module):
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:
             return x
-        with _split_region_rng(self.sequence_parallel):
+        with split_region_rng(self.sequence_parallel):
             return F.dropout(x, self.hidden_dropout, training=True)
 
     def _forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
