@@ -148,8 +148,10 @@ class Encoder:
             if _NON_SPACE_BYTES.search(raw) is None:
                 res.skipped["blank line"] += 1
                 continue
+            lines[i] = b""  # the parsed text is what we keep (matters for a 100 MB line)
             try:
                 group, texts = _parse(raw, o)
+                del raw
             except Invalid as e:
                 if not self._skip(res, e, batch.path, line_no):
                     return res
