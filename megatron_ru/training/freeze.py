@@ -24,6 +24,15 @@ def is_embedding_or_output(name: str) -> bool:
     return any(marker in name for marker in EMBEDDING_MARKERS)
 
 
+def _embedding_and_output_params(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters of our embedding/output layers, found by type (pipeline stages name
+    their layers by index, e.g. ``6.weight``), else by name."""
+    from megatron_ru.model.gpt import EmbeddingLayer, OutputLayer
+    found = {id(p) for m in model.modules() if isinstance(m, (EmbeddingLayer, OutputLayer)) for p in m.parameters()}
+    found |= {id(p) for n, p in model.named_parameters() if is_embedding_or_output(n)}
+    return found
+
+
 def apply_freezing(model: torch.nn.Module, *, train_only_embeddings: bool = False,
                    freeze: Optional[Sequence[str]] = None) -> list[str]:
     """Set ``requires_grad=False`` on the chosen parameters; return the frozen names.
@@ -32,8 +41,9 @@ def apply_freezing(model: torch.nn.Module, *, train_only_embeddings: bool = Fals
     named = list(model.named_parameters())
     frozen: list[str] = []
     if train_only_embeddings:
+        keep = _embedding_and_output_params(model)
         for name, p in named:
-            if not is_embedding_or_output(name):
+            if id(p) not in keep:
                 p.requires_grad_(False)
                 frozen.append(name)
         if len(frozen) == len(named):

@@ -66,7 +66,8 @@ def train_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[s
             raise AssertionError(f"expected a ValueError from {argv[1:]}")
         result = run(parse_arguments(argv, world_size=world_size, device_type="cpu"))
         out.append({"losses": result.losses, "grad_norms": result.grad_norms, "evals": result.evals,
-                    "iteration": result.iteration})
+                    "iteration": result.iteration,
+                    "exit_reason": result.exit_reason, "saved": result.saved})
     return out
 
 

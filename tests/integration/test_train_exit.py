@@ -65,6 +65,13 @@ def test_train_only_embeddings_and_freeze_patterns():
     assert any(n.startswith("decoder.layers.1.") for n, p in model.named_parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="--freeze pattern 'decoder.layer.0.*' matches no parameter"):
         apply_freezing(model, freeze=["decoder.layer.0.*"])
+    # pipeline stages name layers by index: the output layer is still found (by type)
+    from deepspeed.pipe import PipelineModule  # noqa: F401  (only the layer specs are built here)
+    from megatron_ru.model.gpt import build_layer_specs
+    layers = torch.nn.Sequential(*[spec.build() for spec in build_layer_specs(args.model, VOCAB - 1)])
+    apply_freezing(layers, train_only_embeddings=True)
+    trainable = sorted(n for n, p in layers.named_parameters() if p.requires_grad)
+    assert trainable == ["0.word_embeddings.weight", f"{len(layers) - 1}.weight"]
     # nothing trainable left on a rank is a clear error, not a DeepSpeed crash
     apply_freezing(model, freeze=["*"])
     with pytest.raises(ValueError, match="no trainable parameters on this rank"):
