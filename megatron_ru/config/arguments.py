@@ -142,6 +142,13 @@ def _lr_rule(a: Arguments) -> list[str]:
     return []
 
 
+def _freeze_rule(a: Arguments) -> list[str]:
+    if a.training.train_only_embeddings and a.pp > 2:
+        return [f"--train-only-embeddings with --pipeline-model-parallel-size {a.pp}: the middle stages hold no "
+                f"embedding or output layer and would have nothing to train; use PP <= 2 for this stage"]
+    return []
+
+
 def _checkpoint_rule(a: Arguments) -> list[str]:
     c = a.checkpoint
     out = []
@@ -184,7 +191,7 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
 
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
-    _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _checkpoint_rule,
+    _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _freeze_rule, _checkpoint_rule,
     _deepspeed_config_rule)
 
 

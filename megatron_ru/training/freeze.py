@@ -8,9 +8,10 @@ optimizer is built, so frozen parameters get no optimizer state.
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_ru.utils.logging import get_logger, log_rank0
 
@@ -33,11 +34,24 @@ def _embedding_and_output_params(model: torch.nn.Module) -> set[int]:
     return found
 
 
+def _matched_anywhere(counts: list[int], group: Any) -> list[int]:
+    """Per-pattern match counts summed over ``group`` (the pipeline stages of one model replica)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1 or not counts:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(t, group=group)
+    return [int(x) for x in t.tolist()]
+
+
 def apply_freezing(model: torch.nn.Module, *, train_only_embeddings: bool = False,
-                   freeze: Optional[Sequence[str]] = None) -> list[str]:
+                   freeze: Optional[Sequence[str]] = None, group: Any = None) -> list[str]:
     """Set ``requires_grad=False`` on the chosen parameters; return the frozen names.
 
-    A ``--freeze`` pattern matching nothing is an error (a typo would silently train everything)."""
+    A ``--freeze`` pattern matching nothing is an error (a typo would silently train everything);
+    with a pipeline, pass its ``group``: a pattern must match on some stage, not on every one
+    (collective over ``group``)."""
     named = list(model.named_parameters())
     frozen: list[str] = []
     if train_only_embeddings:
@@ -49,12 +63,14 @@ def apply_freezing(model: torch.nn.Module, *, train_only_embeddings: bool = Fals
         if len(frozen) == len(named):
             raise ValueError("--train-only-embeddings found no embedding/output parameter (names containing "
                              f"{', '.join(EMBEDDING_MARKERS)}); parameter names: {_sample(n for n, _ in named)}")
-    for pattern in freeze or ():
-        hits = [(n, p) for n, p in named if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+    patterns = list(freeze or ())
+    hits_of = {pat: [(n, p) for n, p in named if fnmatch.fnmatchcase(n, pat)] for pat in patterns}
+    totals = _matched_anywhere([len(hits_of[pat]) for pat in patterns], group)
+    for pattern, total in zip(patterns, totals):
+        if total == 0:
             raise ValueError(f"--freeze pattern {pattern!r} matches no parameter; parameter names look like "
                              f"{_sample(n for n, _ in named)}")
-        for name, p in hits:
+        for name, p in hits_of[pattern]:
             if p.requires_grad:
                 p.requires_grad_(False)
                 frozen.append(name)

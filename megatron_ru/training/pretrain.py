@@ -83,7 +83,8 @@ def setup(args: Arguments) -> Trainer:
     train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier)
     attach_deepspeed_comm()
     model = build_model(args, state, tokenizer.vocab_size)
-    apply_freezing(model, train_only_embeddings=args.training.train_only_embeddings, freeze=args.training.freeze)
+    apply_freezing(model, train_only_embeddings=args.training.train_only_embeddings, freeze=args.training.freeze,
+                   group=state.pp_group if state.pp_size > 1 else None)
     schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
     engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()

@@ -130,3 +130,8 @@ def test_deepspeed_config_must_agree_with_flags(data_prefix, tmp_path):
 def test_freeze_flags_exclusive(data_prefix):
     msg = _error(data_prefix, **{"--train-only-embeddings": True, "--freeze": "decoder.*"})
     assert "--train-only-embeddings and --freeze are exclusive" in msg
+
+
+def test_train_only_embeddings_with_deep_pipeline(data_prefix):
+    msg = _error(data_prefix, **{"--train-only-embeddings": True, "--pipeline-model-parallel-size": 4})
+    assert "--train-only-embeddings with --pipeline-model-parallel-size 4: the middle stages" in msg
