@@ -69,6 +69,33 @@ def _body(rank: int, world_size: int) -> dict:
                         out[f"{key}/grad_padding_zero/{name}"] = float(g[VOCAB:].abs().max())
                         g, r = g[:VOCAB], r[:VOCAB]
                     out[f"{key}/grad/{name}"] = _rel(g, r)
+    out.update(_dropout_consistency(groups2[rank // 2], tokens))
+    return out
+
+
+def _dropout_consistency(group, tokens) -> dict:
+    """With dropout on (no sequence parallelism), TP ranks must still hold the same residual
+    stream — hidden dropout draws identical masks on every TP rank while attention dropout
+    (heads split over ranks) draws different ones. Checked on the final norm's output; the
+    loss itself is equal on all ranks by construction (it is all-reduced), so it cannot tell."""
+    import dataclasses
+    from megatron_ru.model import GPTModel
+    from megatron_ru.parallel.random import model_parallel_seed
+    out = {}
+    for cname, cfg in _configs().items():
+        cfg = dataclasses.replace(cfg, hidden_dropout=0.2, attention_dropout=0.2)
+        model_parallel_seed(11, dist.get_rank(group))
+        model = GPTModel(cfg, VOCAB, group, sequence_parallel=False, seed=7).train()
+        seen = []
+        model.decoder.final_layernorm.register_forward_hook(lambda mod, inp, outp: seen.append(outp.detach()))
+        with torch.no_grad():
+            model(tokens)
+            model.eval()(tokens)
+        dropped, clean = seen
+        hidden = [torch.empty_like(dropped) for _ in range(2)]
+        dist.all_gather(hidden, dropped, group=group)
+        out[f"{cname}/dropout/residual_same_on_tp_ranks"] = float(torch.equal(hidden[0], hidden[1]))
+        out[f"{cname}/dropout/dropout_active"] = float(not torch.equal(dropped, clean))
     return out
 
 
@@ -82,5 +109,8 @@ def test_model_same_at_every_tensor_parallel_layout() -> None:
     for rank, rr in enumerate(per_rank):
         for key, value in rr.items():
             if key.endswith("ref_loss"):
+                continue
+            if "/dropout/" in key:
+                assert value == 1.0, f"rank {rank}: {key} failed"
                 continue
             assert value <= TOL, f"rank {rank}: {key} = {value:.3e} > {TOL}"
