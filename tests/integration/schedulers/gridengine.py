@@ -114,6 +114,8 @@ class GridEngine:
         glob = self.qconf("-sconf", "global")
         glob = re.sub(r"^min_uid\s+\S+", "min_uid 0", glob, flags=re.M)
         glob = re.sub(r"^min_gid\s+\S+", "min_gid 0", glob, flags=re.M)
+        # qacct reads the accounting file, which the qmaster flushes every 15 s by default
+        glob = re.sub(r"\bflush_time=\S+", "flush_time=00:00:01 accounting_flush_time=00:00:00", glob)
         (d / "global").write_text(glob)  # -Mconf takes the configuration name from the file name
         self.qconf("-Mconf", str(d / "global"))
         sched = re.sub(r"^schedule_interval\s+\S+", "schedule_interval 0:0:1",

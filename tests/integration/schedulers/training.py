@@ -75,8 +75,12 @@ def log_losses(log: str) -> list[tuple[int, float]]:
             re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+.\dE]+) \|", log)]
 
 
-def check_fresh_run(log: str, metrics: Path, save_dir: Path, iters: int) -> list[dict]:
+def check_fresh_run(log: str, metrics: Path, save_dir: Path, iters: int | None = None) -> list[dict]:
+    """Trained from scratch: iterations 1..iters (or 1..wherever it stopped) logged, the loss
+    fell, and the last iteration is the saved one."""
     recs = train_records(metrics)
+    iters = iters if iters is not None else len(recs)
+    assert iters >= 4, f"too few iterations to judge the loss: {recs}\n{log[-3000:]}"
     assert [r["iteration"] for r in recs] == list(range(1, iters + 1)), f"iterations logged: {recs}\n{log[-3000:]}"
     losses = [r["lm_loss"] for r in recs]
     assert losses[-1] < losses[0] - 0.3, f"loss did not decrease: {losses}"
