@@ -1,7 +1,7 @@
 """Flags of tools/preprocess_data.py (Megatron-LM's names where Megatron has them)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from megatron_ru.config.base import arg
