@@ -86,3 +86,15 @@ def test_abci_dry_run_inside_a_real_job(grid_engine, tmp_path):  # noqa: F811
     cmd = lines[5].split()
     assert cmd[:5] == ["mpirun", "-np", "4", "-npernode", "4"]
     assert cmd[cmd.index("--exit-duration-in-mins") + 1] == "105.00"  # (7200 s - 900 s) / 60
+
+
+def test_harness_enforces_h_rt(grid_engine, tmp_path):  # noqa: F811
+    """Control for the time-limit test above: a job that ignores its h_rt really is killed."""
+    script = tmp_path / "sleeper.sh"
+    script.write_text("#!/bin/bash\nsleep 60\n")
+    script.chmod(0o755)
+    job_id = grid_engine.qsub(["-g", "ci-group", "-l", "rt_F=1", "-l", "h_rt=0:0:3", "-o", "/dev/null", str(script)],
+                              cwd=tmp_path, env=grid_engine.submit_env())
+    acct = grid_engine.wait(job_id, 60)
+    assert acct["exit_status"].startswith("137") and "h_rt" in acct["failed"], acct
+    assert float(acct["ru_wallclock"].rstrip("s")) < 30
