@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -223,3 +224,19 @@ def test_scheduler_signal_reaches_every_mpi_rank_as_usr1(tmp_path, sig):
     assert shell_proc.returncode == 0, err
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["SIGUSR1", "SIGUSR1"]
     assert "signal received: asking every rank to save and exit" in err
+
+
+def test_abci_master_addr_is_the_first_hosts_bond0_address(tmp_path):
+    """On the first host, MASTER_ADDR is its InfiniBand bond address (what ABCI's other nodes
+    reach); without bond0 it falls back to the host name."""
+    me = socket.gethostname().split(".")[0]
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake_ip = bindir / "ip"
+    fake_ip.write_text('#!/bin/sh\n[ "$*" = "-4 -o addr show dev bond0" ] || exit 1\n'
+                       'echo "5: bond0    inet 10.1.2.3/16 brd 10.1.255.255 scope global bond0"\n')
+    fake_ip.chmod(0o755)
+    env = abci_env(tmp_path, [me, "other"], PATH=f"{bindir}:/usr/local/bin:/usr/bin:/bin")
+    assert run_script("scripts/abci/submit_multinode.sh", env).stdout.splitlines()[0] == "MASTER_ADDR=10.1.2.3"
+    env.update(MASTER_IFACE="ib0")  # no such interface: the first host's name
+    assert run_script("scripts/abci/submit_multinode.sh", env).stdout.splitlines()[0] == f"MASTER_ADDR={me}"
