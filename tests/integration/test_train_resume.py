@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 def test_resume_is_exact_for_pp1_and_pp2(tmp_path):
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
-    layouts = {"pp1": ["--zero-stage", "1"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+    # pp2 also keeps only the newest checkpoint (--keep-last 1)
+    layouts = {"pp1": ["--zero-stage", "1"], "pp2": ["--pipeline-model-parallel-size", "2", "--keep-last", "1"]}
     runs = []
     for name, layout in layouts.items():
         save = str(tmp_path / name)
@@ -56,4 +57,5 @@ def test_resume_is_exact_for_pp1_and_pp2(tmp_path):
         assert read_latest_iteration(str(tmp_path / name)) == 12
         recs = [json.loads(x) for x in open(tmp_path / f"{name}.jsonl")]
         assert [r["iteration"] for r in recs if r["type"] == "train"] == list(range(1, 13))
-        assert os.path.isdir(tmp_path / name / "iter_0000006")
+        assert os.path.isdir(tmp_path / name / "iter_0000006") == (name == "pp1")
+        assert os.path.isdir(tmp_path / name / "iter_0000012")
