@@ -70,9 +70,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps of each (after warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json", help="also write the results here")
     opts = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     p = PRESETS[opts.preset]
     total = opts.steps + opts.warmup
     tmp = tempfile.mkdtemp(prefix="train_step_")
@@ -125,31 +128,39 @@ def main() -> None:
     def ours_step() -> None:
         trainer.train_step()
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
+        """(wall, CPU) seconds; CPU time of this process is steadier on a shared CPU machine."""
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    times: dict[str, list[float]] = {"pretrain_gpt": [], "plain_torch": [], "transformers": []}
+    names = ("pretrain_gpt", "plain_torch", "transformers")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
     fns = {"pretrain_gpt": ours_step, "plain_torch": plain_step, "transformers": hf_step}
     for i in range(total):
         for name, fn in fns.items():
-            dt = timed(fn)
+            dt, dc = timed(fn)
             if i >= opts.warmup:
                 times[name].append(dt)
+                cpu[name].append(dc)
     tokens_per_step = p["batch"] * p["accum"] * p["seq"]
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: tokens_per_step / v for k, v in med.items()}
     flops = flops_per_token(model_shape(args, p["vocab"] - 1)) * tokens_per_step
     peak = device_peak_tflops("bf16" if opts.bf16 else "fp32", None)
     out = {"preset": opts.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "dtype": str(dtype), "median_step_s": med, "tokens_per_sec": tps,
+           "dtype": str(dtype), "threads": torch.get_num_threads(), "median_step_s": med,
+           "median_step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()}, "tokens_per_sec": tps,
            "ratio_vs_plain_torch": tps["pretrain_gpt"] / tps["plain_torch"],
            "ratio_vs_transformers": tps["pretrain_gpt"] / tps["transformers"],
+           "cpu_time_ratio_vs_plain_torch": statistics.median(cpu["plain_torch"]) / statistics.median(cpu["pretrain_gpt"]),
+           "cpu_time_ratio_vs_transformers":
+               statistics.median(cpu["transformers"]) / statistics.median(cpu["pretrain_gpt"]),
            "tflops_per_device": flops / med["pretrain_gpt"] / 1e12,
            "mfu": (flops / med["pretrain_gpt"] / 1e12 / peak) if peak else None,
            "load_average": os.getloadavg()[0]}
