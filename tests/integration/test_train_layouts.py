@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 LAYOUTS = [(1, 1, 4), (2, 1, 2), (4, 1, 1), (1, 2, 2), (2, 2, 1), (1, 4, 1)]
 FP32_RTOL = 1e-5
-BF16_RTOL = 2e-2  # documented in docs/training.md ("bf16 tolerance")
+# documented in docs/training.md ("bf16 tolerance"); measured 1.9e-4 (loss) and 4.9e-3 (grad norm)
+BF16_RTOL, BF16_NORM_RTOL = 2e-3, 3e-2
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
@@ -52,7 +53,7 @@ def test_every_layout_matches_single_process(tmp_path):
         tol = FP32_RTOL if fp32 else BF16_RTOL
         d_loss = relative_diff(res["losses"], ref["losses"])
         d_norm = relative_diff(res["grad_norms"], ref["grad_norms"])
-        if d_loss > tol or d_norm > max(tol, 1e-4 if fp32 else 0.1):
+        if d_loss > tol or d_norm > (1e-4 if fp32 else BF16_NORM_RTOL):
             failures.append(f"(TP,PP,DP)={name[:3]} ZeRO {name[3]} {name[4]}: loss rel diff {d_loss:.2e}, "
                             f"grad-norm rel diff {d_norm:.2e}")
     assert not failures, "\n".join(failures)
