@@ -158,7 +158,8 @@ def main() -> None:
            "median_step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()}, "tokens_per_sec": tps,
            "ratio_vs_plain_torch": tps["pretrain_gpt"] / tps["plain_torch"],
            "ratio_vs_transformers": tps["pretrain_gpt"] / tps["transformers"],
-           "cpu_time_ratio_vs_plain_torch": statistics.median(cpu["plain_torch"]) / statistics.median(cpu["pretrain_gpt"]),
+           "cpu_time_ratio_vs_plain_torch":
+               statistics.median(cpu["plain_torch"]) / statistics.median(cpu["pretrain_gpt"]),
            "cpu_time_ratio_vs_transformers":
                statistics.median(cpu["transformers"]) / statistics.median(cpu["pretrain_gpt"]),
            "tflops_per_device": flops / med["pretrain_gpt"] / 1e12,

@@ -114,9 +114,10 @@ def _batch_rule(a: Arguments) -> list[str]:
         return []  # reported by other rules
     per_step = t.micro_batch_size * a.dp
     if t.global_batch_size is not None and t.global_batch_size % per_step:
+        nearest = max(per_step, t.global_batch_size // per_step * per_step)
         return [f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
                 f"({t.micro_batch_size}) x data-parallel size ({a.dp} = WORLD_SIZE {a.world_size} / (TP {a.tp} "
-                f"x PP {a.pp})) = {per_step}; e.g. --global-batch-size {max(per_step, t.global_batch_size // per_step * per_step)}"]
+                f"x PP {a.pp})) = {per_step}; e.g. --global-batch-size {nearest}"]
     if t.train_samples is not None and t.train_samples < a.global_batch_size:
         return [f"--train-samples ({t.train_samples}) is smaller than one global batch ({a.global_batch_size})"]
     return []
