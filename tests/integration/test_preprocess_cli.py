@@ -137,7 +137,7 @@ def test_int32_and_hf_and_two_keys(tmp_path, tok_files):
 def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, tok_files):
     base = ["--split-paragraphs", "--append-eod", "--group-by-key", "domain", "--batch-bytes", "2000"]
     variants = {"w1": [], "w2": ["--workers", "2"], "w2p3": ["--workers", "2", "--partitions", "3"],
-                "chunked": ["--tokenize-chunk-chars", "40"]}
+                "chunked": ["--tokenize-chunk-chars", "40"], "batch7k": ["--batch-bytes", "7000"]}
     for name, extra in variants.items():
         s = run(corpus, tmp_path / name, tok_files["gptsp"], *base, *extra)
         assert sorted(s.outputs) == [str(tmp_path / f"{name}_{g}_text_document") for g in ("ru_news", "wiki")]
