@@ -64,6 +64,44 @@ def pretrain_argv(p: dict, prefix: str, cache: str, iters: int, bf16: bool) -> l
     return [str(a) for a in argv] + (["--bf16"] if bf16 else [])
 
 
+def baseline_steps(args, p: dict, device: torch.device, dtype: torch.dtype, padded: int):
+    """The two baselines' step functions on one fixed batch of the benchmark's shape."""
+    from megatron_ru.training.engine import optimizer_param_groups
+    # plain PyTorch: the same model class and init, a batch of the same shape
+    from megatron_ru.model.gpt import GPTModel
+    plain = GPTModel(args.model, p["vocab"] - 1, seed=args.training.seed, device=device, dtype=dtype)
+    plain_opt = torch.optim.AdamW(optimizer_param_groups(plain, args.optimizer.weight_decay), lr=1e-4, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, p["vocab"] - 1, (p["batch"], p["seq"] + 1), generator=g).to(device)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def plain_step() -> None:
+        for _ in range(p["accum"]):
+            loss = plain(inputs, labels=labels) / p["accum"]
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=padded, hidden_size=p["hidden"], intermediate_size=p["ffn"], num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"], num_key_value_heads=p["groups"], max_position_embeddings=p["seq"],
+        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa")).to(device=device, dtype=dtype)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4)
+
+    def hf_step() -> None:
+        for _ in range(p["accum"]):
+            logits = hf(input_ids=inputs).logits
+            loss = F.cross_entropy(logits.float().view(-1, padded), labels.reshape(-1)) / p["accum"]
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        hf_opt.step()
+        hf_opt.zero_grad(set_to_none=True)
+
+    return plain_step, hf_step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -82,7 +120,6 @@ def main() -> None:
     prefix = make_corpus(tmp, p["vocab"], (total + 2) * p["batch"] * p["accum"] * (p["seq"] + 1) * 2)
 
     from megatron_ru.config.arguments import parse_arguments
-    from megatron_ru.training.engine import optimizer_param_groups
     from megatron_ru.training.metrics import device_peak_tflops, flops_per_token
     from megatron_ru.training.pretrain import model_shape, setup
 
@@ -92,38 +129,7 @@ def main() -> None:
     device = trainer.device
     dtype = torch.bfloat16 if opts.bf16 else torch.float32
 
-    # plain PyTorch: the same model class and init, a batch of the same shape
-    from megatron_ru.model.gpt import GPTModel
-    plain = GPTModel(args.model, p["vocab"] - 1, seed=args.training.seed, device=device, dtype=dtype)
-    plain_opt = torch.optim.AdamW(optimizer_param_groups(plain, args.optimizer.weight_decay), lr=1e-4, foreach=False)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, p["vocab"] - 1, (p["batch"], p["seq"] + 1), generator=g).to(device)
-    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    def plain_step() -> None:
-        for _ in range(p["accum"]):
-            loss = plain(inputs, labels=labels) / p["accum"]
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        plain_opt.step()
-        plain_opt.zero_grad(set_to_none=True)
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-    padded = trainer.engine.module.padded_vocab_size
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=padded, hidden_size=p["hidden"], intermediate_size=p["ffn"], num_hidden_layers=p["layers"],
-        num_attention_heads=p["heads"], num_key_value_heads=p["groups"], max_position_embeddings=p["seq"],
-        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa")).to(device=device, dtype=dtype)
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4)
-
-    def hf_step() -> None:
-        for _ in range(p["accum"]):
-            logits = hf(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.float().view(-1, padded), labels.reshape(-1)) / p["accum"]
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        hf_opt.step()
-        hf_opt.zero_grad(set_to_none=True)
+    plain_step, hf_step = baseline_steps(args, p, device, dtype, trainer.engine.module.padded_vocab_size)
 
     def ours_step() -> None:
         trainer.train_step()
