@@ -16,6 +16,7 @@ from megatron_ru.data.blended import BlendedDataset, samples_per_dataset
 from megatron_ru.data.gpt_dataset import GPTDataset
 from megatron_ru.data.indexed_dataset import IndexedDataset
 from megatron_ru.utils.logging import RANK0, get_logger
+from megatron_ru.utils import cli
 
 log = get_logger(__name__)
 
@@ -119,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                          for p in parts)
         lines.append(f"{split}: {len(ds)} samples of {cfg.seq_length + 1} tokens ({desc})")
     for line in lines:
-        print(line)
+        cli.emit(line)
     return lines
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_ru.parallel.hostlist import first_host
 from megatron_ru.utils.logging import get_logger
+from megatron_ru.utils import cli
 
 log = get_logger("megatron_ru.parallel.env")  # also when run as __main__
 
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         validate_all([cfg])
         denv = init_distributed(cfg.backend, cfg.distributed_timeout_minutes)
     except (ValueError, RuntimeError) as e:  # a user mistake: say it plainly, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        cli.error(str(e))
         return 2
     try:
         state = ParallelState.build(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
@@ -317,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         checks = {"tp": (state.tp_ranks, state.tp_group), "dp": (state.dp_ranks, state.dp_group),
                   "pp": (state.pp_ranks, state.pp_group), "mp": (state.mp_ranks, state.mp_group)}
         report["allreduce_ok"] = {k: _group_check(state, k, m, g) for k, (m, g) in checks.items()}
-        print(json.dumps(report, sort_keys=True), flush=True)
+        cli.emit(json.dumps(report, sort_keys=True))
     except ValueError as e:  # e.g. WORLD_SIZE not divisible by TP x PP
-        print(f"error: rank {denv.rank}: {e}", file=sys.stderr, flush=True)
+        cli.error(f"rank {denv.rank}: {e}")
         return 2
     finally:
         dist.destroy_process_group()

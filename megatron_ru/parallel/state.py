@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_ru.parallel.topology import ParallelLayout, RankCoord, layout_problems
 from megatron_ru.utils.logging import get_logger, log_rank0
+from megatron_ru.utils import cli
 
 log = get_logger(__name__)
 
@@ -202,10 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems += layout_problems(ns.world_size, cfg.tensor_model_parallel_size,
                                     cfg.pipeline_model_parallel_size)
     if problems:
-        print("error: " + "\n       ".join(problems), file=sys.stderr)
+        cli.error("\n       ".join(problems))
         return 2
     layout = ParallelLayout(ns.world_size, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
-    print(json.dumps(layout.describe()) if ns.json else layout.format())
+    cli.emit(json.dumps(layout.describe()) if ns.json else layout.format())
     return 0
 
 

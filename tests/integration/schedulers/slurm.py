@@ -11,7 +11,6 @@ import re
 import shutil
 import socket
 import stat
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
