@@ -9,8 +9,11 @@ See docs/training.md. Exit status: 0 done (also after --exit-signal-handler save
 configuration, 1 a failure during training.
 """
 import sys
+import time
 
-from megatron_ru.training.pretrain import main
+JOB_STARTED = time.time()  # --exit-duration-in-mins counts from here, imports included
+
+from megatron_ru.training.pretrain import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(job_started=JOB_STARTED))

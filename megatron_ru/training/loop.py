@@ -176,9 +176,10 @@ class Trainer:
             "mfu": (tflops / self.peak_tflops) if self.peak_tflops else None, "memory_label": label,
             "peak_memory_mib": mem})
 
-    def train(self, on_iteration: Optional[Callable[[int, float], None]] = None) -> TrainResult:
+    def train(self, on_iteration: Optional[Callable[[int, float], None]] = None,
+              job_started: Optional[float] = None) -> TrainResult:
         args, p, result = self.args, self.progress, TrainResult()
-        started = time.time()
+        started = time.time() if job_started is None else job_started
         window: list[float] = []
         skipped_window = 0
         window_start = time.perf_counter()

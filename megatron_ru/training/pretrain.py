@@ -5,6 +5,7 @@ process that already initialised torch.distributed (tests).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -94,10 +95,14 @@ def setup(args: Arguments) -> Trainer:
                    metrics, progress, exit_signal)
 
 
-def run(args: Arguments) -> TrainResult:
+def run(args: Arguments, job_started: Optional[float] = None) -> TrainResult:
+    """Set up and train. ``job_started`` (default: now) is when --exit-duration-in-mins starts
+    counting: like Megatron, from the start of the job, so start-up and checkpoint loading are
+    inside the budget the job scripts derive from the scheduler's time limit."""
+    job_started = time.time() if job_started is None else job_started
     trainer = setup(args)
     try:
-        result = trainer.train()
+        result = trainer.train(job_started=job_started)
     finally:
         trainer.metrics.close()
         if trainer.exit_signal is not None:
@@ -106,15 +111,16 @@ def run(args: Arguments) -> TrainResult:
     return result
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = None) -> int:
     """Exit codes: 0 done (also after a signal-triggered save), 2 invalid flags, 1 a failure."""
+    job_started = time.time() if job_started is None else job_started
     try:
         args = parse_arguments(argv)
     except ValueError as e:
         log.error(str(e))
         return 2
     try:
-        run(args)
+        run(args, job_started)
     except (RuntimeError, dist.DistBackendError) as e:
         # a peer that died shows up here as a failed collective ("Connection closed by peer")
         log.error(f"training failed: {type(e).__name__}: {e}. If another rank died or hung, its own log "
