@@ -118,10 +118,12 @@ def grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], tp_rank: int, mp_gr
     """Global L2 norm of the gradients of one model replica spread over the TP × PP group."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if _counts_here(p, tp_rank):
-            sq += p.grad.detach().double().pow(2).sum()
+    # Per-tensor norms in fp32 (as torch's clip_grad_norm_; no float64 copy of every gradient),
+    # combined in float64 so summing many tensors and ranks loses nothing.
+    norms = [torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32)
+             for p in params if _counts_here(p, tp_rank)]
+    sq = (torch.stack(norms).double().pow(2).sum() if norms
+          else torch.zeros((), dtype=torch.float64, device=device))
     if dist.is_initialized() and mp_group is not None and dist.get_world_size(mp_group) > 1:
         dist.all_reduce(sq, group=mp_group)
     return sq.sqrt().float()
