@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # ABCI (Grid Engine) parts shared by submit_single_node.sh and submit_multinode.sh (sourced).
-# Needs PROJECT_DIR and the settings block of the job script; run_abci_job is the whole flow.
+# Needs PROJECT_DIR and scripts/abci/settings.sh (sourced by the job script); run_abci_job is the whole flow.
 # shellcheck source=scripts/lib/launch.sh
 source "${PROJECT_DIR}/scripts/lib/launch.sh"
 

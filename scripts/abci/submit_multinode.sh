@@ -19,42 +19,13 @@ set -euo pipefail
 PROJECT_DIR="${PROJECT_DIR:-${SGE_O_WORKDIR:-${PWD}}}"  # -cwd: where qsub ran
 JOB_SCRIPT_PATH="${BASH_SOURCE[0]}"
 
-# ------------------------------------------------------------------------------ settings
-# Every value can be overridden from the environment (`qsub -v NAME=VALUE,...` or `qsub -V`);
-# an empty value (FFN_HIDDEN_SIZE= MODEL_ARGS=) means "none".
-# Model: GPT 345M (Megatron-LM's reference GPT-2 medium).
-: "${NUM_LAYERS:=24}" "${HIDDEN_SIZE:=1024}" "${NUM_ATTENTION_HEADS:=16}" "${FFN_HIDDEN_SIZE=}"
-: "${SEQ_LENGTH:=1024}" "${MAX_POSITION_EMBEDDINGS:=${SEQ_LENGTH}}"
-: "${MODEL_ARGS=}"
-# LLaMA-2 7B on V100 16 GB (rt_F=4: 16 GPUs):
-#   NUM_LAYERS=32 HIDDEN_SIZE=4096 FFN_HIDDEN_SIZE=11008 NUM_ATTENTION_HEADS=32 SEQ_LENGTH=4096
-#   TP=4 PP=4 MICRO_BATCH_SIZE=1 GLOBAL_BATCH_SIZE=1024
-#   MODEL_ARGS="--swiglu --normalization RMSNorm --position-embedding-type rope
-#     --untie-embeddings-and-output-weights --disable-bias-linear --recompute-granularity full"
-# LLaMA-2 13B on V100 16 GB (rt_F=8: 32 GPUs; needs micro batch 1, TP 4, PP 8, recomputation):
-#   NUM_LAYERS=40 HIDDEN_SIZE=5120 FFN_HIDDEN_SIZE=13824 NUM_ATTENTION_HEADS=40 SEQ_LENGTH=4096
-#   TP=4 PP=8 MICRO_BATCH_SIZE=1 GLOBAL_BATCH_SIZE=1024 (MODEL_ARGS as for 7B)
-# Layout and optimisation (V100 has no bf16: fp16 with dynamic loss scaling).
-: "${TP:=1}" "${PP:=1}" "${ZERO_STAGE:=1}" "${PRECISION:=fp16}"
-: "${MICRO_BATCH_SIZE:=4}" "${GLOBAL_BATCH_SIZE:=256}" "${TRAIN_ITERS:=500000}" "${SEED:=1234}"
-: "${LR:=3.0e-4}" "${MIN_LR:=3.0e-5}" "${LR_DECAY_STYLE:=cosine}" "${LR_WARMUP_ITERS:=2000}"
-: "${WEIGHT_DECAY:=0.1}" "${CLIP_GRAD:=1.0}"
-# Data and tokenizer (DATA_PATH may be a blend: "0.7 prefix_a 0.3 prefix_b").
-: "${DATA_PATH:=${PROJECT_DIR}/data/corpus_text_document}" "${SPLIT:=949,50,1}"
-: "${TOKENIZER_ARGS=--tokenizer-type GPT2BPETokenizer --vocab-file ${PROJECT_DIR}/data/gpt2-vocab.json --merge-file ${PROJECT_DIR}/data/gpt2-merges.txt}"
-# Checkpoints: resume from SAVE_DIR when it has one, else start from INIT_CHECKPOINT (if set).
-: "${SAVE_DIR:=${PROJECT_DIR}/checkpoints/gpt_345m}" "${INIT_CHECKPOINT=}" "${SAVE_INTERVAL:=1000}"
-: "${EXIT_MARGIN_SECONDS:=900}"  # stop training this long before h_rt to save and exit
-: "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
-: "${EXTRA_ARGS=}"  # any further pretrain_gpt.py flags
-# Cluster: modules (loaded only where `module` exists), GPUs per node (default: from rt_*).
-: "${ABCI_MODULES:=python/3.11 cuda/12.1/12.1.1 cudnn/8.9/8.9.7 nccl/2.18/2.18.5-1 hpcx/2.12}"
-: "${GPUS_PER_NODE=}" "${MASTER_IFACE:=bond0}" "${MPIRUN_ARGS=}"
-: "${MPI_EXPORT_VARS:=VIRTUAL_ENV PYTHONPATH OMP_NUM_THREADS DS_ACCELERATOR CUDA_DEVICE_MAX_CONNECTIONS NCCL_IB_DISABLE NCCL_DEBUG MEGATRON_RU_LOG_LEVEL TORCH_EXTENSIONS_DIR}"
-# ---------------------------------------------------------------------------------------
+# Settings (model, layout, data, checkpoints; each overridable from the environment):
+# scripts/abci/settings.sh, shared with the other ABCI script.
 
 [ -f "${PROJECT_DIR}/pretrain_gpt.py" ] ||
   { echo "error: ${PROJECT_DIR} is not the megatron_ru checkout: submit from the repository root or set PROJECT_DIR" >&2; exit 2; }
+# shellcheck source=scripts/abci/settings.sh
+source "${PROJECT_DIR}/scripts/abci/settings.sh"
 # shellcheck source=scripts/abci/common.sh
 source "${PROJECT_DIR}/scripts/abci/common.sh"
 run_abci_job

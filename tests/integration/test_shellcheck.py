@@ -15,6 +15,7 @@ SCRIPTS = sorted([*REPO.glob("scripts/**/*.sh"), *REPO.glob("scripts/**/*.sbatch
 def test_scripts_found():
     names = {p.relative_to(REPO).as_posix() for p in SCRIPTS}
     assert {"scripts/abci/submit_multinode.sh", "scripts/abci/submit_single_node.sh", "scripts/abci/common.sh",
+            "scripts/abci/settings.sh",
             "scripts/slurm/submit_pyxis.sbatch", "scripts/slurm/submit_torchrun.sbatch",
             "scripts/lib/launch.sh"} <= names
 
