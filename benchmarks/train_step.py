@@ -21,13 +21,14 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.model_step import timed  # noqa: E402  (wall + CPU seconds, CUDA-synchronised)
 
 PRESETS = {  # layers, hidden, heads, query groups, ffn, vocab, seq, micro batch, grad accum
     "cpu": dict(layers=4, hidden=256, heads=8, groups=4, ffn=640, vocab=8064, seq=256, batch=4, accum=1),
@@ -134,23 +135,13 @@ def main() -> None:
     def ours_step() -> None:
         trainer.train_step()
 
-    def timed(fn) -> tuple[float, float]:
-        """(wall, CPU) seconds; CPU time of this process is steadier on a shared CPU machine."""
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, time.process_time() - c0
-
     names = ("pretrain_gpt", "plain_torch", "transformers")
     times: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
     fns = {"pretrain_gpt": ours_step, "plain_torch": plain_step, "transformers": hf_step}
     for i in range(total):
         for name, fn in fns.items():
-            dt, dc = timed(fn)
+            dt, dc = timed(fn, device)
             if i >= opts.warmup:
                 times[name].append(dt)
                 cpu[name].append(dc)
