@@ -9,7 +9,8 @@ SentencePiece BPE model on its first few MB (or takes --tokenizer-model), then i
               texts already in memory (no JSON, no I/O, no start-up), k = 1, 2;
   tool(k)   = tokens/s of `python tools/preprocess_data.py --workers k` as a subprocess, wall
               clock including interpreter start-up, imports, reading, JSON and writing.
-Prints ratio(k) = tool(k) / limit(k) and one JSON line with every figure.
+Prints ratio(k) = tool(k) / limit(k) -- of the best runs, and the median of per-round ratios
+(each tool run against the limit run next to it) -- and one JSON line with every figure.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -69,6 +71,14 @@ def run_tool(corpus: str, model: str, out: str, workers: int, extra: list[str]) 
     return dt, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
+def _same_files(a: str, b: str) -> bool:
+    return all(open(a + e, "rb").read() == open(b + e, "rb").read() for e in (".bin", ".idx"))
+
+
+def _variant_key(i: int) -> str:
+    return "" if i == 0 else f"_v{i}"
+
+
 def _keep_best(results: dict, name: str, wall: float, cpu: float) -> None:
     if wall < results.get(f"{name}_seconds", float("inf")):
         results[f"{name}_seconds"] = wall
@@ -85,6 +95,9 @@ def main() -> None:
     ap.add_argument("--batch-chars", type=int, default=4 << 20, help="text per tokenizer call in the limit run")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for every measurement")
     ap.add_argument("--extra", default="", help="extra preprocess_data.py flags, e.g. '--split-paragraphs'")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="also measure the tool with these extra flags in the same rounds, e.g. "
+                         "'--worker-type process' (repeatable)")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     corpus = os.path.join(args.workdir, f"corpus_{args.size_mb:g}mb.jsonl")
@@ -104,33 +117,55 @@ def main() -> None:
     mb = os.path.getsize(corpus) / 1e6
     results: dict = {"corpus_mb": round(mb, 1), "documents": len(texts), "machine": platform.processor() or
                      platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    # Interleave limit and tool runs so that load from other processes hits both alike; keep
-    # the best of --repeat for each (the least disturbed run).
-    extra = args.extra.split()
+    # Rounds of (tokenizer alone, then each tool variant), the order flipped every other round so
+    # that a slow drift of the machine's speed hits both sides alike. Two summaries: best of the
+    # rounds for each (the least disturbed runs) and the median of the per-round ratios (each
+    # tool run against the limit measured next to it).
+    variants = [("default", args.extra.split())] + [(v, args.extra.split() + v.split()) for v in args.variant]
     results["load_average_before"] = os.getloadavg()[0]
-    for _ in range(args.repeat):
+    paired: dict = {}
+    for r in range(args.repeat):
         for k in args.workers:
-            wall, cpu, tokens = tokenizer_limit(model, texts, k, args.batch_chars)
-            results["tokens"] = tokens
-            _keep_best(results, f"limit_{k}", wall, cpu)
-            wall, cpu = run_tool(corpus, model, os.path.join(args.workdir, f"out_w{k}"), k, extra)
-            _keep_best(results, f"tool_{k}", wall, cpu)
+            steps = ["limit"] + list(range(len(variants)))
+            if r % 2:
+                steps.reverse()
+            limit_wall, tool_walls = None, {}
+            for step in steps:
+                if step == "limit":
+                    limit_wall, cpu, tokens = tokenizer_limit(model, texts, k, args.batch_chars)
+                    results["tokens"] = tokens
+                    _keep_best(results, f"limit_{k}", limit_wall, cpu)
+                    continue
+                name = _variant_key(step)
+                wall, cpu = run_tool(corpus, model, os.path.join(args.workdir, f"out_w{k}{name}"), k,
+                                     variants[step][1])
+                _keep_best(results, f"tool{name}_{k}", wall, cpu)
+                tool_walls[name] = wall
+            for name, wall in tool_walls.items():
+                paired.setdefault(f"{name}_{k}", []).append(limit_wall / wall)  # token counts cancel (+eod below)
     results["load_average_after"] = os.getloadavg()[0]
     toks = results["tokens"] + results["documents"]  # --append-eod adds one token per document
     for k in args.workers:
         lw, lc = results[f"limit_{k}_seconds"], results[f"limit_{k}_cpu_seconds"]
-        tw, tc = results[f"tool_{k}_seconds"], results[f"tool_{k}_cpu_seconds"]
         results[f"limit_{k}_tokens_per_s"] = results["tokens"] / lw
-        results[f"tool_{k}_tokens_per_s"] = toks / tw
-        results[f"ratio_{k}"] = (toks / tw) / (results["tokens"] / lw)
-        results[f"cpu_ratio_{k}"] = (toks / tc) / (results["tokens"] / lc)
-        print(f"--workers {k}: tool {tw:.2f} s wall ({toks / tw:,.0f} tokens/s), tokenizer alone with {k} thread(s) "
-              f"{lw:.2f} s ({results['tokens'] / lw:,.0f} tokens/s): ratio {results[f'ratio_{k}']:.3f}; "
-              f"tokens per CPU-second ratio {results[f'cpu_ratio_{k}']:.3f}", file=sys.stderr)
-    if all(k in args.workers for k in (1, 2)):
-        same = all(open(os.path.join(args.workdir, f"out_w1_text_document{e}"), "rb").read() ==
-                   open(os.path.join(args.workdir, f"out_w2_text_document{e}"), "rb").read() for e in (".bin", ".idx"))
-        results["outputs_identical"] = same
+        for i, (label, _) in enumerate(variants):
+            name = _variant_key(i)
+            tw, tc = results[f"tool{name}_{k}_seconds"], results[f"tool{name}_{k}_cpu_seconds"]
+            ratios = [x * toks / results["tokens"] for x in paired[f"{name}_{k}"]]
+            results[f"tool{name}_{k}_tokens_per_s"] = toks / tw
+            results[f"ratio{name}_{k}"] = (toks / tw) / (results["tokens"] / lw)
+            results[f"paired_ratios{name}_{k}"] = [round(x, 4) for x in ratios]
+            results[f"median_paired_ratio{name}_{k}"] = statistics.median(ratios)
+            results[f"cpu_ratio{name}_{k}"] = (toks / tc) / (results["tokens"] / lc)
+            print(f"--workers {k}{'' if label == 'default' else ' ' + label}: tool {tw:.2f} s wall "
+                  f"({toks / tw:,.0f} tokens/s), tokenizer alone with {k} thread(s) {lw:.2f} s "
+                  f"({results['tokens'] / lw:,.0f} tokens/s): ratio of the bests {results[f'ratio{name}_{k}']:.3f}, "
+                  f"median of {len(ratios)} paired ratios {statistics.median(ratios):.3f} "
+                  f"(min {min(ratios):.3f}, max {max(ratios):.3f}); tokens per CPU-second ratio "
+                  f"{results[f'cpu_ratio{name}_{k}']:.3f}", file=sys.stderr)
+    outs = [os.path.join(args.workdir, f"out_w{k}{_variant_key(i)}_text_document")
+            for k in args.workers for i in range(len(variants))]
+    results["outputs_identical"] = all(_same_files(outs[0], o) for o in outs[1:])
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items()}))
 
 

@@ -27,6 +27,9 @@ class Tokenizer(ABC):
     eod: int
     bos: Optional[int] = None
     pad: Optional[int] = None
+    # True when tokenize_batch_arrays spends its time in native code that releases the GIL, so
+    # that threads in one process tokenize in parallel (tools/preprocess_data.py --workers).
+    releases_gil: bool = False
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -48,6 +51,17 @@ class Tokenizer(ABC):
 
     def describe(self) -> str:
         return f"{self.name}(vocab_size={self.vocab_size}, eod={self.eod}, bos={self.bos}, pad={self.pad})"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.2.3"`` → ``(0, 2, 3)``; stops at the first part that is not a number (``"0.2.2rc1"``
+    → ``(0, 2)``), which errs towards "older"."""
+    out = []
+    for part in version.split("."):
+        if not part.isdigit():
+            break
+        out.append(int(part))
+    return tuple(out)
 
 
 def _ids(x) -> list[int]:
@@ -79,6 +93,9 @@ class GPTSentencePieceTokenizer(Tokenizer):
         except (RuntimeError, OSError) as e:
             raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model ({e})") from e
         self.num_threads = num_threads
+        # sentencepiece 0.2.2 moved to pybind11 and encodes batches with the GIL released
+        # (0.2.0/0.2.1 hold it: two threads take as long as one, measured).
+        self.releases_gil = _version_tuple(sentencepiece.__version__) >= (0, 2, 2)
 
     def tokenize(self, text: str) -> list[int]:
         return self.sp.encode(text)

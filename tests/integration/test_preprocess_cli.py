@@ -136,7 +136,9 @@ def test_int32_and_hf_and_two_keys(tmp_path, tok_files):
 
 def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, tok_files):
     base = ["--split-paragraphs", "--append-eod", "--group-by-key", "domain", "--batch-bytes", "2000"]
-    variants = {"w1": [], "w2": ["--workers", "2"], "w2p3": ["--workers", "2", "--partitions", "3"],
+    variants = {"w1": [], "w2": ["--workers", "2"], "w2proc": ["--workers", "2", "--worker-type", "process"],
+                "w3thread": ["--workers", "3", "--worker-type", "thread"],
+                "w2p3": ["--workers", "2", "--partitions", "3"],
                 "chunked": ["--tokenize-chunk-chars", "40"], "batch7k": ["--batch-bytes", "7000"]}
     for name, extra in variants.items():
         s = run(corpus, tmp_path / name, tok_files["gptsp"], *base, *extra)
@@ -223,13 +225,16 @@ def test_group_value_errors(tmp_path, tok_files):
     assert outputs(tmp_path) == []
 
 
-def test_tokenizer_problems_fail_before_any_work(tmp_path, corpus):
+def test_tokenizer_problems_fail_before_any_work(tmp_path, corpus, tok_files):
     with pytest.raises(ValueError, match=r"--tokenizer-model .*nope.model: no such file"):
         run(corpus, tmp_path / "sub" / "out", ["--tokenizer-type", "GPTSentencePieceTokenizer",
                                                "--tokenizer-model", str(tmp_path / "nope.model")])
     with pytest.raises(ValueError, match="--split-sentences and --split-paragraphs exclude each other"):
         run(corpus, tmp_path / "sub" / "out", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "5"],
             "--split-sentences", "--split-paragraphs")
+    with pytest.raises(ValueError, match=r"--worker-type thread: GPT2BPETokenizer holds the GIL while tokenizing, so "
+                                         r"threads would run one at a time; use --worker-type process \(or auto\)$"):
+        run(corpus, tmp_path / "sub" / "out", tok_files["gpt2"], "--workers", "2", "--worker-type", "thread")
     assert not os.path.exists(tmp_path / "sub")
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from megatron_ru.config.tokenizer import TokenizerConfig
-from megatron_ru.data.preprocess.reader import expand_inputs, plan_partitions, read_batches
+from megatron_ru.data.preprocess.reader import MIN_TAIL_BATCH, expand_inputs, plan_partitions, read_batches, Segment
 from megatron_ru.data.preprocess.text import chunk_text, sanitize_name, split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import build_tokenizer
 from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_sentencepiece, sample_texts
@@ -111,3 +111,33 @@ def test_reader_and_partitions_cover_every_line_once(tmp_path):
         expand_inputs([str(tmp_path / "nothing*.jsonl")])
     with pytest.raises(FileNotFoundError, match="--input .*missing.jsonl: no such file"):
         expand_inputs([str(tmp_path / "missing.jsonl")])
+
+
+def test_batches_shrink_towards_the_end_of_a_plain_file_only(tmp_path):
+    """The last batches get small (parallel workers finish together); .gz (size unknown) keeps
+    full batches; either way every line arrives once, in order, with its line number."""
+    rng = random.Random(5)
+    lines = [bytes(rng.choice(b"abcdefgh ") for _ in range(rng.randint(500, 1500))) for _ in range(3000)]
+    data = b"\n".join(lines) + b"\n"  # ~3 MB
+    (tmp_path / "a.jsonl").write_bytes(data)
+    with gzip.open(tmp_path / "a.jsonl.gz", "wb") as f:
+        f.write(data)
+    batch = 1 << 20
+    for name in ("a.jsonl", "a.jsonl.gz"):
+        batches = list(read_batches([Segment(str(tmp_path / name))], batch))
+        assert b"".join(b.data for b in batches) == data
+        assert [b.first_line for b in batches] == [1] + [1 + sum(b.data.count(b"\n") for b in batches[:i])
+                                                        for i in range(1, len(batches))]
+        sizes = [len(b.data) for b in batches]
+        assert max(sizes) < batch + 1600
+        if name.endswith(".gz"):
+            assert all(s > batch - 1600 for s in sizes[:-1]), sizes
+        else:
+            # 3 MB < 8 × 1 MB: each read takes an eighth of what is left, down to MIN_TAIL_BATCH; a batch
+            # is the whole lines of it plus the end of a line the previous read cut (± one line).
+            left = len(data)
+            for s in sizes:
+                want = min(batch, max(MIN_TAIL_BATCH, left // 8))
+                assert abs(s - want) < 1600 or s == left, (s, want, left)
+                left -= s
+            assert sizes[-1] <= MIN_TAIL_BATCH and len(sizes) > 8

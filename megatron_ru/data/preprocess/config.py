@@ -24,7 +24,12 @@ class PreprocessConfig:
     group_by_key: Optional[str] = arg(None, "Write one dataset per value of this JSON key: "
                                       "<prefix>_<value>_<key>_document.")
     append_eod: bool = arg(False, "Append the end-of-document token to every document.")
-    workers: int = arg(1, "Worker processes that parse and tokenize (1 = in the main process).")
+    workers: int = arg(1, "Parallel workers that parse and tokenize (1 = in the main process).")
+    worker_type: str = arg("auto", "thread: workers are threads of one process (no start-up, no copies between "
+                           "processes; only for tokenizers whose batch call releases the GIL, e.g. sentencepiece "
+                           ">= 0.2.2); process: forked processes (any tokenizer); auto: threads when the "
+                           "tokenizer releases the GIL and --workers <= 8, else processes.",
+                           choices=("auto", "thread", "process"))
     partitions: int = arg(1, "Cut the input into this many contiguous parts processed concurrently and merged "
                           "in order (same bytes as 1).")
     log_interval: int = arg(1000, "Progress line on stderr every this many documents.")

@@ -212,6 +212,7 @@ class Encoder:
 
     def _assemble(self, docs, arrays, res: BatchResult) -> None:
         parts: dict[tuple[Optional[str], str], tuple[list, list, list]] = {}
+        eod = np.asarray([self.tok.eod], dtype=np.int32) if self.opts.append_eod else None
         for (line_no, group, key, _), segs in zip(docs, arrays):
             if segs is None:
                 continue
@@ -219,18 +220,19 @@ class Encoder:
             if not segs:
                 res.skipped[f"no tokens '{key}'"] += 1
                 continue
-            if self.opts.append_eod:
-                segs[-1] = np.append(segs[-1], np.asarray(self.tok.eod, dtype=segs[-1].dtype))
             toks, lens, counts = parts.setdefault((group, key), ([], [], []))
             toks.extend(segs)
             lens.extend(s.size for s in segs)
+            if eod is not None:  # the end-of-document token belongs to the document's last sequence
+                toks.append(eod)
+                lens[-1] += 1
             counts.append(len(segs))
             res.documents += 1
-            res.tokens += sum(s.size for s in segs)
         for k, (toks, lens, counts) in parts.items():
             tokens = np.concatenate(toks)
             if tokens.size and (tokens.min() < 0 or tokens.max() >= self.tok.vocab_size):
                 raise ValueError(f"token id {int(tokens.max())} outside the vocabulary of {self.tok.vocab_size}")
+            res.tokens += tokens.size
             res.outputs[k] = Output(tokens.astype(self.dtype, copy=False), np.asarray(lens, dtype=np.int32),
                                     np.asarray(counts, dtype=np.int64))
 

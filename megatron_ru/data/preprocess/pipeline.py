@@ -8,9 +8,7 @@ from the input independently of them and their results are written in input orde
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue as queue_module
 import time
 import traceback
 from collections import Counter, deque
@@ -137,23 +135,58 @@ class _Progress:
                  f"({s.tokens / dt:.0f} tokens/s), {s.bytes / 1e6:.1f} MB ({s.bytes / 1e6 / dt:.2f} MB/s)")
 
 
-def _results(batches: Iterable[Batch], encoder: Encoder, workers: int) -> Iterable[BatchResult]:
+MAX_AUTO_THREADS = 8
+
+
+def choose_worker_type(requested: str, workers: int, tokenizer: Tokenizer) -> str:
+    """``thread`` or ``process`` for ``--worker-type`` (``auto`` decides here).
+
+    Threads cost nothing to start and share the batches and results without copying, but the
+    JSON parsing and array assembly around the tokenizer call hold the GIL: about 5 % of the
+    work with SentencePiece here, so beyond a handful of threads the GIL becomes the limit and
+    processes scale better (``MAX_AUTO_THREADS``)."""
+    if requested == "thread" and not tokenizer.releases_gil:
+        raise ValueError(f"--worker-type thread: {tokenizer.name} holds the GIL while tokenizing, so threads "
+                         "would run one at a time; use --worker-type process (or auto)"
+                         + (" or sentencepiece >= 0.2.2" if "SentencePiece" in tokenizer.name else ""))
+    if requested != "auto":
+        return requested
+    return "thread" if tokenizer.releases_gil and workers <= MAX_AUTO_THREADS else "process"
+
+
+def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_type: str) -> Iterable[BatchResult]:
     """Encoded batches in input order; at most 2 × workers in flight."""
     global _ENCODER
     if workers == 1:
         for b in batches:
             yield encoder.encode(b)
         return
-    _ENCODER = encoder
-    ctx = mp.get_context("fork")  # workers inherit the loaded tokenizer: no re-load, no pickling
-    with ctx.Pool(workers) as pool:
+    if worker_type == "thread":
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="encode")
+        submit = lambda b: pool.submit(encoder.encode, b)  # noqa: E731
+        get = lambda fut: fut.result()  # noqa: E731
+    else:
+        import multiprocessing as mp  # here: importing it (and its pool) costs ~20 ms of start-up
+
+        _ENCODER = encoder
+        pool = mp.get_context("fork").Pool(workers)  # workers inherit the loaded tokenizer: no re-load
+        submit = lambda b: pool.apply_async(_encode_in_worker, (b,))  # noqa: E731
+        get = lambda res: res.get()  # noqa: E731
+    try:
         pending: deque = deque()
         for b in batches:
-            pending.append(pool.apply_async(_encode_in_worker, (b,)))
+            pending.append(submit(b))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield get(pending.popleft())
         while pending:
-            yield pending.popleft().get()
+            yield get(pending.popleft())
+    finally:
+        if worker_type == "thread":
+            pool.shutdown(wait=True, cancel_futures=True)
+        else:
+            pool.terminate()
 
 
 def _check_all_keys(writers: _Writers, keys: Iterable[str], s: Summary) -> None:
@@ -164,7 +197,8 @@ def _check_all_keys(writers: _Writers, keys: Iterable[str], s: Summary) -> None:
 
 
 def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer, opts: EncodeOptions,
-                     workers: int, batch_bytes: int, log_interval: int, require_all_keys: bool = True) -> Summary:
+                     workers: int, batch_bytes: int, log_interval: int, require_all_keys: bool = True,
+                     worker_type: str = "process") -> Summary:
     """Tokenize ``segments`` into datasets at ``prefix`` (all-or-nothing)."""
     summary = Summary()
     writers = _Writers(prefix, np.dtype(opts.dtype).type, summary, _level(opts))
@@ -172,7 +206,7 @@ def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer,
     encoder = Encoder(tokenizer, opts)
     t0 = time.perf_counter()
     try:
-        for r in _results(read_batches(segments, batch_bytes), encoder, workers):
+        for r in _results(read_batches(segments, batch_bytes), encoder, workers, worker_type):
             if r.error is not None:
                 raise ValueError(r.error)
             summary.add(r)
@@ -188,24 +222,28 @@ def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer,
     return summary
 
 
-def _partition_main(index, segments, prefix, tokenizer, opts, workers, batch_bytes, log_interval, queue) -> None:
+def _partition_main(index, segments, prefix, tokenizer, opts, workers, worker_type, batch_bytes, log_interval,
+                    queue) -> None:
     try:
         summary = process_segments(segments, prefix, tokenizer, opts, workers, batch_bytes, log_interval,
-                                   require_all_keys=False)
+                                   require_all_keys=False, worker_type=worker_type)
         queue.put((index, "ok", summary))
     except BaseException as e:  # reported to the parent, which raises it
         queue.put((index, "error", str(e) if isinstance(e, (ValueError, OSError)) else traceback.format_exc()))
 
 
 def _run_partitions(parts: list[list[Segment]], cfg: PreprocessConfig, tokenizer: Tokenizer,
-                    opts: EncodeOptions) -> list[tuple[str, Optional[Summary]]]:
+                    opts: EncodeOptions, worker_type: str) -> list[tuple[str, Optional[Summary]]]:
     """Each part in its own process, into temporary shard datasets; returns (shard prefix, summary)."""
+    import multiprocessing as mp
+    import queue as queue_module
+
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     per_part = max(1, cfg.workers // len(parts))
     shard_prefixes = [f"{cfg.output_prefix}.part{i}.tmp-{os.getpid()}" for i in range(len(parts))]
     procs = [ctx.Process(target=_partition_main, args=(i, segs, shard_prefixes[i], tokenizer, opts, per_part,
-                                                       cfg.batch_bytes, cfg.log_interval, queue))
+                                                       worker_type, cfg.batch_bytes, cfg.log_interval, queue))
              for i, segs in enumerate(parts)]
     for p in procs:
         p.start()
@@ -287,17 +325,19 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
                          split_paragraphs=cfg.split_paragraphs, append_eod=cfg.append_eod,
                          skip_invalid=cfg.skip_invalid, chunk_chars=cfg.tokenize_chunk_chars,
                          dtype=np.dtype(dtype).name)
+    worker_type = choose_worker_type(cfg.worker_type, cfg.workers, tokenizer)
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
+    workers = f"{cfg.workers} worker {worker_type}(es)" if worker_type == "process" else f"{cfg.workers} worker thread(s)"
     log.info(f"{len(files)} input file(s); tokenizer {tokenizer.describe()}; token dtype {np.dtype(dtype).name}; "
-             f"{cfg.workers} worker(s), {cfg.partitions} partition(s)")
+             f"{workers if cfg.workers > 1 else '1 worker (the main process)'}, {cfg.partitions} partition(s)")
     t0 = time.perf_counter()
     parts = plan_partitions(files, cfg.partitions)
     if len(parts) == 1:
         summary = process_segments(parts[0], cfg.output_prefix, tokenizer, opts, cfg.workers, cfg.batch_bytes,
-                                   cfg.log_interval)
+                                   cfg.log_interval, worker_type=worker_type)
     else:
-        summary = _merge(_run_partitions(parts, cfg, tokenizer, opts), cfg, dtype)
+        summary = _merge(_run_partitions(parts, cfg, tokenizer, opts, worker_type), cfg, dtype)
     summary.seconds = time.perf_counter() - t0
     return summary
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Optional, Sequence
 
 _BLOCK = 1 << 20
+MIN_TAIL_BATCH = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,22 @@ def _open(path: str) -> BinaryIO:
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
+def _segment_size(seg: Segment) -> Optional[int]:
+    if seg.path.endswith(".gz"):
+        return None
+    return (os.path.getsize(seg.path) if seg.end is None else seg.end) - seg.start
+
+
 def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batch]:
-    """Batches of about ``batch_bytes`` whole lines; a line longer than that is one batch."""
+    """Batches of about ``batch_bytes`` whole lines; a line longer than that is one batch.
+
+    When the input size is known (no ``.gz``), batches shrink over the last ``8 × batch_bytes``
+    of input (to an eighth of what is left, at least ``MIN_TAIL_BATCH``), so that parallel
+    workers finish together instead of one of them tokenizing a whole last batch alone. Batch
+    boundaries never change the output (documents are tokenized independently, results are
+    written in input order)."""
+    sizes = [_segment_size(seg) for seg in segments]
+    left = None if any(n is None for n in sizes) else sum(sizes)
     for seg in segments:
         line_no = seg.first_line
         with _open(seg.path) as f:
@@ -65,10 +80,14 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
             remaining = None if seg.end is None else seg.end - seg.start
             pending: list[bytes] = []  # blocks of a line longer than a batch, joined once complete
             while True:
-                want = batch_bytes if remaining is None else min(batch_bytes, remaining)
+                want = batch_bytes if left is None else min(batch_bytes, max(MIN_TAIL_BATCH, left // 8))
+                if remaining is not None:
+                    want = min(want, remaining)
                 block = f.read(want) if want > 0 else b""
                 if remaining is not None:
                     remaining -= len(block)
+                if left is not None:
+                    left -= len(block)
                 if not block:
                     if pending:
                         yield Batch(seg.path, line_no, b"".join(pending))
