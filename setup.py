@@ -1,4 +1,5 @@
-"""Builds megatron_ru and its pybind11 extension (csrc/helpers.cpp → megatron_ru.data._helpers).
+"""Builds megatron_ru and its pybind11 extensions: csrc/helpers.cpp → megatron_ru.data._helpers (dataset
+indices) and csrc/jsonl.cpp → megatron_ru.data.preprocess._jsonl (JSONL fast path of preprocess_data.py).
 
 A missing compiler, Python headers or pybind11 is reported in one line naming what to
 install, before any compilation; a failing compile is summarised the same way.
@@ -13,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 
 def _fail(msg: str) -> None:
-    sys.stderr.write(f"\nmegatron_ru: cannot build the C++ dataset helpers: {msg}\n\n")
+    sys.stderr.write(f"\nmegatron_ru: cannot build the C++ extensions (csrc/): {msg}\n\n")
     raise SystemExit(1)
 
 
@@ -60,7 +61,13 @@ def _extensions():
             ["csrc/helpers.cpp"],
             cxx_std=17,
             extra_compile_args=["-O3"],
-        )
+        ),
+        Pybind11Extension(
+            "megatron_ru.data.preprocess._jsonl",
+            ["csrc/jsonl.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        ),
     ]
 
 

@@ -30,6 +30,8 @@ class Tokenizer(ABC):
     # True when tokenize_batch_arrays spends its time in native code that releases the GIL, so
     # that threads in one process tokenize in parallel (tools/preprocess_data.py --workers).
     releases_gil: bool = False
+    # True when tokenize_batch_arrays also takes UTF-8 ``bytes`` (same ids as for the str).
+    accepts_utf8_bytes: bool = False
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -72,6 +74,7 @@ class GPTSentencePieceTokenizer(Tokenizer):
     """A SentencePiece model used as-is: ``eod`` is the model's ``</s>`` (eos) id."""
 
     name = "GPTSentencePieceTokenizer"
+    accepts_utf8_bytes = True  # sentencepiece reads str as UTF-8 anyway
 
     def __init__(self, model_file: str, num_threads: int = 1) -> None:
         self._load(model_file, num_threads)
@@ -170,10 +173,14 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
                 out[i] = self.tokenize(t)
         return out
 
-    def tokenize_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def tokenize_batch_arrays(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         texts = list(texts)
         out = self.sp.encode(texts, num_threads=self.num_threads, return_type="numpy")
         for i, t in enumerate(texts):
+            if isinstance(t, bytes):
+                if b"<" not in t:
+                    continue
+                t = t.decode("utf-8")
             if self._has_special(t):
                 out[i] = np.asarray(self.tokenize(t), dtype=np.int64)
         return out

@@ -254,3 +254,18 @@ def test_cli_exit_codes_progress_and_summary(tmp_path, corpus, tok_files):
                        + tok_files["gptsp"], capture_output=True, text=True, env=env)
     assert p.returncode == 1 and f"error: {bad}:1: invalid JSON" in p.stderr
     assert outputs(tmp_path, "bad_") == []
+
+
+@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "gpt2"])
+def test_json_fast_path_changes_no_byte(tmp_path, corpus, tok_files, tok_name, monkeypatch):
+    """The C++ JSONL fast path (UTF-8 bytes straight to SentencePiece) against json.loads + str."""
+    from megatron_ru.data.preprocess import encode as encode_module
+
+    extra = ["--append-eod", "--group-by-key", "domain", "--workers", "2"]
+    run(corpus, tmp_path / "fast", tok_files[tok_name], *extra)
+    monkeypatch.setattr(encode_module, "extract_strings", None)
+    run(corpus, tmp_path / "slow", tok_files[tok_name], *extra)
+    names = [n for n in os.listdir(tmp_path) if n.startswith("fast_")]
+    assert len(names) == 4
+    for n in names:
+        assert open(tmp_path / n, "rb").read() == open(tmp_path / ("slow_" + n[5:]), "rb").read(), n

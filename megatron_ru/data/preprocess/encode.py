@@ -18,6 +18,11 @@ from megatron_ru.data.preprocess.reader import Batch
 from megatron_ru.data.preprocess.text import chunk_text, split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import Tokenizer
 
+try:  # csrc/jsonl.cpp: string values straight from the line's bytes (see Encoder._fields)
+    from megatron_ru.data.preprocess._jsonl import extract_strings
+except ImportError:  # not built: every line goes through json.loads (same results, slower)
+    extract_strings = None
+
 
 @dataclass(frozen=True)
 class EncodeOptions:
@@ -55,6 +60,19 @@ class BatchResult:
 
 _NON_SPACE = re.compile(r"\S")
 _NON_SPACE_BYTES = re.compile(rb"\S")
+# In UTF-8 text: an ASCII byte that is not whitespace for ``\s``, or the lead byte of a character
+# that cannot be whitespace (every non-ASCII whitespace character starts with C2, E1, E2 or E3;
+# continuation bytes are 80-BF). Finding one proves the text is not blank without decoding it.
+_NOT_BLANK_UTF8 = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xbf\xc2\xe1\xe2\xe3]")
+
+
+def is_blank(text: str | bytes) -> bool:
+    """True when ``text`` (str, or UTF-8 bytes) is empty or whitespace only (regex ``\\s``)."""
+    if isinstance(text, bytes):
+        if _NOT_BLANK_UTF8.search(text) is not None:
+            return False
+        text = text.decode("utf-8")
+    return _NON_SPACE.search(text) is None  # (no copy of a possibly huge text, unlike strip)
 
 
 class Invalid(Exception):
@@ -125,14 +143,46 @@ class Encoder:
         self.tok = tokenizer
         self.opts = opts
         self.dtype = np.dtype(opts.dtype)
+        self._keys = list(opts.json_keys) + ([opts.group_by_key] if opts.group_by_key is not None else [])
+        # Texts stay UTF-8 bytes from the line to the tokenizer when nothing needs them as str.
+        self._bytes_ok = tokenizer.accepts_utf8_bytes and not (opts.split_paragraphs or opts.split_sentences)
 
-    def _segments(self, text: str) -> list[str]:
+    def _fields(self, raw: bytes) -> tuple[Optional[str], list]:
+        """(group, texts) of one line. A well-formed line whose values are all strings goes
+        through the C++ fast path (csrc/jsonl.cpp: no Python objects for the whole line, the
+        GIL released); anything else — including every invalid line — through :func:`_parse`,
+        which gives the same values or the error. Texts are UTF-8 bytes when the tokenizer takes
+        them (no str round trip), else str."""
+        if extract_strings is not None:
+            values = extract_strings(raw, self._keys)
+            if values is not None and None not in values:
+                n = len(self.opts.json_keys)
+                group = values[n].decode("utf-8") if len(values) > n else None
+                texts = values[:n] if self._bytes_ok else [v.decode("utf-8") for v in values[:n]]
+                return group, texts
+        group, texts = _parse(raw, self.opts)
+        return group, texts
+
+    def _segments(self, text: str | bytes) -> list:
         o = self.opts
+        if isinstance(text, bytes) and not self._bytes_ok:
+            text = text.decode("utf-8")
         if o.split_paragraphs:
             return split_paragraphs(text)
         if o.split_sentences:
             return split_sentences(text, o.keep_newlines)
         return [text]
+
+    def _chunks(self, seg: str | bytes) -> list:
+        """``seg`` in pieces of at most ``chunk_chars`` characters (see chunk_text), of the same
+        type as ``seg``; UTF-8 is never longer in bytes than in characters, so a short ``bytes``
+        needs no decoding."""
+        n = self.opts.chunk_chars
+        if isinstance(seg, bytes):
+            if len(seg) <= n:
+                return [seg]
+            return [p.encode("utf-8") for p in chunk_text(seg.decode("utf-8"), n)]
+        return chunk_text(seg, n)
 
     def encode(self, batch: Batch) -> BatchResult:
         res = BatchResult(bytes=len(batch.data))
@@ -150,14 +200,14 @@ class Encoder:
                 continue
             lines[i] = b""  # the parsed text is what we keep (matters for a 100 MB line)
             try:
-                group, texts = _parse(raw, o)
+                group, texts = self._fields(raw)
                 del raw
             except Invalid as e:
                 if not self._skip(res, e, batch.path, line_no):
                     return res
                 continue
             for key, text in zip(o.json_keys, texts):
-                if _NON_SPACE.search(text) is None:  # (no copy of a possibly huge text, unlike strip)
+                if is_blank(text):
                     self._count(res, f"empty '{key}'", batch.path, line_no)
                     continue
                 docs.append((line_no, group, key, self._segments(text)))
@@ -172,7 +222,7 @@ class Encoder:
         counts: list[int] = []
         for _, _, _, segs in docs:
             for seg in segs:
-                pieces = chunk_text(seg, self.opts.chunk_chars)
+                pieces = self._chunks(seg)
                 counts.append(len(pieces))
                 chunks.extend(pieces)
         try:
@@ -195,6 +245,7 @@ class Encoder:
     def _tokenize_one_by_one(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
         out: list[Optional[list[np.ndarray]]] = []
         for line_no, _, key, segs in docs:
+            segs = [s.decode("utf-8") if isinstance(s, bytes) else s for s in segs]
             try:
                 out.append([np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64)
                                             for c in chunk_text(seg, self.opts.chunk_chars)]) for seg in segs])

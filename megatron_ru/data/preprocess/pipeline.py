@@ -20,6 +20,7 @@ import numpy as np
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype
 from megatron_ru.data.preprocess.config import PreprocessConfig
+from megatron_ru.data.preprocess import encode as encode_module
 from megatron_ru.data.preprocess.encode import BatchResult, EncodeOptions, Encoder
 from megatron_ru.data.preprocess.reader import Batch, Segment, expand_inputs, plan_partitions, read_batches
 from megatron_ru.data.preprocess.text import sanitize_name
@@ -326,6 +327,10 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
                          skip_invalid=cfg.skip_invalid, chunk_chars=cfg.tokenize_chunk_chars,
                          dtype=np.dtype(dtype).name)
     worker_type = choose_worker_type(cfg.worker_type, cfg.workers, tokenizer)
+    if encode_module.extract_strings is None:
+        log.warning("the C++ JSONL fast path (megatron_ru.data.preprocess._jsonl, csrc/jsonl.cpp) is not built: "
+                    "every line goes through Python's json module (same output, slower). Build it with "
+                    "'pip install --no-build-isolation -e .' or 'python setup.py build_ext --inplace'")
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     workers = f"{cfg.workers} worker {worker_type}(es)" if worker_type == "process" else f"{cfg.workers} worker thread(s)"

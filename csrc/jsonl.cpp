@@ -1,0 +1,363 @@
+// Fast path for tools/preprocess_data.py: the string values of a few keys of one JSONL line,
+// as UTF-8 bytes, without building Python objects for the whole line.
+//
+//   extract_strings(line: bytes, keys: list[bytes]) -> list[bytes | None] | None
+//
+// Contract (what makes it safe to use in front of Python's json module):
+// - It returns a list only for a line that is one strict RFC 8259 JSON object in valid UTF-8
+//   (optionally surrounded by JSON whitespace) whose strings contain no lone surrogate escape.
+//   Every such line is accepted by json.loads, and for it the result equals
+//   [obj[k].encode("utf-8") if isinstance(obj.get(k), str) else None for k in keys]
+//   with obj = json.loads(line) (duplicate keys: the last one wins, as in json.loads).
+// - For anything else it returns None and the caller parses the line with json.loads, which
+//   then produces the value or the exact error message. Returning None is always safe; so
+//   NaN/Infinity (accepted by json.loads, not by RFC 8259), lone surrogates, invalid UTF-8,
+//   control characters in strings, trailing data and nesting deeper than kMaxDepth all go
+//   back to Python.
+// The GIL is released while parsing, so threads parse lines in parallel.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kMaxDepth = 256;
+
+// Bytes that stand for themselves inside a JSON string: 0x20-0x7F except '"' and '\\'.
+struct PlainAsciiTable {
+  bool v[256] = {};
+  PlainAsciiTable() {
+    for (int c = 0x20; c < 0x80; ++c) v[c] = c != '"' && c != '\\';
+  }
+  bool operator[](unsigned char c) const { return v[c]; }
+};
+const PlainAsciiTable kPlainAscii;
+
+// Parses [begin, end); requires *end == 0 (true of every CPython bytes object), which ends the
+// scanning loops of parse_string without a bounds check per byte.
+class Parser {
+ public:
+  Parser(const unsigned char* begin, const unsigned char* end, const std::vector<std::string>& keys)
+      : p_(begin), end_(end), keys_(keys), found_(keys.size(), false), values_(keys.size()) {}
+
+  // True when the whole input is one object (with optional surrounding whitespace).
+  bool parse_line() {
+    skip_ws();
+    if (p_ == end_ || *p_ != '{') return false;
+    if (!parse_object(/*top=*/true)) return false;
+    skip_ws();
+    return p_ == end_;
+  }
+
+  const std::vector<bool>& found() const { return found_; }
+  std::vector<std::string>& values() { return values_; }
+
+ private:
+  const unsigned char* p_;
+  const unsigned char* end_;
+  const std::vector<std::string>& keys_;
+  std::vector<bool> found_;          // the key's last occurrence has a string value
+  std::vector<std::string> values_;  // that value, UTF-8
+  int depth_ = 0;
+  std::string scratch_;
+
+  void skip_ws() {
+    while (p_ < end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
+  }
+
+  static int hex(unsigned char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  }
+
+  bool read_u16(uint32_t* out) {  // p_ just after "\u"
+    if (end_ - p_ < 4) return false;
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) {
+      int h = hex(p_[i]);
+      if (h < 0) return false;
+      v = (v << 4) | static_cast<uint32_t>(h);
+    }
+    p_ += 4;
+    *out = v;
+    return true;
+  }
+
+  static void put_utf8(uint32_t cp, std::string* out) {
+    if (cp < 0x80) {
+      out->push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else if (cp < 0x10000) {
+      out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else {
+      out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+      out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+  }
+
+  // Length of the valid UTF-8 sequence at p_ (lead byte >= 0x80), or 0 when invalid
+  // (overlong forms, surrogates and code points above U+10FFFF are invalid, as in Python).
+  size_t utf8_len() const {
+    const unsigned char* s = p_;
+    const ptrdiff_t left = end_ - s;
+    auto cont = [&](ptrdiff_t i, unsigned char lo = 0x80, unsigned char hi = 0xBF) {
+      return i < left && s[i] >= lo && s[i] <= hi;
+    };
+    unsigned char c = s[0];
+    if (c >= 0xC2 && c <= 0xDF) return cont(1) ? 2 : 0;
+    if (c == 0xE0) return cont(1, 0xA0) && cont(2) ? 3 : 0;
+    if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) return cont(1) && cont(2) ? 3 : 0;
+    if (c == 0xED) return cont(1, 0x80, 0x9F) && cont(2) ? 3 : 0;
+    if (c == 0xF0) return cont(1, 0x90) && cont(2) && cont(3) ? 4 : 0;
+    if (c >= 0xF1 && c <= 0xF3) return cont(1) && cont(2) && cont(3) ? 4 : 0;
+    if (c == 0xF4) return cont(1, 0x80, 0x8F) && cont(2) && cont(3) ? 4 : 0;
+    return 0;
+  }
+
+  // p_ at the opening quote; appends the decoded string to out (when not null). Runs of
+  // characters without escapes are validated first and copied with one append.
+  bool parse_string(std::string* out) {
+    ++p_;
+    if (out) out->reserve(out->size() + static_cast<size_t>(end_ - p_));
+    const unsigned char* run = p_;
+    auto flush = [&]() {
+      if (out && p_ > run) out->append(reinterpret_cast<const char*>(run), p_ - run);
+    };
+    for (;;) {
+      // Runs of plain ASCII, then runs of 2-byte characters (Cyrillic, Greek, ...). Both loops
+      // stop at the NUL that CPython keeps after the end of every bytes object.
+      while (kPlainAscii[*p_]) ++p_;
+      while (*p_ >= 0xC2 && *p_ <= 0xDF && (p_[1] & 0xC0) == 0x80) p_ += 2;
+      if (p_ >= end_) return false;
+      unsigned char c = *p_;
+      if (kPlainAscii[c]) continue;
+      if (c >= 0x80) {
+        size_t n = utf8_len();
+        if (n == 0) return false;
+        p_ += n;
+        continue;
+      }
+      if (c == '"') {
+        flush();
+        ++p_;
+        return true;
+      }
+      if (c < 0x20) return false;  // control characters must be escaped (json.loads, strict)
+      flush();  // backslash escape
+      ++p_;
+      if (p_ == end_) return false;
+      c = *p_++;
+      char simple = 0;
+      switch (c) {
+        case '"': simple = '"'; break;
+        case '\\': simple = '\\'; break;
+        case '/': simple = '/'; break;
+        case 'b': simple = '\b'; break;
+        case 'f': simple = '\f'; break;
+        case 'n': simple = '\n'; break;
+        case 'r': simple = '\r'; break;
+        case 't': simple = '\t'; break;
+        case 'u': {
+          uint32_t cp;
+          if (!read_u16(&cp)) return false;
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            uint32_t lo;
+            if (end_ - p_ < 2 || p_[0] != '\\' || p_[1] != 'u') return false;  // lone high surrogate
+            p_ += 2;
+            if (!read_u16(&lo) || lo < 0xDC00 || lo > 0xDFFF) return false;
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            return false;  // lone low surrogate
+          }
+          if (out) put_utf8(cp, out);
+          run = p_;
+          continue;
+        }
+        default:
+          return false;
+      }
+      if (out) out->push_back(simple);
+      run = p_;
+    }
+  }
+
+  bool parse_number() {
+    if (p_ < end_ && *p_ == '-') ++p_;
+    if (p_ == end_) return false;
+    if (*p_ == '0') {
+      ++p_;
+    } else if (*p_ >= '1' && *p_ <= '9') {
+      while (p_ < end_ && *p_ >= '0' && *p_ <= '9') ++p_;
+    } else {
+      return false;
+    }
+    if (p_ < end_ && *p_ == '.') {
+      ++p_;
+      if (p_ == end_ || *p_ < '0' || *p_ > '9') return false;
+      while (p_ < end_ && *p_ >= '0' && *p_ <= '9') ++p_;
+    }
+    if (p_ < end_ && (*p_ == 'e' || *p_ == 'E')) {
+      ++p_;
+      if (p_ < end_ && (*p_ == '+' || *p_ == '-')) ++p_;
+      if (p_ == end_ || *p_ < '0' || *p_ > '9') return false;
+      while (p_ < end_ && *p_ >= '0' && *p_ <= '9') ++p_;
+    }
+    return true;
+  }
+
+  bool parse_literal(const char* word) {
+    size_t n = std::strlen(word);
+    if (static_cast<size_t>(end_ - p_) < n || std::memcmp(p_, word, n) != 0) return false;
+    p_ += n;
+    return true;
+  }
+
+  // Any value; when it is a string and out is not null, its text goes to out.
+  bool parse_value(std::string* out, bool* is_string) {
+    if (is_string) *is_string = false;
+    if (p_ == end_) return false;
+    switch (*p_) {
+      case '"':
+        if (is_string) *is_string = true;
+        return parse_string(out);
+      case '{':
+        return parse_object(/*top=*/false);
+      case '[':
+        return parse_array();
+      case 't':
+        return parse_literal("true");
+      case 'f':
+        return parse_literal("false");
+      case 'n':
+        return parse_literal("null");
+      default:
+        return parse_number();
+    }
+  }
+
+  bool parse_array() {
+    if (++depth_ > kMaxDepth) return false;
+    ++p_;
+    skip_ws();
+    if (p_ < end_ && *p_ == ']') {
+      ++p_;
+      --depth_;
+      return true;
+    }
+    for (;;) {
+      skip_ws();
+      if (!parse_value(nullptr, nullptr)) return false;
+      skip_ws();
+      if (p_ == end_) return false;
+      if (*p_ == ',') {
+        ++p_;
+        continue;
+      }
+      if (*p_ != ']') return false;
+      ++p_;
+      --depth_;
+      return true;
+    }
+  }
+
+  bool parse_object(bool top) {
+    if (++depth_ > kMaxDepth) return false;
+    ++p_;
+    skip_ws();
+    if (p_ < end_ && *p_ == '}') {
+      ++p_;
+      --depth_;
+      return true;
+    }
+    for (;;) {
+      skip_ws();
+      if (p_ == end_ || *p_ != '"') return false;
+      scratch_.clear();
+      if (!parse_string(top ? &scratch_ : nullptr)) return false;
+      int slot = -1;
+      if (top) {
+        for (size_t i = 0; i < keys_.size(); ++i) {
+          if (keys_[i] == scratch_) {
+            slot = static_cast<int>(i);
+            break;
+          }
+        }
+      }
+      skip_ws();
+      if (p_ == end_ || *p_ != ':') return false;
+      ++p_;
+      skip_ws();
+      if (slot >= 0) {
+        std::string& v = values_[slot];
+        v.clear();
+        bool is_string = false;
+        if (!parse_value(&v, &is_string)) return false;
+        found_[slot] = is_string;  // a later duplicate replaces an earlier value, as in json.loads
+        if (!is_string) v.clear();
+      } else if (!parse_value(nullptr, nullptr)) {
+        return false;
+      }
+      skip_ws();
+      if (p_ == end_) return false;
+      if (*p_ == ',') {
+        ++p_;
+        continue;
+      }
+      if (*p_ != '}') return false;
+      ++p_;
+      --depth_;
+      return true;
+    }
+  }
+};
+
+py::object extract_strings(const py::bytes& line, const std::vector<std::string>& keys) {
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(line.ptr(), &data, &size) != 0) throw py::error_already_set();
+  const auto* begin = reinterpret_cast<const unsigned char*>(data);
+  if (begin[size] != 0) throw std::logic_error("extract_strings: bytes object without its trailing NUL");
+  Parser parser(begin, begin + size, keys);
+  bool ok;
+  {
+    py::gil_scoped_release release;  // `line` stays referenced by the caller
+    ok = parser.parse_line();
+  }
+  if (!ok) return py::none();
+  py::list out(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (parser.found()[i]) {
+      std::string& v = parser.values()[i];
+      out[i] = py::bytes(v.data(), v.size());
+      std::string().swap(v);  // free a large text before building the next one
+    } else {
+      out[i] = py::none();
+    }
+  }
+  return std::move(out);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_jsonl, m) {
+  m.doc() = "Fast path for JSONL lines: string values of chosen keys as UTF-8 bytes (see csrc/jsonl.cpp).";
+  m.def("extract_strings", &extract_strings, py::arg("line"), py::arg("keys"),
+        "String values of `keys` in one JSONL line as UTF-8 bytes (None for a key that is absent or not a "
+        "string), or None when the line is not a strict JSON object in valid UTF-8 without lone surrogate "
+        "escapes (then parse it with json.loads).");
+}
