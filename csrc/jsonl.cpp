@@ -1,7 +1,8 @@
 // Fast path for tools/preprocess_data.py: the string values of a few keys of one JSONL line,
 // as UTF-8 bytes, without building Python objects for the whole line.
 //
-//   extract_strings(line: bytes, keys: list[bytes]) -> list[bytes | None] | None
+//   extract_strings(line: bytes, keys: list[str]) -> list[bytes | None] | None
+//   extract_strings_batch(lines: list[bytes], keys: list[str]) -> list[that, per line]
 //
 // Contract (what makes it safe to use in front of Python's json module):
 // - It returns a list only for a line that is one strict RFC 8259 JSON object in valid UTF-8
@@ -326,30 +327,75 @@ class Parser {
   }
 };
 
-py::object extract_strings(const py::bytes& line, const std::vector<std::string>& keys) {
+struct LineResult {
+  bool ok = false;
+  std::vector<bool> found;
+  std::vector<std::string> values;
+};
+
+const unsigned char* bytes_data(PyObject* obj, size_t* size) {
   char* data = nullptr;
-  Py_ssize_t size = 0;
-  if (PyBytes_AsStringAndSize(line.ptr(), &data, &size) != 0) throw py::error_already_set();
-  const auto* begin = reinterpret_cast<const unsigned char*>(data);
-  if (begin[size] != 0) throw std::logic_error("extract_strings: bytes object without its trailing NUL");
-  Parser parser(begin, begin + size, keys);
-  bool ok;
-  {
-    py::gil_scoped_release release;  // `line` stays referenced by the caller
-    ok = parser.parse_line();
+  Py_ssize_t n = 0;
+  if (!PyBytes_Check(obj)) throw py::type_error("extract_strings: lines must be bytes");
+  if (PyBytes_AsStringAndSize(obj, &data, &n) != 0) throw py::error_already_set();
+  if (data[n] != 0) throw std::logic_error("extract_strings: bytes object without its trailing NUL");
+  *size = static_cast<size_t>(n);
+  return reinterpret_cast<const unsigned char*>(data);
+}
+
+void parse_line(const unsigned char* data, size_t size, const std::vector<std::string>& keys, LineResult* r) {
+  Parser parser(data, data + size, keys);
+  r->ok = parser.parse_line();
+  if (r->ok) {
+    r->found = parser.found();
+    r->values = std::move(parser.values());
   }
-  if (!ok) return py::none();
-  py::list out(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (parser.found()[i]) {
-      std::string& v = parser.values()[i];
-      out[i] = py::bytes(v.data(), v.size());
-      std::string().swap(v);  // free a large text before building the next one
+}
+
+py::object to_python(LineResult* r) {
+  if (!r->ok) return py::none();
+  py::list out(r->values.size());
+  for (size_t i = 0; i < r->values.size(); ++i) {
+    if (r->found[i]) {
+      out[i] = py::bytes(r->values[i].data(), r->values[i].size());
     } else {
       out[i] = py::none();
     }
+    std::string().swap(r->values[i]);  // free a large text before building the next one
   }
   return std::move(out);
+}
+
+py::object extract_strings(const py::bytes& line, const std::vector<std::string>& keys) {
+  size_t size = 0;
+  const unsigned char* data = bytes_data(line.ptr(), &size);
+  LineResult r;
+  {
+    py::gil_scoped_release release;  // `line` stays referenced by the caller
+    parse_line(data, size, keys, &r);
+  }
+  return to_python(&r);
+}
+
+// The same for every line of a batch, with one release of the GIL for the whole batch (one per
+// line costs a hand-over between threads per line).
+py::list extract_strings_batch(const py::list& lines, const std::vector<std::string>& keys) {
+  const size_t n = lines.size();
+  std::vector<py::object> keep;  // the list could change once the GIL is released
+  std::vector<std::pair<const unsigned char*, size_t>> spans(n);
+  keep.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    keep.push_back(py::reinterpret_borrow<py::object>(lines[i]));
+    spans[i].first = bytes_data(keep.back().ptr(), &spans[i].second);
+  }
+  std::vector<LineResult> results(n);
+  {
+    py::gil_scoped_release release;
+    for (size_t i = 0; i < n; ++i) parse_line(spans[i].first, spans[i].second, keys, &results[i]);
+  }
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = to_python(&results[i]);
+  return out;
 }
 
 }  // namespace
@@ -360,4 +406,6 @@ PYBIND11_MODULE(_jsonl, m) {
         "String values of `keys` in one JSONL line as UTF-8 bytes (None for a key that is absent or not a "
         "string), or None when the line is not a strict JSON object in valid UTF-8 without lone surrogate "
         "escapes (then parse it with json.loads).");
+  m.def("extract_strings_batch", &extract_strings_batch, py::arg("lines"), py::arg("keys"),
+        "extract_strings for every line of a list (bytes), parsed with the GIL released once.");
 }

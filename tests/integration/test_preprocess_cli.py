@@ -263,7 +263,7 @@ def test_json_fast_path_changes_no_byte(tmp_path, corpus, tok_files, tok_name, m
 
     extra = ["--append-eod", "--group-by-key", "domain", "--workers", "2"]
     run(corpus, tmp_path / "fast", tok_files[tok_name], *extra)
-    monkeypatch.setattr(encode_module, "extract_strings", None)
+    monkeypatch.setattr(encode_module, "extract_strings_batch", None)
     run(corpus, tmp_path / "slow", tok_files[tok_name], *extra)
     names = [n for n in os.listdir(tmp_path) if n.startswith("fast_")]
     assert len(names) == 4

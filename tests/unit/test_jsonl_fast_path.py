@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from megatron_ru.data.preprocess import encode as encode_module
-from megatron_ru.data.preprocess._jsonl import extract_strings
+from megatron_ru.data.preprocess._jsonl import extract_strings, extract_strings_batch
 from megatron_ru.data.preprocess.encode import EncodeOptions, Encoder, is_blank
 from megatron_ru.data.preprocess.reader import Batch
 from megatron_ru.data.tokenizer import NullTokenizer
@@ -146,6 +146,7 @@ def _corrupt(rng: random.Random, line: bytes) -> bytes:
 def test_random_lines_agree_with_json_loads():
     rng = random.Random(20261122)
     taken = 0
+    lines = []
     for _ in range(4000):
         line = _random_line(rng)
         got = check(line)
@@ -153,8 +154,13 @@ def test_random_lines_agree_with_json_loads():
         if not _python_only(line) and reference(line, KEYS) != "surrogate":
             assert got is not None, line[:200]
             taken += 1
-        check(_corrupt(rng, line))
+        bad = _corrupt(rng, line)
+        check(bad)
+        lines += [line, bad]
     assert taken > 3000
+    assert extract_strings_batch(lines, KEYS) == [extract_strings(line, KEYS) for line in lines]
+    with pytest.raises(TypeError, match="lines must be bytes"):
+        extract_strings_batch([b"{}", "{}"], KEYS)
 
 
 def test_blank_detection_on_bytes_matches_the_str_regex():
@@ -189,7 +195,7 @@ def test_encoder_gives_the_same_result_with_and_without_the_fast_path(monkeypatc
         lines.append(line)
     batch = Batch("in.jsonl", 1, b"\n".join(lines) + b"\n")
     fast = Encoder(tok, opts).encode(batch)
-    monkeypatch.setattr(encode_module, "extract_strings", None)
+    monkeypatch.setattr(encode_module, "extract_strings_batch", None)
     slow = Encoder(tok, opts).encode(batch)
     assert (fast.documents, fast.tokens, fast.lines, dict(fast.skipped), fast.first_skipped, fast.error) == \
            (slow.documents, slow.tokens, slow.lines, dict(slow.skipped), slow.first_skipped, slow.error)

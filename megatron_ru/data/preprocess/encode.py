@@ -19,9 +19,9 @@ from megatron_ru.data.preprocess.text import chunk_text, split_paragraphs, split
 from megatron_ru.data.tokenizer import Tokenizer
 
 try:  # csrc/jsonl.cpp: string values straight from the line's bytes (see Encoder._fields)
-    from megatron_ru.data.preprocess._jsonl import extract_strings
+    from megatron_ru.data.preprocess._jsonl import extract_strings_batch
 except ImportError:  # not built: every line goes through json.loads (same results, slower)
-    extract_strings = None
+    extract_strings_batch = None
 
 
 @dataclass(frozen=True)
@@ -147,21 +147,18 @@ class Encoder:
         # Texts stay UTF-8 bytes from the line to the tokenizer when nothing needs them as str.
         self._bytes_ok = tokenizer.accepts_utf8_bytes and not (opts.split_paragraphs or opts.split_sentences)
 
-    def _fields(self, raw: bytes) -> tuple[Optional[str], list]:
-        """(group, texts) of one line. A well-formed line whose values are all strings goes
-        through the C++ fast path (csrc/jsonl.cpp: no Python objects for the whole line, the
-        GIL released); anything else — including every invalid line — through :func:`_parse`,
-        which gives the same values or the error. Texts are UTF-8 bytes when the tokenizer takes
-        them (no str round trip), else str."""
-        if extract_strings is not None:
-            values = extract_strings(raw, self._keys)
-            if values is not None and None not in values:
-                n = len(self.opts.json_keys)
-                group = values[n].decode("utf-8") if len(values) > n else None
-                texts = values[:n] if self._bytes_ok else [v.decode("utf-8") for v in values[:n]]
-                return group, texts
-        group, texts = _parse(raw, self.opts)
-        return group, texts
+    def _fields(self, raw: bytes, values: Optional[list]) -> tuple[Optional[str], list]:
+        """(group, texts) of one line. ``values`` is the C++ fast path's result for it (csrc/jsonl.cpp:
+        no Python objects for the whole line, the GIL released): used when the line is a
+        well-formed object whose values are all strings; anything else — including every
+        invalid line — goes through :func:`_parse`, which gives the same values or the error.
+        Texts are UTF-8 bytes when the tokenizer takes them (no str round trip), else str."""
+        if values is not None and None not in values:
+            n = len(self.opts.json_keys)
+            group = values[n].decode("utf-8") if len(values) > n else None
+            texts = values[:n] if self._bytes_ok else [v.decode("utf-8") for v in values[:n]]
+            return group, texts
+        return _parse(raw, self.opts)
 
     def _segments(self, text: str | bytes) -> list:
         o = self.opts
@@ -191,6 +188,7 @@ class Encoder:
         if lines and lines[-1] == b"":
             lines.pop()
         res.lines = len(lines)
+        fast = extract_strings_batch(lines, self._keys) if extract_strings_batch is not None else None
         # (line number, group, key, segments) per non-empty text, in input order
         docs: list[tuple[int, Optional[str], str, list[str]]] = []
         for i, raw in enumerate(lines):
@@ -200,7 +198,7 @@ class Encoder:
                 continue
             lines[i] = b""  # the parsed text is what we keep (matters for a 100 MB line)
             try:
-                group, texts = self._fields(raw)
+                group, texts = self._fields(raw, fast[i] if fast is not None else None)
                 del raw
             except Invalid as e:
                 if not self._skip(res, e, batch.path, line_no):

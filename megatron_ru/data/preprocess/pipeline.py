@@ -327,7 +327,7 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
                          skip_invalid=cfg.skip_invalid, chunk_chars=cfg.tokenize_chunk_chars,
                          dtype=np.dtype(dtype).name)
     worker_type = choose_worker_type(cfg.worker_type, cfg.workers, tokenizer)
-    if encode_module.extract_strings is None:
+    if encode_module.extract_strings_batch is None:
         log.warning("the C++ JSONL fast path (megatron_ru.data.preprocess._jsonl, csrc/jsonl.cpp) is not built: "
                     "every line goes through Python's json module (same output, slower). Build it with "
                     "'pip install --no-build-isolation -e .' or 'python setup.py build_ext --inplace'")
