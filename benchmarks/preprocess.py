@@ -150,6 +150,8 @@ def main() -> None:
                 tool_walls[name] = wall
             for name, wall in tool_walls.items():
                 paired.setdefault(f"{name}_{k}", []).append(limit_wall / wall)  # token counts cancel (+eod below)
+            results.setdefault("rounds", []).append({"workers": k, "limit_seconds": round(limit_wall, 3),
+                                                     **{f"tool{n}_seconds": round(w, 3) for n, w in tool_walls.items()}})
     results["load_average_after"] = os.getloadavg()[0]
     toks = results["tokens"] + results["documents"]  # --append-eod adds one token per document
     for k in args.workers:
