@@ -66,8 +66,8 @@ if ! "${PY}" -c 'import deepspeed' >/dev/null 2>&1; then
   "${PIP[@]}" -c "${CONSTRAINTS}" --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"
 fi
 
-# 5. The package itself, with its C++ extension, in place (editable).
-log "building megatron_ru and its C++ extension"
+# 5. The package itself, with its C++ extensions (csrc/), in place (editable).
+log "building megatron_ru and its C++ extensions"
 "${PIP[@]}" -c "${CONSTRAINTS}" --no-build-isolation --no-deps -e "${ROOT}"
 
 cat "${ROOT}/setup.py" "${ROOT}/csrc/"*.cpp "${ROOT}/requirements.txt" | cksum >"${STAMP}"
