@@ -269,3 +269,30 @@ def test_json_fast_path_changes_no_byte(tmp_path, corpus, tok_files, tok_name, m
     assert len(names) == 4
     for n in names:
         assert open(tmp_path / n, "rb").read() == open(tmp_path / ("slow_" + n[5:]), "rb").read(), n
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_ctrl_c_mid_run_leaves_nothing(tmp_path, tok_files, worker_type):
+    """SIGINT while workers are busy: exit 130, the message, and no file at all in the output dir."""
+    import signal
+
+    from megatron_ru.data.preprocess.synthetic import write_corpus
+
+    big = str(tmp_path / "big.jsonl")
+    write_corpus(big, 8_000_000, seed=3)
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, TOOL, "--input", big, "--output-prefix", str(out_dir / "ds"), *tok_files["gptsp"],
+           "--workers", "2", "--worker-type", worker_type, "--log-interval", "20", "--batch-bytes", "65536"]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        for line in p.stderr:  # wait until documents are being written
+            if "processed " in line:
+                break
+        assert os.listdir(out_dir), "temporary outputs exist while the tool runs"
+        p.send_signal(signal.SIGINT)
+        rest = p.stderr.read()
+        assert p.wait(timeout=60) == 130, rest
+    finally:
+        p.kill()
+    assert "interrupted; nothing was written" in rest
+    assert os.listdir(out_dir) == []
