@@ -143,9 +143,11 @@ def choose_worker_type(requested: str, workers: int, tokenizer: Tokenizer) -> st
     """``thread`` or ``process`` for ``--worker-type`` (``auto`` decides here).
 
     Threads cost nothing to start and share the batches and results without copying, but the
-    JSON parsing and array assembly around the tokenizer call hold the GIL: about 5 % of the
-    work with SentencePiece here, so beyond a handful of threads the GIL becomes the limit and
-    processes scale better (``MAX_AUTO_THREADS``)."""
+    work around the tokenizer call (splitting lines, assembling arrays; the JSON itself is parsed
+    in C++ without the GIL) holds the GIL: about 2 % of the CPU time with SentencePiece on the
+    benchmark corpus (cProfile), and every hand-over of the GIL costs more with more threads.
+    ``MAX_AUTO_THREADS`` keeps ``auto`` to counts where that is clearly small; above it, and for
+    tokenizers that hold the GIL, processes (measured here on 2 cores only)."""
     if requested == "thread" and not tokenizer.releases_gil:
         raise ValueError(f"--worker-type thread: {tokenizer.name} holds the GIL while tokenizing, so threads "
                          "would run one at a time; use --worker-type process (or auto)"
