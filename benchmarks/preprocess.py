@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=16000)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batch-chars", type=int, default=4 << 20, help="text per tokenizer call in the limit run")
-    ap.add_argument("--repeat", type=int, default=1, help="best of N for every measurement")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds; each measures the limit and every tool variant once")
     ap.add_argument("--extra", default="", help="extra preprocess_data.py flags, e.g. '--split-paragraphs'")
     ap.add_argument("--variant", action="append", default=[],
                     help="also measure the tool with these extra flags in the same rounds, e.g. "

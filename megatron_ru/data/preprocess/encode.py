@@ -246,7 +246,7 @@ class Encoder:
             segs = [s.decode("utf-8") if isinstance(s, bytes) else s for s in segs]
             try:
                 out.append([np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64)
-                                            for c in chunk_text(seg, self.opts.chunk_chars)]) for seg in segs])
+                                            for c in self._chunks(seg)]) for seg in segs])
             except Exception as e:
                 if _has_lone_surrogate(segs):
                     err = Invalid("invalid UTF-8", f"key '{key}' contains a lone surrogate escape (\\ud800-\\udfff)",

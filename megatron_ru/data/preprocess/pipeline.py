@@ -150,8 +150,8 @@ def choose_worker_type(requested: str, workers: int, tokenizer: Tokenizer) -> st
     tokenizers that hold the GIL, processes (measured here on 2 cores only)."""
     if requested == "thread" and not tokenizer.releases_gil:
         raise ValueError(f"--worker-type thread: {tokenizer.name} holds the GIL while tokenizing, so threads "
-                         "would run one at a time; use --worker-type process (or auto)"
-                         + (" or sentencepiece >= 0.2.2" if "SentencePiece" in tokenizer.name else ""))
+                         "would run one at a time; use --worker-type process (or auto). (SentencePiece "
+                         "tokenizers release it from sentencepiece 0.2.2 on.)")
     if requested != "auto":
         return requested
     return "thread" if tokenizer.releases_gil and workers <= MAX_AUTO_THREADS else "process"
@@ -335,9 +335,9 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
                     "'pip install --no-build-isolation -e .' or 'python setup.py build_ext --inplace'")
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    workers = f"{cfg.workers} worker {worker_type}(es)" if worker_type == "process" else f"{cfg.workers} worker thread(s)"
+    workers = f"{cfg.workers} worker {worker_type}s" if cfg.workers > 1 else "1 worker (the main process)"
     log.info(f"{len(files)} input file(s); tokenizer {tokenizer.describe()}; token dtype {np.dtype(dtype).name}; "
-             f"{workers if cfg.workers > 1 else '1 worker (the main process)'}, {cfg.partitions} partition(s)")
+             f"{workers}, {cfg.partitions} partition(s)")
     t0 = time.perf_counter()
     parts = plan_partitions(files, cfg.partitions)
     if len(parts) == 1:
