@@ -22,10 +22,18 @@ def test_defaults_and_megatron_flags():
     validate_all([cfg])
 
 
-@pytest.mark.parametrize("argv", [["--local_rank=3"], ["--local-rank", "3"], ["--use-mpi"],
-                                  ["--use-mpi", "--local_rank", "0"]])
-def test_launcher_compat_flags_are_accepted(argv):
+@pytest.mark.parametrize("argv,use_mpi,local_rank", [(["--local_rank=3"], False, 3), (["--local-rank", "3"], False, 3),
+                                                     (["--use-mpi"], True, None),
+                                                     (["--use-mpi", "--local_rank", "0"], True, 0)])
+def test_launcher_compat_flags_are_accepted(argv, use_mpi, local_rank):
+    """The deepspeed launcher's --local_rank and Megatron-DeepSpeed's --use-mpi parse (both
+    spellings) and change nothing else: the same config as no flags at all, and it validates."""
     cfg = _parse(argv)
+    assert (cfg.use_mpi, cfg.local_rank) == (use_mpi, local_rank)
+    default = _parse([])
+    others = {k: v for k, v in vars(cfg).items() if k not in ("use_mpi", "local_rank")}
+    assert others == {k: v for k, v in vars(default).items() if k not in ("use_mpi", "local_rank")}
+    assert cfg.problems() == []
     validate_all([cfg])
 
 
