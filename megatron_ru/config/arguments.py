@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megatron_ru.config.base import parse_configs, validate_all
-from megatron_ru.config.data import DataConfig
+from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
 from megatron_ru.config.parallel import ParallelConfig
 from megatron_ru.config.tokenizer import TokenizerConfig
@@ -126,10 +126,39 @@ def _batch_rule(a: Arguments) -> list[str]:
 def _sequence_rule(a: Arguments) -> list[str]:
     seq = getattr(a.data, "seq_length", None)
     mpe = a.model.max_position_embeddings
-    if seq is not None and mpe is not None and a.model.position_embedding_type == "learned_absolute" and seq > mpe:
-        return [f"--seq-length ({seq}) exceeds --max-position-embeddings ({mpe}): raise "
-                f"--max-position-embeddings or shorten --seq-length"]
+    if seq is not None and mpe is not None and seq > mpe:
+        # rope has no position table, but --max-position-embeddings is the length the model is
+        # declared for (checkpoints, conversion to HF's max_position_embeddings): refuse both
+        return [f"--seq-length ({seq}) exceeds --max-position-embeddings ({mpe}) with --position-embedding-type "
+                f"{a.model.position_embedding_type}: raise --max-position-embeddings or shorten --seq-length"]
     return []
+
+
+def _tokenizer_vocab_size(a: Arguments) -> tuple[Optional[int], list[str]]:
+    """Load the tokenizer (a few milliseconds for SentencePiece) to learn its vocabulary size; a
+    file that is not a tokenizer of the given type is a configuration problem like any other."""
+    from megatron_ru.data.tokenizer import build_tokenizer
+    if a.tokenizer.problems():
+        return None, []  # reported by TokenizerConfig.problems
+    try:
+        return build_tokenizer(a.tokenizer).vocab_size, []
+    except (ValueError, OSError, RuntimeError) as e:
+        return None, [str(e)]
+
+
+def _data_rule(a: Arguments) -> list[str]:
+    """Datasets against the split, the sample counts and the tokenizer (index files and a sample
+    of documents only; see megatron_ru/data/checks.py)."""
+    from megatron_ru.data.checks import DataBlend, data_problems
+    from megatron_ru.training.data import dataset_sizes
+    vocab_size, out = _tokenizer_vocab_size(a)
+    if a.data.problems() or a.training.problems() or a.parallel.problems() or a.world_size % max(1, a.tp * a.pp):
+        return out  # missing files, a bad --split or batch sizes are reported by their own rules
+    prefixes, weights = parse_data_path(list(a.data.data_path or []))
+    t = a.training
+    sizes = dataset_sizes(a.train_iters, a.global_batch_size, t.eval_interval, t.eval_iters)
+    blend = DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
+    return out + data_problems(blend, parse_split(a.data.split), a.data.split, sizes, vocab_size)
 
 
 def _lr_rule(a: Arguments) -> list[str]:
@@ -193,7 +222,7 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
     _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _freeze_rule, _checkpoint_rule,
-    _deepspeed_config_rule)
+    _deepspeed_config_rule, _data_rule)
 
 
 def default_world_size() -> int:

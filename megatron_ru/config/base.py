@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import typing
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -105,9 +106,21 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         _add_field(group, f, hints[f.name])
 
 
+# argparse takes '-1' and '-.5' as values but '-1e-3' as an unknown option ("expected one
+# argument"); with this matcher every number, exponent included, is a value, so a negative
+# --lr reaches validation and gets its real message. None of our flags looks like a number.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
+def accept_negative_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let ``parser`` read negative numbers in any float syntax as option values."""
+    parser._negative_number_matcher = _NEGATIVE_NUMBER  # type: ignore[attr-defined]
+    return parser
+
+
 def build_parser(classes: Iterable[type], description: str = "", **kwargs: Any) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+    parser = accept_negative_numbers(argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs))
     for cls in classes:
         add_config_arguments(parser, cls)
     return parser

@@ -13,6 +13,7 @@ import numpy as np
 
 from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
 from megatron_ru.data.blended import BlendedDataset, samples_per_dataset
+from megatron_ru.data.checks import split_document_ranges
 from megatron_ru.data.gpt_dataset import GPTDataset
 from megatron_ru.data.indexed_dataset import IndexedDataset
 from megatron_ru.utils.logging import RANK0, get_logger
@@ -21,16 +22,6 @@ from megatron_ru.utils import cli
 log = get_logger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def split_document_ranges(num_documents: int, proportions: Sequence[float]) -> list[tuple[int, int]]:
-    """Megatron's split: round each share of the documents, then shift to end at the total."""
-    bounds = [0]
-    for p in proportions:
-        bounds.append(bounds[-1] + int(round(p * float(num_documents))))
-    diff = bounds[-1] - num_documents
-    bounds = [0] + [min(max(b - diff, 0), num_documents) for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(len(proportions))]
 
 
 def _split_dataset(indexed: IndexedDataset, split: int, doc_range: tuple[int, int], num_samples: int,
@@ -98,8 +89,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     """
     import argparse
 
-    from megatron_ru.config.base import add_config_arguments, from_namespace
-    parser = argparse.ArgumentParser(description="Build the GPT dataset index cache and describe the datasets.")
+    from megatron_ru.config.base import accept_negative_numbers, add_config_arguments, from_namespace
+    parser = accept_negative_numbers(argparse.ArgumentParser(
+        description="Build the GPT dataset index cache and describe the datasets."))
     add_config_arguments(parser, DataConfig)
     parser.add_argument("--train-samples", type=int, required=True)
     parser.add_argument("--valid-samples", type=int, default=0)

@@ -187,6 +187,48 @@ def write_index(path: str, dtype: np.dtype, lengths: Sequence[int], document_ind
         os.fsync(f.fileno())
 
 
+_CHECK_CHUNK = 1 << 22  # entries per vectorised step: bounded temporaries on huge indices
+
+
+def check_index_arrays(idx_path: str, lengths: np.ndarray, pointers: np.ndarray, document_indices: np.ndarray,
+                       itemsize: int) -> None:
+    """The index's own consistency, from the index alone (the token data is never read): the
+    document index starts at 0, never decreases and ends at the sequence count; lengths are not
+    negative; each pointer is the previous one plus the previous length in bytes of the dtype.
+    A flipped bit in a count, a length or the dtype code fails here instead of training on part
+    of the data or on misread tokens."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{idx_path}: corrupt index: {what}; rebuild the dataset with tools/preprocess_data.py")
+
+    n_seq, n_doc = lengths.size, document_indices.size
+    if n_doc < 1:
+        raise bad("the document index is empty (it holds at least the final sequence count)")
+    if int(document_indices[0]) != 0 or int(document_indices[-1]) != n_seq:
+        raise bad(f"the document index runs from {int(document_indices[0])} to {int(document_indices[-1])}, "
+                  f"expected 0 to the sequence count {n_seq}")
+    if n_seq and int(pointers[0]) != 0:
+        raise bad(f"the first sequence starts at byte {int(pointers[0])}, expected 0")
+    for lo in range(0, max(n_seq, n_doc), _CHECK_CHUNK):
+        hi = lo + _CHECK_CHUNK
+        docs = np.asarray(document_indices[lo:hi + 1])
+        if docs.size > 1 and np.any(docs[1:] < docs[:-1]):
+            k = lo + int(np.argmax(docs[1:] < docs[:-1]))
+            raise bad(f"the document index decreases at document {k} ({int(docs[k - lo])} -> {int(docs[k - lo + 1])})")
+        lens = np.asarray(lengths[lo:hi])
+        if lens.size and int(lens.min()) < 0:
+            k = lo + int(np.argmin(lens))
+            raise bad(f"sequence {k} has negative length {int(lengths[k])}")
+        ptrs = np.asarray(pointers[lo:hi + 1])
+        if ptrs.size > 1:
+            step = lens[:ptrs.size - 1].astype(np.int64) * itemsize
+            wrong = ptrs[1:] != ptrs[:-1] + step
+            if np.any(wrong):
+                k = lo + int(np.argmax(wrong))
+                raise bad(f"sequence {k + 1} starts at byte {int(pointers[k + 1])}, but sequence {k} starts at "
+                          f"byte {int(pointers[k])} and holds {int(lengths[k])} tokens of {itemsize} bytes "
+                          f"(a length, a pointer or the dtype code in the header is wrong)")
+
+
 class IndexedDataset:
     """Read-only, zero-copy view of a ``<prefix>.bin/.idx`` pair.
 
@@ -218,9 +260,11 @@ class IndexedDataset:
             raise ValueError(f"{idx_path}: unknown dtype code {code} in the header (valid: {sorted(DTYPE_CODES)})")
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = HEADER_SIZE + n_seq * 4 + n_seq * 8 + n_doc * 8
-        if idx_size < expected:
-            raise ValueError(f"{idx_path}: truncated index: header announces {n_seq} sequences and {n_doc} "
-                             f"document-index entries ({expected} bytes) but the file has {idx_size} bytes; rebuild it")
+        if idx_size != expected:
+            what = "truncated index" if idx_size < expected else "inconsistent index"
+            raise ValueError(f"{idx_path}: {what}: header announces {n_seq} sequences and {n_doc} "
+                             f"document-index entries ({expected} bytes) but the file has {idx_size} bytes; "
+                             "rebuild it with tools/preprocess_data.py")
         self._idx_mmap = np.memmap(idx_path, mode="r", dtype=np.uint8)
         off = HEADER_SIZE
         self.sequence_lengths = np.frombuffer(self._idx_mmap, dtype="<i4", count=n_seq, offset=off)
@@ -228,6 +272,8 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._idx_mmap, dtype="<i8", count=n_seq, offset=off)
         off += n_seq * 8
         self.document_indices = np.frombuffer(self._idx_mmap, dtype="<i8", count=n_doc, offset=off)
+        check_index_arrays(idx_path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+                           self.dtype.itemsize)
         bin_size = os.path.getsize(bin_path)
         needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n_seq else 0
         if bin_size != needed:

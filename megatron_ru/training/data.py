@@ -35,12 +35,51 @@ def dataset_sizes(train_iters: int, global_batch: int, eval_interval: int, eval_
     return (train_iters * global_batch, eval_runs * eval_iters * global_batch, 0)
 
 
-def build_datasets(args: Any, is_builder_rank: bool, barrier: Any) -> tuple[Any, Any, Any]:
+class VocabCheckedDataset:
+    """A train/valid dataset whose batches :func:`micro_batches` checks against the tokenizer's
+    vocabulary (one max per batch; ids beyond it would silently train on padding rows)."""
+
+    def __init__(self, dataset: Any, vocab_size: int, split: str) -> None:
+        self.dataset, self.vocab_size, self.split = dataset, vocab_size, split
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        return self.dataset[idx]
+
+    def source(self, idx: int) -> str:
+        """The prefix of the dataset that sample ``idx`` comes from."""
+        ds = self.dataset
+        if hasattr(ds, "dataset_index"):  # a blend: the component dataset of this sample
+            ds = ds.datasets[int(ds.dataset_index[idx])]
+        return ds.indexed.prefix
+
+    def check(self, batch: Batch, indices: list[int]) -> None:
+        tokens = batch.tokens
+        top = max(int(tokens.max()), int(batch.labels[:, -1].max()))
+        if top < self.vocab_size:
+            return
+        from megatron_ru.data.token_check import batch_token_error
+        for idx in indices:
+            sample = np.asarray(self[idx]["tokens"])
+            if int(sample.max()) >= self.vocab_size:
+                raise batch_token_error(self.source(idx), int(sample.max()), self.vocab_size, self.split)
+        raise batch_token_error("?", top, self.vocab_size, self.split)
+
+
+def build_datasets(args: Any, is_builder_rank: bool, barrier: Any,
+                   vocab_size: Optional[int] = None) -> tuple[Any, Any, Any]:
+    """(train, valid, test); with ``vocab_size`` train and valid are :class:`VocabCheckedDataset`."""
     from megatron_ru.data.builder import build_train_valid_test_datasets
     sizes = dataset_sizes(args.train_iters, args.global_batch_size, args.training.eval_interval,
                           args.training.eval_iters)
-    return build_train_valid_test_datasets(args.data, sizes, args.training.seed,
-                                           is_builder_rank=is_builder_rank, barrier=barrier)
+    train, valid, test = build_train_valid_test_datasets(args.data, sizes, args.training.seed,
+                                                         is_builder_rank=is_builder_rank, barrier=barrier)
+    if vocab_size is not None:
+        train = VocabCheckedDataset(train, vocab_size, "train") if train is not None else None
+        valid = VocabCheckedDataset(valid, vocab_size, "valid") if valid is not None else None
+    return train, valid, test
 
 
 def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp_rank: int,
@@ -56,7 +95,15 @@ def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp
     # RNG stream that dropout uses (a resumed run creates its loaders at a different point)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate, generator=torch.Generator().manual_seed(0))
+    if isinstance(dataset, VocabCheckedDataset):
+        # the loader yields batches in the sampler's order, so the second pass names each batch's samples
+        return (_checked(dataset, batch, indices).to(device) for batch, indices in zip(loader, iter(sampler)))
     return (batch.to(device) for batch in loader)
+
+
+def _checked(dataset: VocabCheckedDataset, batch: Batch, indices: list[int]) -> Batch:
+    dataset.check(batch, indices)
+    return batch
 
 
 def pipeline_items(batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

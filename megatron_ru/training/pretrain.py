@@ -81,7 +81,8 @@ def setup(args: Arguments) -> Trainer:
     # Megatron: a different dropout stream per pipeline stage, the TP stream inside the tracker
     model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
-    train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier)
+    train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
+                                           vocab_size=tokenizer.vocab_size)
     attach_deepspeed_comm()
     model = build_model(args, state, tokenizer.vocab_size)
     apply_freezing(model, train_only_embeddings=args.training.train_only_embeddings, freeze=args.training.freeze,

@@ -297,3 +297,33 @@ def test_ctrl_c_mid_run_leaves_nothing(tmp_path, tok_files, worker_type):
         p.kill()
     assert "interrupted; nothing was written" in rest
     assert os.listdir(out_dir) == []
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["cpp_json", "python_json"])
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_utf8_bom_at_file_start_is_accepted(tmp_path, corpus, tok_files, fast, gz, monkeypatch):
+    """Files written by Windows tools start with a UTF-8 byte-order mark: the output equals the
+    output without it, on the C++ and the Python JSON paths, with several workers and partitions."""
+    from megatron_ru.data.preprocess import encode as encode_module
+
+    data = open(corpus, "rb").read()
+    bom = str(tmp_path / ("bom.jsonl.gz" if gz else "bom.jsonl"))
+    with (gzip.open(bom, "wb") if gz else open(bom, "wb")) as f:
+        f.write(b"\xef\xbb\xbf" + data)
+    if not fast:
+        monkeypatch.setattr(encode_module, "extract_strings_batch", None)
+    extra = ["--append-eod", "--workers", "2", "--batch-bytes", "500"]
+    run(corpus, tmp_path / "plain", tok_files["gptsp"], *extra)
+    run(bom, tmp_path / "bom", tok_files["gptsp"], *extra, "--partitions", "2")
+    for ext in (".bin", ".idx"):
+        assert open(tmp_path / f"bom_text_document{ext}", "rb").read() == \
+            open(tmp_path / f"plain_text_document{ext}", "rb").read()
+
+
+def test_utf8_bom_inside_a_file_stays_an_error(tmp_path, corpus, tok_files):
+    lines = open(corpus, "rb").read().splitlines(keepends=True)
+    path = tmp_path / "mid.jsonl"
+    path.write_bytes(b"".join(lines[:3]) + b"\xef\xbb\xbf" + b"".join(lines[3:]))
+    with pytest.raises(ValueError, match=re.escape(f"{path}:4: ") + "invalid JSON"):
+        run(str(path), tmp_path / "out", tok_files["gptsp"])
+    assert outputs(tmp_path) == []

@@ -5,14 +5,12 @@ import pytest
 import torch.distributed as dist
 
 from megatron_ru.config.arguments import parse_arguments
+from tests.fixtures.datasets import write_dataset
 
 
 @pytest.fixture
 def data_prefix(tmp_path):
-    prefix = tmp_path / "corpus_text_document"
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")
-    return str(prefix)
+    return write_dataset(str(tmp_path / "corpus_text_document"))
 
 
 def _argv(prefix, **over):
@@ -135,3 +133,18 @@ def test_freeze_flags_exclusive(data_prefix):
 def test_train_only_embeddings_with_deep_pipeline(data_prefix):
     msg = _error(data_prefix, **{"--train-only-embeddings": True, "--pipeline-model-parallel-size": 4})
     assert "--train-only-embeddings with --pipeline-model-parallel-size 4: the middle stages" in msg
+
+
+def test_seq_length_over_positions_with_rope(data_prefix):
+    msg = _error(data_prefix, seq_length=128, position_embedding_type="rope")
+    assert "--seq-length (128) exceeds --max-position-embeddings (64) with --position-embedding-type rope" in msg
+    # rope without a declared maximum has nothing to compare against
+    parse_arguments(_argv(data_prefix, seq_length=128, position_embedding_type="rope", max_position_embeddings=None),
+                    world_size=4, device_type="cpu")
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "-1E-3", "-1", "-.5"])
+def test_negative_numbers_are_values_and_reach_validation(data_prefix, value):
+    """argparse took '-1e-3' for an option ('expected one argument'); now every flag reads it."""
+    assert "--lr and --min-lr must be >= 0" in _error(data_prefix, lr=value)
+    assert f"--init-method-std must be > 0, got {float(value)}" in _error(data_prefix, init_method_std=value)

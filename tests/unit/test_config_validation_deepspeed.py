@@ -3,12 +3,12 @@ accelerator refuses fp16 training)."""
 import json
 
 from megatron_ru.config.arguments import parse_arguments
+from tests.fixtures.datasets import write_dataset
 from megatron_ru.training.engine import build_ds_config, optimizer_param_groups
 
 
 def _args(tmp_path, *extra, world_size=4, device_type="cuda"):
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"c{ext}").write_bytes(b"")
+    write_dataset(str(tmp_path / "c"))
     argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
             "--max-position-embeddings", "64", "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "16", "--train-iters", "10", "--tokenizer-type", "NullTokenizer",

@@ -113,3 +113,55 @@ def test_best_fitting_dtype():
     assert best_fitting_dtype(65499) is np.uint16
     assert best_fitting_dtype(65500) is np.int32
     assert best_fitting_dtype(None) is np.int32
+
+
+# ---- one flipped field in a real .idx: refused from the index alone --------------------------
+
+def _real_dataset(tmp_path, num_docs=1056):
+    rng = np.random.default_rng(0)
+    docs = [[rng.integers(0, 2000, size=int(rng.integers(1, 30))).tolist()] for _ in range(num_docs)]
+    return build(tmp_path / "real", docs)
+
+
+def _patch(path, offset, fmt, value):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+        f.seek(offset)
+        f.write(struct.pack(fmt, value(old)))
+
+
+def test_flipped_bit_in_the_document_count_is_refused(tmp_path):
+    prefix = _real_dataset(tmp_path)
+    assert IndexedDataset(prefix).num_documents == 1056
+    _patch(prefix + ".idx", 26, "<Q", lambda n: n ^ (1 << 10))  # 1057 -> 33 entries: 32 documents
+    with pytest.raises(ValueError, match=r"real\.idx: inconsistent index: header announces 1056 sequences and 33 "
+                                         r"document-index entries .* rebuild it"):
+        IndexedDataset(prefix)
+
+
+def test_changed_sequence_length_is_refused(tmp_path):
+    prefix = _real_dataset(tmp_path)
+    _patch(prefix + ".idx", 34 + 4 * 500, "<i", lambda n: n + 1)
+    with pytest.raises(ValueError, match=r"real\.idx: corrupt index: sequence 501 starts at byte \d+, but sequence "
+                                         r"500 starts at byte \d+ and holds \d+ tokens of 2 bytes.*tools/preprocess_data"):
+        IndexedDataset(prefix)
+
+
+def test_dtype_code_of_another_width_is_refused(tmp_path):
+    prefix = _real_dataset(tmp_path)
+    _patch(prefix + ".idx", 17, "<B", lambda code: 4)  # uint16 -> int32: pointers no longer agree
+    with pytest.raises(ValueError, match=r"sequence 1 starts at byte \d+, but .* tokens of 4 bytes"):
+        IndexedDataset(prefix)
+
+
+def test_document_index_out_of_order_or_short_is_refused(tmp_path):
+    prefix = _real_dataset(tmp_path)
+    doc_off = 34 + 12 * 1056
+    _patch(prefix + ".idx", doc_off + 8 * 10, "<q", lambda v: v + 5)
+    with pytest.raises(ValueError, match=r"the document index decreases at document 10 \(15 -> 11\)"):
+        IndexedDataset(prefix)
+    prefix = _real_dataset(tmp_path)
+    _patch(prefix + ".idx", doc_off + 8 * 1056, "<q", lambda v: v - 1)
+    with pytest.raises(ValueError, match=r"document index runs from 0 to 1055, expected 0 to the sequence count 1056"):
+        IndexedDataset(prefix)

@@ -71,3 +71,17 @@ def test_dataset_info(tmp_path):
     assert "document 1: 1 sequence(s), 3 tokens; first 3: [5, 6, 7]" in out
     with pytest.raises(FileNotFoundError, match="nope.idx not found"):
         load_tool("dataset_info").main(["--data-path", str(tmp_path / "nope")])
+
+
+def test_train_tokenizer_reads_a_jsonl_with_a_bom_like_one_without(tmp_path):
+    from megatron_ru.data.preprocess.encode import iter_texts
+
+    plain = tmp_path / "a.jsonl"
+    plain.write_text("\n".join(json.dumps({"text": t}) for t in ("один", "two", "три")) + "\n", encoding="utf-8")
+    bom = tmp_path / "b.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert list(iter_texts([str(bom)])) == list(iter_texts([str(plain)])) == ["один", "two", "три"]
+    mid = tmp_path / "c.jsonl"
+    mid.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + plain.read_bytes())
+    with pytest.raises(ValueError, match=r"c\.jsonl:4: "):
+        list(iter_texts([str(mid)]))

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_ru.data.preprocess.reader import Batch
+from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch
 from megatron_ru.data.preprocess.text import chunk_text, split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import Tokenizer
 
@@ -308,6 +308,8 @@ def iter_texts(paths: list[str], json_keys: tuple[str, ...] = ("text",), skip_in
     for path in paths:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
             for line_no, raw in enumerate(f, 1):
+                if line_no == 1 and raw.startswith(UTF8_BOM):
+                    raw = raw[len(UTF8_BOM):]
                 if not raw.strip():
                     continue
                 try:

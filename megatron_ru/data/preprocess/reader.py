@@ -14,6 +14,9 @@ from typing import BinaryIO, Iterator, Optional, Sequence
 
 _BLOCK = 1 << 20
 MIN_TAIL_BATCH = 64 << 10
+# Windows tools start UTF-8 files with a byte-order mark; JSON parsers reject it. It is dropped
+# at the start of a file only (anywhere else it stays an invalid-JSON error).
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
             if seg.start:
                 f.seek(seg.start)
             remaining = None if seg.end is None else seg.end - seg.start
+            at_file_start = seg.start == 0
             pending: list[bytes] = []  # blocks of a line longer than a batch, joined once complete
             while True:
                 want = batch_bytes if left is None else min(batch_bytes, max(MIN_TAIL_BATCH, left // 8))
@@ -88,6 +92,12 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
                     remaining -= len(block)
                 if left is not None:
                     left -= len(block)
+                if at_file_start:
+                    at_file_start = False
+                    if block.startswith(UTF8_BOM):
+                        block = block[len(UTF8_BOM):]
+                        if not block:
+                            continue
                 if not block:
                     if pending:
                         yield Batch(seg.path, line_no, b"".join(pending))
