@@ -33,8 +33,10 @@ from megatron_ru.utils import cli
 log = get_logger("megatron_ru.parallel.env")  # also when run as __main__
 
 SOURCES = ("torchrun", "openmpi", "slurm", "single")
-#: Slurm ports: a job-id-derived port below Linux's ephemeral range (32768+), so concurrent
-#: jobs on shared nodes rarely collide and never race with outgoing connections.
+#: Slurm ports: 15000 + job id % 16384 (15000-31383), below Linux's ephemeral range (32768+),
+#: so concurrent jobs on shared nodes rarely collide and never race with outgoing connections.
+#: The job scripts use the same rule (job_master_port in scripts/lib/launch.sh, Slurm and
+#: ABCI alike; docs/cluster.md); tests/integration/test_scripts_dry_run.py checks they agree.
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 16384
 
 _VARS = {

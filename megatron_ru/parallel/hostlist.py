@@ -7,10 +7,19 @@
 
 A range keeps the zero padding of its lower bound ("08-10" -> 08, 09, 10). Several brackets in
 one name expand as a cartesian product, leftmost bracket outermost, as Slurm prints them.
+
+As a command it prints one host per line, like ``scontrol show hostnames NODELIST``; the Slurm
+job scripts use it where ``scontrol`` is missing or has no Slurm configuration to read (a
+laptop, CI, the login node of another cluster). It needs only the standard library, so it runs
+as a file too, outside any virtual environment::
+
+    python -m megatron_ru.parallel.hostlist 'gpu-[001-002]'
+    python3 -I megatron_ru/parallel/hostlist.py 'gpu-[001-002]'
 """
 from __future__ import annotations
 
 import itertools
+import sys
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -85,3 +94,22 @@ def first_host(text: str) -> str:
         raise ValueError("empty node list")
     names = _expand_name(part, text)
     return names[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hostlist NODELIST``: the hosts, one per line (exit 2 with the reason on a bad list)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m megatron_ru.parallel.hostlist NODELIST   (e.g. 'gpu-[001-004]')\n")
+        return 2
+    try:
+        hosts = expand_hostlist(args[0])
+    except ValueError as e:
+        sys.stderr.write(f"error: cannot expand the node list {args[0]!r}: {e}\n")
+        return 2
+    sys.stdout.write("".join(f"{h}\n" for h in hosts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

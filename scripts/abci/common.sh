@@ -113,7 +113,7 @@ run_abci_job() {
   [ "${nhosts}" -gt 0 ] || launch_die "no hosts in ${SGE_JOB_HOSTLIST:-${PE_HOSTFILE:-the job}}"
   export MASTER_ADDR="${MASTER_ADDR:-$(master_addr_for "${hosts[0]}")}"
   # one port per job id: two jobs sharing a node never collide
-  export MASTER_PORT="${MASTER_PORT:-$((10000 + ${JOB_ID:-0} % 50000))}"
+  export MASTER_PORT="${MASTER_PORT:-$(job_master_port "${JOB_ID:-0}")}"
   export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
   hostfile="${HOSTFILE:-${SGE_LOCALDIR:-${TMPDIR:-/tmp}}/hostfile.${JOB_ID:-local}}"
   write_hostfile "${hostfile}" "${GPUS_PER_NODE}" "${hosts[@]}"

@@ -49,6 +49,12 @@ activate_project_env() {
   fi
 }
 
+# MASTER_PORT of a job id: 15000 + id % 16384 (15000-31383), below Linux's ephemeral port range
+# (32768-60999) so the port is never already taken by an outgoing connection, and distinct for
+# jobs whose ids differ by less than 16384. Slurm and ABCI jobs both use it, and so does
+# megatron_ru/parallel/env.py (SLURM_PORT_BASE, SLURM_PORT_SPAN) for a task started without MASTER_PORT.
+job_master_port() { echo $(( 15000 + $1 % 16384 )); }
+
 has_checkpoint() { [ -f "$1/latest_checkpointed_iteration.txt" ]; }
 
 # Fill the array TRAIN_ARGS from the settings variables. Argument: the job's time limit in

@@ -17,18 +17,43 @@ slurm_time_left() {
   esac
 }
 
+# The hosts of a node list ("gpu-[001-004]"), one per line: `scontrol show hostnames` where
+# it works, else megatron_ru's own expander (megatron_ru/parallel/hostlist.py, standard library
+# only), so DRY_RUN=1 also works where scontrol is missing or finds no Slurm configuration
+# (a laptop, CI, the login node of another cluster).
+expand_nodelist() {
+  local list="$1" out err py
+  if command -v scontrol >/dev/null 2>&1; then
+    err="$(mktemp)"
+    if out="$(scontrol show hostnames "${list}" 2>"${err}")" && [ -n "${out}" ]; then
+      rm -f "${err}"
+      printf '%s\n' "${out}"
+      return 0
+    fi
+    launch_log "scontrol cannot expand ${list} ($(tail -n 1 "${err}")); using megatron_ru's expander"
+    rm -f "${err}"
+  fi
+  for py in "${PYTHON:-}" python3 python; do
+    if [ -n "${py}" ] && command -v "${py}" >/dev/null 2>&1; then
+      # -I: only the standard library (the script's own directory is not put on sys.path)
+      "${py}" -I "${PROJECT_DIR}/megatron_ru/parallel/hostlist.py" "${list}"
+      return
+    fi
+  done
+  launch_die "cannot expand SLURM_JOB_NODELIST=${list}: neither scontrol nor python3 is available"
+}
+
 slurm_setup() {
   local hosts
   [ -n "${SLURM_JOB_NODELIST:-}" ] || launch_die "SLURM_JOB_NODELIST is not set: submit with sbatch (or fake it for DRY_RUN=1)"
-  command -v scontrol >/dev/null 2>&1 || launch_die "scontrol not found: run this inside a Slurm job"
-  mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
-  [ "${#hosts[@]}" -gt 0 ] || launch_die "cannot expand SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST}"
+  mapfile -t hosts < <(expand_nodelist "${SLURM_JOB_NODELIST}")
+  [ -n "${hosts[0]:-}" ] || launch_die "cannot expand SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST} (see the message above)"
   NNODES="${SLURM_JOB_NUM_NODES:-${#hosts[@]}}"
   HEAD_NODE="${hosts[0]}"
   GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}}"
   export MASTER_ADDR="${MASTER_ADDR:-${HEAD_NODE}}"
   # one port per job id: two jobs sharing a node never collide
-  export MASTER_PORT="${MASTER_PORT:-$((10000 + ${SLURM_JOB_ID:-0} % 50000))}"
+  export MASTER_PORT="${MASTER_PORT:-$(job_master_port "${SLURM_JOB_ID:-0}")}"
   build_train_args "$(slurm_time_left)"
   launch_log "job ${SLURM_JOB_ID:-?}: ${NNODES} node(s) x ${GPUS_PER_NODE} GPU(s), head ${HEAD_NODE}, master ${MASTER_ADDR}:${MASTER_PORT}"
 }

@@ -81,7 +81,7 @@ def test_abci_dry_run_inside_a_real_job(grid_engine, tmp_path):  # noqa: F811
     assert acct["exit_status"] == "0", log.read_text()
     lines = [ln for ln in log.read_text().splitlines() if not ln.startswith("[launch]")]
     host = socket.gethostname()
-    assert lines[:6] == [f"MASTER_ADDR={host}", f"MASTER_PORT={10000 + job_id % 50000}", lines[2],
+    assert lines[:6] == [f"MASTER_ADDR={host}", f"MASTER_PORT={15000 + job_id % 16384}", lines[2],
                          f"{host} slots=4", "# command", lines[5]]
     cmd = lines[5].split()
     assert cmd[:5] == ["mpirun", "-np", "4", "-npernode", "4"]

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.schedulers.slurm import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[2]
 QSUB_WRAPPER = REPO / "tests/integration/schedulers/bin/qsub"
@@ -41,7 +42,7 @@ def test_abci_two_nodes_four_gpus(tmp_path):
     out = run_script("scripts/abci/submit_multinode.sh", abci_env(tmp_path, ["node1", "node2"])).stdout
     lines = out.splitlines()
     hostfile = tmp_path / "hostfile.4242"
-    assert lines[:7] == ["MASTER_ADDR=node1", "MASTER_PORT=14242", f"# hostfile {hostfile}",
+    assert lines[:7] == ["MASTER_ADDR=node1", "MASTER_PORT=19242", f"# hostfile {hostfile}",
                          "node1 slots=4", "node2 slots=4", "# command", lines[6]]
     assert len(lines) == 7
     assert hostfile.read_text() == "node1 slots=4\nnode2 slots=4\n"
@@ -66,7 +67,7 @@ def test_abci_port_resource_types_and_overrides(tmp_path):
     env = abci_env(tmp_path, ["a1", "a2", "a3"], job_id=123456, RESOURCE_TYPE="rt_AF", H_RT="2:00:00",
                    EXIT_MARGIN_SECONDS="600", TP="4", PP="2", EXTRA_ARGS="--recompute-granularity full")
     lines = run_script("scripts/abci/submit_multinode.sh", env).stdout.splitlines()
-    assert lines[:2] == ["MASTER_ADDR=a1", "MASTER_PORT=33456"]  # 10000 + 123456 % 50000
+    assert lines[:2] == ["MASTER_ADDR=a1", "MASTER_PORT=23768"]  # 15000 + 123456 % 16384
     assert lines[3:6] == ["a1 slots=8", "a2 slots=8", "a3 slots=8"]
     cmd = shlex.split(lines[-1])
     assert cmd[1:5] == ["-np", "24", "-npernode", "8"]
@@ -123,9 +124,85 @@ def test_abci_bad_settings_name_the_variable(tmp_path):
     assert proc.returncode == 2 and f"no hosts in {tmp_path / 'hostlist'}" in proc.stderr
 
 
-@pytest.fixture(scope="module")
-def scontrol():
-    SlurmCluster().ensure_installed()  # `scontrol show hostnames` needs no running daemon
+def fake_bin(tmp_path: Path, name: str, body: str) -> str:
+    """A directory holding one fake command NAME (a shell script); returns a PATH with it first."""
+    bindir = tmp_path / f"fake_{name}"
+    bindir.mkdir(exist_ok=True)
+    (bindir / name).write_text(f"#!/bin/sh\n{body}\n")
+    (bindir / name).chmod(0o755)
+    return f"{bindir}:/usr/local/bin:/usr/bin:/bin"
+
+
+# How `scontrol show hostnames` behaves where the dry run may be tried: a Slurm cluster (here a
+# stand-in that answers like one), a machine with Slurm's client installed but no configuration
+# (what Debian's slurm-client prints on a fresh machine), and one without scontrol at all.
+SCONTROL_WORKS = ('case "$3" in "gpu-[001-002]") printf "gpu-001\\ngpu-002\\n" ;;\n'
+                  '  "gpu-[001-002],cpu07") printf "gpu-001\\ngpu-002\\ncpu07\\n" ;;\n'
+                  '  *) echo "scontrol: error: Invalid node list" >&2; exit 1 ;; esac')
+SCONTROL_UNCONFIGURED = ('echo "scontrol: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host" >&2\n'
+                         'echo "scontrol: fatal: Could not establish a configuration source" >&2\nexit 1')
+
+
+def path_without(tmp_path: Path, command: str) -> str:
+    """A PATH with every command of the usual one except COMMAND (links in one directory), so
+    a machine that has it installed can play one that has not."""
+    bindir = tmp_path / f"no_{command}"
+    bindir.mkdir()
+    for d in ("/bin", "/usr/bin", "/usr/local/bin"):  # later directories win, as earlier ones do in PATH
+        for exe in Path(d).iterdir():
+            if exe.name != command:
+                (bindir / exe.name).unlink(missing_ok=True)
+                (bindir / exe.name).symlink_to(exe)
+    return str(bindir)
+
+
+@pytest.fixture(params=["scontrol", "unconfigured", "real-unconfigured", "no-scontrol"])
+def slurm_tools(request, tmp_path) -> tuple[str, dict[str, str]]:
+    """(case, environment) for the cases above; real-unconfigured is this machine's own
+    scontrol (when installed) given an empty slurm.conf, which it refuses at once."""
+    case = request.param
+    if case == "scontrol":
+        return case, {"PATH": fake_bin(tmp_path, "scontrol", SCONTROL_WORKS)}
+    if case == "unconfigured":
+        return case, {"PATH": fake_bin(tmp_path, "scontrol", SCONTROL_UNCONFIGURED)}
+    if case == "real-unconfigured":
+        if shutil.which("scontrol", path="/usr/local/bin:/usr/bin:/bin") is None:
+            pytest.skip("Slurm's scontrol is not installed here (the unconfigured and no-scontrol cases cover it)")
+        (tmp_path / "empty_slurm.conf").touch()
+        return case, {"SLURM_CONF": str(tmp_path / "empty_slurm.conf")}
+    return case, {"PATH": path_without(tmp_path, "scontrol")}
+
+
+def test_dry_run_expands_the_node_list_without_slurm(tmp_path, slurm_tools):
+    """Where scontrol is missing or has no configuration, megatron_ru's own expander names the
+    same hosts, and the log says why; a bad node list is refused with its reason."""
+    case, tools = slurm_tools
+    nodes = "gpu-[001-002],cpu07"
+    proc = run_script("scripts/slurm/submit_torchrun.sbatch",
+                      slurm_env(tmp_path, SLURM_JOB_NODELIST=nodes, SLURM_JOB_NUM_NODES="3", **tools))
+    assert "job 77: 3 node(s) x 8 GPU(s), head gpu-001, master gpu-001:15077" in proc.stderr
+    fallback = f"scontrol cannot expand {nodes} ("
+    assert (fallback in proc.stderr) == (case in ("unconfigured", "real-unconfigured")), proc.stderr
+    if case == "unconfigured":
+        assert f"{fallback}scontrol: fatal: Could not establish a configuration source); using megatron_ru's " \
+               "expander" in proc.stderr
+    proc = run_script("scripts/slurm/submit_pyxis.sbatch", slurm_env(tmp_path, SLURM_JOB_NODELIST="gpu-[002-001]",
+                                                                     **tools), check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "descending range '002-001' in node list 'gpu-[002-001]'" in proc.stderr
+    assert "[launch] error: cannot expand SLURM_JOB_NODELIST=gpu-[002-001]" in proc.stderr
+
+
+def test_hostlist_command_prints_one_host_per_line():
+    """`python -m megatron_ru.parallel.hostlist` and the file run alone (standard library only,
+    how the job scripts call it) print what `scontrol show hostnames` prints."""
+    for cmd in ([sys.executable, "-m", "megatron_ru.parallel.hostlist"],
+                ["python3", "-I", str(REPO / "megatron_ru/parallel/hostlist.py")]):
+        proc = subprocess.run([*cmd, "rack[1-2]-n[08-09],login"], capture_output=True, text=True, timeout=30, cwd=REPO)
+        assert (proc.returncode, proc.stdout) == (0, "rack1-n08\nrack1-n09\nrack2-n08\nrack2-n09\nlogin\n")
+        proc = subprocess.run([*cmd, "n[1-"], capture_output=True, text=True, timeout=30, cwd=REPO)
+        assert proc.returncode == 2 and "cannot expand the node list 'n[1-': unclosed '['" in proc.stderr
+        assert subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO).returncode == 2
 
 
 def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -134,14 +211,15 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
             "SAVE_DIR": str(tmp_path / "ckpt"), **extra}
 
 
-def test_slurm_srun_with_and_without_container(tmp_path, scontrol):
-    cmd = shlex.split(run_script("scripts/slurm/submit_pyxis.sbatch", slurm_env(tmp_path)).stdout.strip())
+def test_slurm_srun_with_and_without_container(tmp_path, slurm_tools):
+    proc = run_script("scripts/slurm/submit_pyxis.sbatch", slurm_env(tmp_path, **slurm_tools[1]))
+    cmd = shlex.split(proc.stdout.strip())
     entry = cmd.index("python")
     assert cmd[:entry] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=8", "--ntasks=16",
                            "--cpus-per-task=8"]
     assert cmd[entry + 1] == str(REPO / "pretrain_gpt.py")
     assert flag(cmd, "--exit-duration-in-mins") == "225.00" and "--bf16" in cmd
-    env = slurm_env(tmp_path, CONTAINER_IMAGE="/shared/megatron_ru.sqsh")
+    env = slurm_env(tmp_path, CONTAINER_IMAGE="/shared/megatron_ru.sqsh", **slurm_tools[1])
     cmd = shlex.split(run_script("scripts/slurm/submit_pyxis.sbatch", env).stdout.strip())
     entry = cmd.index("python")
     assert cmd[6:entry] == ["--container-image=/shared/megatron_ru.sqsh", f"--container-mounts={REPO}:{REPO}",
@@ -149,15 +227,32 @@ def test_slurm_srun_with_and_without_container(tmp_path, scontrol):
     assert cmd[entry + 1] == "/workspace/megatron_ru/pretrain_gpt.py"
 
 
-def test_slurm_torchrun_rendezvous_on_head_node(tmp_path, scontrol):
-    proc = run_script("scripts/slurm/submit_torchrun.sbatch", slurm_env(tmp_path))
+def test_slurm_torchrun_rendezvous_on_head_node(tmp_path, slurm_tools):
+    proc = run_script("scripts/slurm/submit_torchrun.sbatch", slurm_env(tmp_path, **slurm_tools[1]))
     cmd = shlex.split(proc.stdout.strip())
     t = cmd.index("torchrun")
     assert cmd[:t] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2",
                        "--cpus-per-task=64"]
     assert cmd[t:t + 7] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-id=77", "--rdzv-backend=c10d",
-                            "--rdzv-endpoint=gpu-001:10077", str(REPO / "pretrain_gpt.py")]
-    assert "head gpu-001, master gpu-001:10077" in proc.stderr
+                            "--rdzv-endpoint=gpu-001:15077", str(REPO / "pretrain_gpt.py")]
+    assert "head gpu-001, master gpu-001:15077" in proc.stderr
+
+
+@pytest.mark.parametrize("job_id", [0, 77, 16383, 16384, 123456, 9876543])
+def test_one_master_port_rule_for_scripts_and_package(tmp_path, job_id):
+    """The Slurm and ABCI job scripts pick the port srun tasks would derive themselves
+    (megatron_ru.parallel.env: 15000 + job id % 16384), always below the ephemeral range."""
+    from megatron_ru.parallel.env import discover_environment
+
+    task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": str(job_id),
+            "SLURM_JOB_NODELIST": "gpu-[001-002]"}
+    port = discover_environment(task).master_port
+    assert port == 15000 + job_id % 16384 and 15000 <= port < 32768
+    proc = run_script("scripts/slurm/submit_torchrun.sbatch",
+                      slurm_env(tmp_path, SLURM_JOB_ID=str(job_id), PATH=path_without(tmp_path, "scontrol")))
+    assert f"--rdzv-endpoint=gpu-001:{port}" in shlex.split(proc.stdout) and f"master gpu-001:{port}" in proc.stderr
+    out = run_script("scripts/abci/submit_multinode.sh", abci_env(tmp_path, ["n1", "n2"], job_id=job_id)).stdout
+    assert out.splitlines()[1] == f"MASTER_PORT={port}"
 
 
 def shell(snippet: str) -> subprocess.CompletedProcess:

@@ -75,11 +75,11 @@ def test_slurm_dry_run_inside_a_real_job(slurm_cluster, tmp_path):  # noqa: F811
         cmd = [ln for ln in text.splitlines() if ln.startswith("srun ")][0].split()
         minutes = float(cmd[cmd.index("--exit-duration-in-mins") + 1])
         assert 14.9 <= minutes <= 15.0, minutes
-        assert f"head {host}, master {host}:{10000 + job_id % 50000}" in text
+        assert f"head {host}, master {host}:{15000 + job_id % 16384}" in text
         if ntasks == 2:
             assert cmd[:6] == ["srun", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=2", "--ntasks=2",
                                "--cpus-per-task=1"]
         else:
             t = cmd.index("torchrun")
             assert cmd[t + 1:t + 6] == ["--nnodes=1", "--nproc-per-node=2", f"--rdzv-id={job_id}",
-                                        "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{10000 + job_id % 50000}"]
+                                        "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{15000 + job_id % 16384}"]
