@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 import pytest
 
 _APT_STAMP = Path("/tmp/.megatron_ru_apt_updated")
+#: the most one apt_install may take, retry included (below pytest.ini's per-test timeout)
+APT_BUDGET_S = 900
 
 
 def in_ci() -> bool:
@@ -41,17 +43,22 @@ def apt_install(packages: Sequence[str], debconf: str = "") -> None:
         unavailable(f"installing {' '.join(packages)} needs root")
     if shutil.which("apt-get") is None:
         unavailable(f"apt-get not found; cannot install {' '.join(packages)}")
+    deadline = time.monotonic() + APT_BUDGET_S
+
+    def left(cap: float) -> float:
+        return max(1.0, min(cap, deadline - time.monotonic()))
+
     if debconf:
         run(["debconf-set-selections"], input=debconf)
     if not _APT_STAMP.exists():
-        run(["apt-get", "update", "-qq"], timeout=300)
+        run(["apt-get", "update", "-qq"], timeout=left(300))
         _APT_STAMP.touch()
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
-    if run(install, timeout=600, env=env, check=False).returncode != 0:
+    if run(install, timeout=left(600), env=env, check=False).returncode != 0:
         # package lists from an older `apt-get update` may point at files that are gone
-        run(["apt-get", "update", "-qq"], timeout=300)
-        run(install, timeout=600, env=env)
+        run(["apt-get", "update", "-qq"], timeout=left(300))
+        run(install, timeout=left(600), env=env)
 
 
 def spawn(cmd: Sequence[str], log_path: Path, *, user: str | None = None,
