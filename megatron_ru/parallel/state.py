@@ -5,14 +5,9 @@
     layer = ColumnParallelLinear(..., group=state.tp_group)
     engine, *_ = deepspeed.initialize(model=..., mpu=state, ...)
 
-The object also is DeepSpeed's ``mpu``: it answers every ``get_*`` method that DeepSpeed
-0.19.8's engine, ZeRO optimizers, gradient clipping, checkpointing and pipeline engine call.
-"Model parallel" in that interface means TP × PP (all ranks holding one replica), as in
-DeepSpeed's own ``PipelineParallelGrid``; "slice parallel" is tensor parallel.
-
-We deliberately do NOT define ``initialize_sequence_parallel`` / ``get_sequence_parallel_*``:
-those are DeepSpeed-Ulysses hooks, and their presence changes how ZeRO picks its groups.
-Megatron's ``--sequence-parallel`` lives inside the tensor-parallel group instead.
+The object also is DeepSpeed's ``mpu``: the ``get_*`` methods DeepSpeed calls come from the
+:class:`~megatron_ru.training.deepspeed_compat.DeepSpeedMpu` mixin, which lives with the other
+DeepSpeed-specific code (what they mean, and why no ``get_sequence_parallel_*``, is said there).
 
 ``python -m megatron_ru.parallel.state --world-size 8 --tensor-model-parallel-size 2
 --pipeline-model-parallel-size 2`` prints the layout without starting processes.
@@ -27,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ru.parallel.topology import ParallelLayout, RankCoord, layout_problems
+from megatron_ru.training.deepspeed_compat import DeepSpeedMpu
 from megatron_ru.utils.logging import get_logger, log_rank0
 from megatron_ru.utils import cli
 
@@ -35,7 +31,7 @@ log = get_logger(__name__)
 __all__ = ["ParallelState", "ParallelLayout", "RankCoord", "layout_problems"]
 
 
-class ParallelState:
+class ParallelState(DeepSpeedMpu):
     """Process groups and coordinates of this rank. Build with :meth:`build`."""
 
     def __init__(self, layout: ParallelLayout, rank: int, groups: dict[str, Any],
@@ -115,72 +111,6 @@ class ParallelState:
         """DeepSpeed's topology object for ``PipelineModule(topology=...)``; same rank order."""
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         return PipeModelDataParallelTopology(num_pp=self.pp_size, num_mp=self.tp_size, num_dp=self.dp_size)
-
-    # ---- DeepSpeed / Megatron mpu interface ----------------------------------------------
-    def get_global_rank(self) -> int:
-        return self.rank
-
-    # model parallel = TP x PP (one replica), as in DeepSpeed's PipelineParallelGrid
-    def get_model_parallel_rank(self) -> int:
-        return self.mp_ranks.index(self.rank)
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.tp_size * self.pp_size
-
-    def get_model_parallel_group(self):
-        return self.mp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp_size
-
-    def get_data_parallel_group(self):
-        return self.dp_group
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.dp_ranks)
-
-    def get_pipe_parallel_rank(self) -> int:
-        return self.pp_rank
-
-    def get_pipe_parallel_world_size(self) -> int:
-        return self.pp_size
-
-    def get_pipe_parallel_group(self):
-        return self.pp_group
-
-    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
-    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
-    get_pipeline_model_parallel_group = get_pipe_parallel_group
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self.tp_rank
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.tp_size
-
-    def get_tensor_model_parallel_group(self):
-        return self.tp_group
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        """Global rank of TP rank 0 in this rank's TP group (broadcast source)."""
-        return self.tp_ranks[0]
-
-    # DeepSpeed's pipeline engine calls tensor parallelism "slice parallelism"
-    get_slice_parallel_rank = get_tensor_model_parallel_rank
-    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
-    get_slice_parallel_group = get_tensor_model_parallel_group
-
-    def get_embedding_group(self):
-        return self.embedding_group
-
-    def is_pipeline_first_stage(self) -> bool:
-        return self.is_first_stage
-
-    def is_pipeline_last_stage(self) -> bool:
-        return self.is_last_stage
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,20 +4,26 @@ Layout of ``--save DIR``::
 
     DIR/latest_checkpointed_iteration.txt     "10" — Megatron's pointer, replaced atomically last
     DIR/iter_0000010/
-        metadata.json                         iteration, consumed samples, layout, args (rank 0)
+        metadata.json                         iteration, consumed samples, layout, args, and every
+                                              *.pt file with its size (rank 0, after all ranks wrote)
         mp_rank_XX_model_states.pt            DeepSpeed's model files (PP=1) or
-        layer_XX-model_YY-model_states.pt     DeepSpeed's per-layer files (PP>1)
+        layer_XX-model_YY-model_states.pt     DeepSpeed's per-layer files (PP>1; YY = TP rank)
         *zero_pp_rank_*_optim_states.pt       DeepSpeed's (ZeRO-partitioned) optimizer states
         rng_rank_00003.pt                     RNG states of every rank
 
 DeepSpeed writes the model/optimizer/scheduler/loss-scaler files (``save_checkpoint`` with our
 tag and ``save_latest=False``); we add the metadata and RNG files and own the pointer: it is
-written to a temporary name and ``os.replace``-d only after a barrier that every rank reaches
-after finishing its files, so a crash during a save leaves the previous checkpoint current.
+written to a temporary name and ``os.replace``-d only after every rank reported its files
+written, so a crash during a save leaves the previous checkpoint current. A save that fails on
+any rank (a full disk) is abandoned by all ranks together: the partial directory is removed, the
+pointer stays, and the error says "no space left on DEVICE while writing PATH".
 
-Loading never unpickles arbitrary code: every file is read with ``torch.load(weights_only=True)``;
-DeepSpeed's optimizer files need four of its plain data classes, which are allow-listed
-explicitly (:data:`SAFE_DEEPSPEED_GLOBALS`), nothing else.
+Loading first checks that every file the load needs is there with its saved size (one error
+naming the missing or truncated files), then reads exactly this rank's files: DeepSpeed never
+merges or splits our TP shards. Nothing is unpickled as code: every file is read with
+``torch.load(weights_only=True)`` (DeepSpeed's optimizer files need four of its plain data
+classes, allow-listed explicitly). Every problem with a checkpoint is a :class:`CheckpointError`
+(a ``ValueError``) naming the file and the fix.
 """
 from __future__ import annotations
 
@@ -30,7 +36,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_ru.training import deepspeed_compat as dsc
+from megatron_ru.training.checkpoint_files import (CheckpointError, CheckpointSaveError, check_files,
+                                                   derive_expected, describe_write_failure, list_files,
+                                                   rng_file_name, safe_load)
 from megatron_ru.utils.logging import get_logger, log_rank0
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointMeta", "load_checkpoint", "save_checkpoint",
+           "read_latest_iteration", "safe_load", "write_text_atomic"]
 
 log = get_logger(__name__)
 
@@ -43,38 +56,19 @@ def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _safe_deepspeed_globals() -> list[Any]:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def safe_load(path: str, map_location: Any = "cpu") -> Any:
-    """``torch.load(weights_only=True)`` with DeepSpeed's plain data classes allow-listed."""
-    with torch.serialization.safe_globals(_safe_deepspeed_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def install_weights_only_loading(engine: Any) -> None:
-    """Make DeepSpeed read checkpoints through :func:`safe_load` (its default engine uses
-    ``weights_only=False``)."""
-    ckpt_engine = engine.checkpoint_engine
-
-    def load(path: str, map_location: Any = None) -> Any:
-        return safe_load(path, map_location="cpu" if map_location is None else map_location)
-
-    ckpt_engine.load = load
-
-
 def write_text_atomic(path: str, text: str) -> None:
     """Write to a temporary name, fsync, rename over ``path`` (atomic on POSIX)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -87,13 +81,14 @@ def read_latest_iteration(load_dir: str) -> Optional[int]:
     path = os.path.join(load_dir, TRACKER_FILE)
     if not os.path.isfile(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
     if text == "release":
-        raise ValueError(f"{path} says 'release' (a Megatron-LM release checkpoint); this loader reads "
-                         f"checkpoints written by megatron_ru: point --load at one of those")
+        raise CheckpointError(f"{path} says 'release' (a Megatron-LM release checkpoint); this loader reads "
+                              f"checkpoints written by megatron_ru: point --load at one of those")
     if not text.isdigit():
-        raise ValueError(f"{path} should hold an iteration number, found {text!r}; the checkpoint "
-                         f"directory is damaged: fix or remove the file, or point --load elsewhere")
+        raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}; the checkpoint "
+                              f"directory is damaged: fix or remove the file, or point --load elsewhere")
     return int(text)
 
 
@@ -124,14 +119,32 @@ class CheckpointMeta:
     data_parallel_size: int
     zero_stage: int
     args: dict[str, Any]
+    #: every ``*.pt`` file of the checkpoint with its size in bytes (None: saved before the list existed)
+    files: Optional[dict[str, int]] = None
 
     @classmethod
     def read(cls, ckpt_dir: str) -> "CheckpointMeta":
         path = os.path.join(ckpt_dir, METADATA_FILE)
+        pointer = os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), TRACKER_FILE)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing: {ckpt_dir} is not a complete megatron_ru "
-                                    f"checkpoint; point --load at a directory written by --save")
-        return cls(**json.load(open(path, encoding="utf-8")))
+            raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete megatron_ru "
+                                  f"checkpoint; point --load at a directory written by --save, or resume from "
+                                  f"an earlier checkpoint by writing its iteration into {pointer}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls(**json.load(f))
+        except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError, missing/extra fields
+            raise CheckpointError(
+                f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); it describes the checkpoint and is "
+                f"written by --save: restore it from a copy, or resume from an earlier checkpoint by writing "
+                f"its iteration into {pointer}") from None
+
+    def expected_files(self, present: list[str]) -> dict[str, Optional[int]]:
+        """Every ``*.pt`` file of the checkpoint (and its size, when the save recorded it)."""
+        if self.files is not None:
+            return dict(self.files)
+        return derive_expected(self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                               self.data_parallel_size, self.zero_stage, present)
 
 
 def layout_problems(meta: CheckpointMeta, tp: int, pp: int, dp: int, zero_stage: int,
@@ -158,10 +171,39 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _all_gather(obj: Any) -> list[Any]:
+    if not torch.distributed.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _save_error(recorder: dsc.SaveRecorder) -> Optional[str]:
+    return None if recorder.failure is None else describe_write_failure(*recorder.failure)
+
+
+def _abandon(errors: list[str], ckpt_dir: str, save_dir: str, iteration: int, rank: int) -> CheckpointSaveError:
+    """Every rank: remove the partial directory (rank 0) and build the one error all ranks raise."""
+    if rank == 0:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    _barrier()
+    previous = read_latest_iteration(save_dir)
+    kept = (f"iteration {previous} ({os.path.join(save_dir, iteration_dir_name(previous))}) is still the "
+            f"current checkpoint" if previous is not None else "no earlier checkpoint exists")
+    more = f" (and {len(errors) - 1} more failed writes on other ranks)" if len(errors) > 1 else ""
+    return CheckpointSaveError(
+        f"{errors[0]}{more}: the save of iteration {iteration} was abandoned and its partial directory "
+        f"{ckpt_dir} removed; {kept}. Free space (e.g. a smaller --keep-last) or point --save at a file "
+        f"system with room")
+
+
 def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: CheckpointMeta,
                     rank: int, rng_state: dict[str, Any], keep_last: Optional[int] = None,
                     before_commit: Optional[Callable[[], None]] = None) -> str:
-    """Write ``iter_XXXXXXX/`` on every rank, then (rank 0, after a barrier) the pointer."""
+    """Write ``iter_XXXXXXX/`` on every rank, then (rank 0, once every rank reported success) the
+    pointer. Collective: every rank calls it. Raises :class:`CheckpointSaveError` on every rank
+    when a write failed on any."""
     ckpt_dir = os.path.join(save_dir, iteration_dir_name(iteration))
     if read_latest_iteration(save_dir) == iteration:
         return ckpt_dir  # already saved (e.g. interval save followed by the save on exit)
@@ -171,16 +213,36 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         os.makedirs(ckpt_dir, exist_ok=True)
     _barrier()
-    engine.save_checkpoint(save_dir, tag=iteration_dir_name(iteration), save_latest=False)
-    rng_path = os.path.join(ckpt_dir, f"rng_rank_{rank:05d}.pt")
-    torch.save(rng_state, rng_path + ".tmp")
-    os.replace(rng_path + ".tmp", rng_path)
-    if rank == 0:
-        write_text_atomic(os.path.join(ckpt_dir, METADATA_FILE), json.dumps(meta.__dict__, indent=1,
-                                                                            default=str))
+    # a failed write is recorded, not raised: raising half-way would leave the other ranks waiting
+    # in DeepSpeed's collectives; all ranks learn of it below and give up together
+    recorder = dsc.SaveRecorder()
+    dsc.install_checkpoint_io(engine, safe_load, recorder)
+    try:
+        recorder.run(ckpt_dir, lambda: engine.save_checkpoint(save_dir, tag=iteration_dir_name(iteration),
+                                                              save_latest=False))
+    finally:
+        dsc.install_checkpoint_io(engine, safe_load)
+    rng_path = os.path.join(ckpt_dir, rng_file_name(rank))
+
+    def write_rng() -> None:
+        torch.save(rng_state, rng_path + ".tmp")
+        os.replace(rng_path + ".tmp", rng_path)
+    recorder.run(rng_path, write_rng)
     if before_commit is not None:  # test hook: simulate a crash between the files and the pointer
         before_commit()
-    _barrier()  # every rank has finished its files
+    _barrier()  # every rank has finished its files: each lists what it sees (node-local disks too)
+    gathered = _all_gather((_save_error(recorder), list_files(ckpt_dir) if recorder.failure is None else {}))
+    errors = [e for e, _ in gathered if e]
+    if not errors and rank == 0:
+        files: dict[str, int] = {}
+        for _, seen in gathered:
+            files.update(seen)
+        meta.files = dict(sorted(files.items()))
+        path = os.path.join(ckpt_dir, METADATA_FILE)
+        recorder.run(path, lambda: write_text_atomic(path, json.dumps(meta.__dict__, indent=1, default=str)))
+    errors += [e for e in _all_gather(_save_error(recorder) if not errors else None) if e]
+    if errors:
+        raise _abandon(errors, ckpt_dir, save_dir, iteration, rank)
     if rank == 0:
         write_text_atomic(os.path.join(save_dir, TRACKER_FILE), f"{iteration}\n")
         if keep_last:
@@ -190,31 +252,77 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     return ckpt_dir
 
 
-def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, dp: int, zero_stage: int,
-                    load_optim: bool, finetune: bool) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
-    """Load the checkpoint ``latest`` points at; None when ``load_dir`` has none.
+def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str]) -> None:
+    """No pointer in ``load_dir``: fine when it is also --save (resume-or-start); otherwise an error."""
+    resume_or_start = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
+    if resume_or_start and not finetune:
+        log_rank0(log, f"no {TRACKER_FILE} in {load_dir}: starting from scratch")
+        return
+    if not os.path.isdir(load_dir):
+        found = "does not exist"
+    elif list_iterations(load_dir):
+        found = f"holds iter_* directories but no {TRACKER_FILE} (no save there completed)"
+    else:
+        found = f"holds no {TRACKER_FILE}" + ("" if os.listdir(load_dir) else " (it is empty)")
+    why = ("--finetune starts from the weights of a checkpoint" if finetune else
+           "--load names a checkpoint to start from and is not the --save directory")
+    raise CheckpointError(
+        f"--load {load_dir} {found}: {why}, and there is none. Point --load at a directory written by --save "
+        f"(it holds {TRACKER_FILE})" + ("" if finetune else
+                                        ", pass the same directory to --save and --load to resume-or-start, "
+                                        "or drop --load to start from scratch"))
 
-    Returns the metadata and this rank's saved RNG state (None if the file is absent)."""
+
+def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, dp: int, zero_stage: int,
+                    load_optim: bool, finetune: bool, load_rng: bool = True,
+                    save_dir: Optional[str] = None) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
+    """Load the checkpoint ``latest`` points at; None when ``load_dir`` has none and is also the
+    ``save_dir`` (resume-or-start). With ``finetune``, or a ``load_dir`` other than ``save_dir``, a
+    missing checkpoint is a :class:`CheckpointError`.
+
+    Returns the metadata and this rank's saved RNG state (None when ``load_rng`` is off or with
+    ``finetune``)."""
     iteration = read_latest_iteration(load_dir)
     if iteration is None:
-        log_rank0(log, f"no {TRACKER_FILE} in {load_dir}: starting from scratch")
+        _no_checkpoint(load_dir, finetune, save_dir)
         return None
     ckpt_dir = os.path.join(load_dir, iteration_dir_name(iteration))
+    pointer = os.path.join(load_dir, TRACKER_FILE)
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{pointer} names iteration {iteration} but {ckpt_dir} does not exist: write the "
+                              f"iteration of an existing iter_* directory into {pointer}, or point --load elsewhere")
     meta = CheckpointMeta.read(ckpt_dir)
     weights_only = finetune or not load_optim
     problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only)
     if problems:
-        raise ValueError(f"cannot load {ckpt_dir}: " + "; ".join(problems))
-    install_weights_only_loading(engine)
-    path, _ = engine.load_checkpoint(load_dir, tag=iteration_dir_name(iteration),
-                                     load_optimizer_states=not weights_only,
-                                     load_lr_scheduler_states=not weights_only,
-                                     load_module_only=weights_only)
+        raise CheckpointError(f"cannot load {ckpt_dir}: " + "; ".join(problems))
+    want_rng = load_rng and not finetune
+    # ZeRO-3 keeps the weights in the optimizer partitions: they are read even for weights only
+    kinds = {"model"} | ({"optim"} if not weights_only or meta.zero_stage == 3 else set()) | \
+        ({"rng"} if want_rng else set())
+    present = sorted(list_files(ckpt_dir))
+    check_files(ckpt_dir, meta.expected_files(present), kinds=kinds, pointer=pointer,
+                earlier=[i for i in list_iterations(load_dir) if i < iteration])
+    if not want_rng and not finetune:
+        missing = "" if os.path.isfile(os.path.join(ckpt_dir, rng_file_name(rank))) else \
+            f" ({rng_file_name(rank)} is missing from {ckpt_dir})"
+        log_rank0(log, f"--no-load-rng: resuming with fresh random states{missing}; dropout and other random "
+                       f"streams differ from an uninterrupted run, so this resume is not exact", level=30)
+    dsc.install_checkpoint_io(engine, safe_load)
+    if pp > 1:
+        dsc.install_exact_layer_loading(engine.module)
+    try:
+        path, _ = engine.load_checkpoint(load_dir, tag=iteration_dir_name(iteration),
+                                         load_optimizer_states=not weights_only,
+                                         load_lr_scheduler_states=not weights_only,
+                                         load_module_only=weights_only)
+    except AssertionError as e:  # DeepSpeed's own consistency checks
+        raise CheckpointError(f"DeepSpeed refused {ckpt_dir}: {e}; the checkpoint does not match this run or is "
+                              f"damaged: restore it from a copy, or load an earlier one via {pointer}") from None
     if path is None:
-        raise FileNotFoundError(f"DeepSpeed found no model files in {ckpt_dir} for this rank; the checkpoint "
-                                f"is incomplete or was saved with another layout")
-    rng_path = os.path.join(ckpt_dir, f"rng_rank_{rank:05d}.pt")
-    rng = safe_load(rng_path) if os.path.isfile(rng_path) else None
+        raise CheckpointError(f"DeepSpeed found no model files in {ckpt_dir} for this rank; the checkpoint "
+                              f"is incomplete or was saved with another layout")
+    rng = safe_load(os.path.join(ckpt_dir, rng_file_name(rank))) if want_rng else None
     log_rank0(log, f"loaded checkpoint {ckpt_dir} (iteration {meta.iteration}, "
                    f"{'weights only' if weights_only else 'full state'})")
     return meta, rng

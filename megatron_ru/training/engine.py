@@ -9,7 +9,8 @@
   layers) on TP rank 0 only, pipeline-tied copies (``ds_pipe_replicated``) once. DeepSpeed's ZeRO
   and bf16 optimizers already filter this way; its fp32 no-ZeRO path filters replicated parameters
   by the *model*-parallel rank (TP × PP), which drops them on every stage but the first when PP > 1,
-  so that one path uses :func:`clip_grad_norm_tp_aware` instead.
+  so that one path uses :func:`clip_grad_norm_tp_aware` instead (installed through
+  :mod:`megatron_ru.training.deepspeed_compat`, where every patch of DeepSpeed's internals lives).
 * We use torch's AdamW (no JIT build) and skip DeepSpeed's shared-memory CPU collective kernel,
   whose first use JIT-compiles for ~50 s: gloo does the same work.
 """
@@ -17,30 +18,26 @@ from __future__ import annotations
 
 import json
 import math
-import types
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_ru.training import deepspeed_compat as dsc
+from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
 from megatron_ru.utils.logging import get_logger, log_rank0
 
+__all__ = ["attach_deepspeed_comm", "build_ds_config", "build_optimizer", "clip_grad_norm_tp_aware",
+           "disable_cpu_shm_comm", "initialize_engine", "optimizer_param_groups"]
+
 log = get_logger(__name__)
-
-
-def disable_cpu_shm_comm() -> None:
-    """Keep DeepSpeed from JIT-building its shared-memory allreduce op on CPU (only a speed-up for
-    CPU inference; gloo handles our collectives)."""
-    if torch.cuda.is_available():
-        return
-    import deepspeed.ops
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def attach_deepspeed_comm() -> None:
     """Let DeepSpeed's ``deepspeed.comm`` use the process group we initialised (our rank discovery,
     no MPI discovery that would rewrite MASTER_ADDR/PORT). Needed before building a PipelineModule."""
-    disable_cpu_shm_comm()
+    dsc.check_version()
+    dsc.disable_cpu_shm_comm()
     import deepspeed
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
                                dist_init_required=False)
@@ -140,16 +137,6 @@ def clip_grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], max_norm: floa
     return norm
 
 
-def _install_fp32_clipping(engine: Any, tp_rank: int, mp_group: Any) -> None:
-    """Replace DeepSpeed's fp32 no-ZeRO clipping (see module docstring) and keep its norm."""
-
-    def clip_fp32_gradients(self: Any) -> None:
-        self._global_grad_norm = clip_grad_norm_tp_aware(self.module.parameters(), self.gradient_clipping(),
-                                                         tp_rank, mp_group)
-
-    engine.clip_fp32_gradients = types.MethodType(clip_fp32_gradients, engine)
-
-
 def initialize_engine(model: torch.nn.Module, state: Any, args: Any, schedule: Any) -> Any:
     """``deepspeed.initialize`` for a module (PP=1) or a ``PipelineModule`` (PP>1)."""
     attach_deepspeed_comm()
@@ -167,7 +154,9 @@ def initialize_engine(model: torch.nn.Module, state: Any, args: Any, schedule: A
         model=model, optimizer=optimizer, config=ds_config, mpu=None if is_pipe else state,
         lr_scheduler=lambda opt: MegatronLRScheduler(opt, schedule), dist_init_required=False)
     if not (args.training.bf16 or args.training.fp16) and args.training.zero_stage == 0:
-        _install_fp32_clipping(engine, state.tp_rank, state.mp_group)
+        tp_rank, mp_group, max_norm = state.tp_rank, state.mp_group, engine.gradient_clipping()
+        dsc.install_fp32_clipping(
+            engine, lambda params: clip_grad_norm_tp_aware(params, max_norm, tp_rank, mp_group))
     log_rank0(log, f"DeepSpeed engine: {type(engine).__name__}, optimizer {type(engine.optimizer).__name__}, "
                    f"ZeRO {args.training.zero_stage}, {args.precision}, micro batch {args.training.micro_batch_size}"
                    f" x grad accum {args.grad_accum} x DP {args.dp} = global batch {args.global_batch_size}")

@@ -54,8 +54,22 @@ def test_layout_mismatch_messages():
 
 
 def test_missing_metadata_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a complete megatron_ru checkpoint"):
+    with pytest.raises(ckpt.CheckpointError, match="not a complete megatron_ru checkpoint"):
         ckpt.CheckpointMeta.read(str(tmp_path))
+
+
+def test_damaged_metadata_names_the_file(tmp_path):
+    """Was a bare JSONDecodeError."""
+    path = tmp_path / "iter_0000004" / ckpt.METADATA_FILE
+    path.parent.mkdir()
+    path.write_text('{"iteration": 4, "consumed_tr')
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.CheckpointMeta.read(str(path.parent))
+    assert f"{path} is damaged (JSONDecodeError" in str(e.value)
+    assert "restore it from a copy" in str(e.value) and ckpt.TRACKER_FILE in str(e.value)
+    path.write_text('{"iteration": 4}')
+    with pytest.raises(ckpt.CheckpointError, match="is damaged .TypeError"):
+        ckpt.CheckpointMeta.read(str(path.parent))
 
 
 class _Evil:
@@ -67,8 +81,29 @@ def test_safe_load_refuses_code(tmp_path):
     path = str(tmp_path / "evil.pt")
     with open(path, "wb") as f:
         pickle.dump({"x": _Evil()}, f, protocol=2)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.safe_load(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path} holds objects that are not tensors") and "nothing in it ran" in msg
+    assert "weights_only" not in msg  # torch's advice to unpickle it anyway is never passed on
+
+
+def test_safe_load_names_damaged_and_missing_files(tmp_path):
+    """Was ``PytorchStreamReader failed reading zip archive`` / ``OSError: [Errno 22]`` / EOFError."""
+    good = str(tmp_path / "good.pt")
+    torch.save({"w": torch.arange(1000.0)}, good)
+    data = open(good, "rb").read()
+    cases = {"truncated.pt": data[: len(data) // 2], "empty.pt": b"", "garbage.pt": b"\x00" * 300}
+    for name, content in cases.items():
+        path = str(tmp_path / name)
+        open(path, "wb").write(content)
+        with pytest.raises(ckpt.CheckpointError) as e:
+            ckpt.safe_load(path)
+        assert str(e.value).startswith(f"{path} ") and "restore it from a copy" in str(e.value), str(e.value)
+        assert "weights_only" not in str(e.value)
+    with pytest.raises(ckpt.CheckpointError, match="missing.pt is missing"):
+        ckpt.safe_load(str(tmp_path / "missing.pt"))
+    assert torch.equal(ckpt.safe_load(good)["w"], torch.arange(1000.0))
 
 
 # ---- end to end with a DeepSpeed engine (in subprocesses: one of them is killed mid-save) -----
@@ -78,7 +113,7 @@ def _engine(zero_stage):
     import deepspeed
     import torch.distributed as dist
 
-    from megatron_ru.training.engine import disable_cpu_shm_comm
+    from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
     from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler
     disable_cpu_shm_comm()
     if not dist.is_initialized():

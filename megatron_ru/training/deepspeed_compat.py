@@ -1,0 +1,264 @@
+"""Every place we reach into DeepSpeed's internals, behind one door, with the version they were tested on.
+
+DeepSpeed is the engine (docs/training.md); its public API covers almost all we need. Where it does
+not, the patch lives here, checks that the thing it replaces still exists (a clear error naming the
+tested version otherwise), and has a test in ``tests/unit/test_deepspeed_compat.py`` that proves it
+takes effect on the installed DeepSpeed:
+
+* :func:`disable_cpu_shm_comm` — ``deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False``:
+  on CPU, DeepSpeed JIT-builds a shared-memory allreduce kernel on first init (~50 s); gloo does the work.
+* :func:`install_fp32_clipping` — ``engine.clip_fp32_gradients``: DeepSpeed's fp32 no-ZeRO clipping
+  drops replicated parameters on every pipeline stage but the first (see ``engine.py``).
+* :func:`install_checkpoint_io` — the checkpoint engine's ``load`` (weights-only ``torch.load``, errors
+  that name the file) and ``save`` (a failed write, e.g. a full disk, is recorded instead of raised
+  half-way through DeepSpeed's collectives, so every rank can agree to abandon the save).
+* :func:`install_exact_layer_loading` — ``PipelineModule.load_state_dir``: DeepSpeed globs
+  ``layer_XX-*model_states.pt`` and merges or splits whatever it finds to fit the TP size; we read
+  exactly this rank's file (``layer_XX-model_YY-model_states.pt``) or fail.
+* :class:`DeepSpeedMpu` — the ``get_*`` interface DeepSpeed calls on ``mpu=`` (PP = 1); a mixin of
+  :class:`~megatron_ru.parallel.state.ParallelState`, which passes itself as ``mpu``.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Optional
+
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+log = get_logger(__name__)
+
+#: the DeepSpeed releases these patches were tested with (setup.py states the same range)
+TESTED_RANGE = ((0, 19, 8), (0, 20, 0))
+TESTED_RANGE_TEXT = "deepspeed>=0.19.8,<0.20"
+_version_checked = False
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def version_problem(version: str) -> Optional[str]:
+    """Why ``version`` is outside the tested range (None when inside)."""
+    low, high = TESTED_RANGE
+    if low <= _parse_version(version) < high:
+        return None
+    return (f"DeepSpeed {version} is installed; megatron_ru was tested with {TESTED_RANGE_TEXT} and patches "
+            f"some of its internals (megatron_ru/training/deepspeed_compat.py): install a tested release "
+            f"(pip install '{TESTED_RANGE_TEXT}') or run tests/unit/test_deepspeed_compat.py against this one")
+
+
+def check_version() -> None:
+    """Warn once when the installed DeepSpeed is outside :data:`TESTED_RANGE`. (Each patch also checks
+    the attribute it replaces and raises if it is gone, so an untested release fails loudly, not silently.)"""
+    global _version_checked
+    if _version_checked:
+        return
+    import deepspeed
+    problem = version_problem(deepspeed.__version__)
+    if problem:
+        log_rank0(log, problem, level=30)
+    _version_checked = True
+
+
+def _missing(what: str) -> RuntimeError:
+    import deepspeed
+    return RuntimeError(f"DeepSpeed {deepspeed.__version__} has no {what}, which megatron_ru patches "
+                        f"(megatron_ru/training/deepspeed_compat.py): install {TESTED_RANGE_TEXT}")
+
+
+# ---- 1. no JIT build of the CPU shared-memory allreduce ---------------------------------------------
+
+def disable_cpu_shm_comm() -> None:
+    """Keep DeepSpeed from JIT-building its shared-memory allreduce op on CPU (only a speed-up for CPU
+    inference; gloo handles our collectives). DeepSpeed reads the flag in ``deepspeed.comm.torch``
+    (``build_shm_op``) when its communication backend is created."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+    ops = deepspeed.ops.__compatible_ops__
+    if not isinstance(ops, dict):
+        raise _missing("deepspeed.ops.__compatible_ops__ dictionary")
+    ops["deepspeed_shm_comm"] = False
+
+
+# ---- 2. TP/PP-aware fp32 gradient clipping ---------------------------------------------------------
+
+def install_fp32_clipping(engine: Any, clip: Callable[[Any], Any]) -> None:
+    """Replace ``engine.clip_fp32_gradients`` (DeepSpeed's fp32, no-ZeRO path) with ``clip(params)``,
+    which clips in place and returns the global norm; DeepSpeed reports that norm as
+    ``get_global_grad_norm()``."""
+    if not callable(getattr(engine, "clip_fp32_gradients", None)):
+        raise _missing("DeepSpeedEngine.clip_fp32_gradients")
+
+    def clip_fp32_gradients(self: Any) -> None:
+        self._global_grad_norm = clip(self.module.parameters())
+
+    engine.clip_fp32_gradients = types.MethodType(clip_fp32_gradients, engine)
+
+
+# ---- 3. the checkpoint engine's load and save -------------------------------------------------------
+
+class SaveRecorder:
+    """What went wrong while DeepSpeed (and we) wrote a checkpoint: the first failed path and error."""
+
+    def __init__(self) -> None:
+        self.failure: Optional[tuple[str, BaseException]] = None
+
+    def run(self, path: str, write: Callable[[], None]) -> None:
+        """``write()``, recording instead of raising a failure (later writes are skipped: the
+        checkpoint is abandoned anyway)."""
+        if self.failure is not None:
+            return
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - any failed write abandons the save; reported by the caller
+            self.failure = (path, e)
+
+
+def install_checkpoint_io(engine: Any, load: Callable[[str, Any], Any],
+                          recorder: Optional[SaveRecorder] = None) -> None:
+    """Route DeepSpeed's checkpoint reads through ``load(path, map_location)`` and, with a
+    ``recorder``, its writes through ``recorder.run`` (DeepSpeed's default engine loads with
+    ``weights_only=False`` and a failed write would raise between its collectives)."""
+    ckpt_engine = getattr(engine, "checkpoint_engine", None)
+    if ckpt_engine is None or not callable(getattr(ckpt_engine, "load", None)) or \
+            not callable(getattr(ckpt_engine, "save", None)):
+        raise _missing("engine.checkpoint_engine with load/save")
+    original_save = getattr(ckpt_engine, "_megatron_ru_original_save", ckpt_engine.save)
+    ckpt_engine._megatron_ru_original_save = original_save
+
+    def load_(path: str, map_location: Any = None) -> Any:
+        return load(path, "cpu" if map_location is None or callable(map_location) else map_location)
+
+    ckpt_engine.load = load_
+    if recorder is None:
+        ckpt_engine.save = original_save
+        return
+
+    def save_(state_dict: Any, path: str) -> None:
+        recorder.run(path, lambda: original_save(state_dict, path))
+
+    ckpt_engine.save = save_
+
+
+# ---- 4. a pipeline stage reads exactly its own layer files -------------------------------------------
+
+def install_exact_layer_loading(module: Any) -> None:
+    """Make ``PipelineModule.load_state_dir`` read ``layer_XX-model_YY-model_states.pt`` of this rank
+    only. DeepSpeed's version globs every TP rank's file of a layer and hands the list to its
+    Megatron state-dict loader, which merges or splits them when their count differs from the TP
+    size: with one TP shard missing, the other rank's weights are loaded without a word."""
+    for attr in ("load_state_dir", "ckpt_layer_path", "forward_funcs", "_synchronize_tied_weights"):
+        if not hasattr(module, attr):
+            raise _missing(f"PipelineModule.{attr}")
+
+    def load_state_dir(self: Any, load_dir: str, checkpoint_engine: Any, strict: bool = True) -> None:
+        for idx, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "load_state_dict"):
+                continue  # functions have no state
+            path = self.ckpt_layer_path(load_dir, idx)
+            layer.load_state_dict(checkpoint_engine.load(path, map_location="cpu"), strict=strict)
+        self._synchronize_tied_weights()
+
+    module.load_state_dir = types.MethodType(load_state_dir, module)
+
+
+# ---- 5. the mpu interface --------------------------------------------------------------------------
+
+class DeepSpeedMpu:
+    """Mixin of :class:`~megatron_ru.parallel.state.ParallelState`: every ``get_*`` method DeepSpeed
+    0.19's engine, ZeRO optimizers, gradient clipping, checkpointing and pipeline engine call on
+    ``mpu``, answered from the state's attributes (``rank``, ``tp_rank``, ``mp_group``, ...).
+
+    "Model parallel" in this interface means TP × PP (all ranks holding one replica), as in
+    DeepSpeed's own ``PipelineParallelGrid``; "slice parallel" is tensor parallel. We deliberately do
+    NOT define ``get_sequence_parallel_*`` / ``get_sequence_data_parallel_*``: those are
+    DeepSpeed-Ulysses hooks, and their presence changes how ZeRO picks its groups. Megatron's
+    ``--sequence-parallel`` lives inside the tensor-parallel group instead."""
+
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    tp_ranks: list[int]
+    dp_ranks: list[int]
+    mp_ranks: list[int]
+    is_first_stage: bool
+    is_last_stage: bool
+    tp_group: Any
+    dp_group: Any
+    pp_group: Any
+    mp_group: Any
+    embedding_group: Any
+
+    def get_global_rank(self) -> int:
+        return self.rank
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mp_ranks.index(self.rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def get_model_parallel_group(self) -> Any:
+        return self.mp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_ranks)
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pp_size
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.pp_group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_tensor_model_parallel_group(self) -> Any:
+        return self.tp_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group (broadcast source)."""
+        return self.tp_ranks[0]
+
+    # DeepSpeed's pipeline engine calls tensor parallelism "slice parallelism"
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+
+    def get_embedding_group(self) -> Any:
+        return self.embedding_group
+
+    def is_pipeline_first_stage(self) -> bool:
+        return self.is_first_stage
+
+    def is_pipeline_last_stage(self) -> bool:
+        return self.is_last_stage
