@@ -127,32 +127,49 @@ def _safe_deepspeed_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+def dsc_range() -> str:
+    from megatron_ru.training.deepspeed_compat import TESTED_RANGE_TEXT
+    return TESTED_RANGE_TEXT
+
+
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text[:200]
+    """The first sentence of an error (torch's run on with advice we do not want to pass on)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text.split(". ")[0][:160]
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def safe_load(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)`` with DeepSpeed's plain data classes allow-listed; a missing,
     damaged or code-carrying file is a :class:`CheckpointError` naming it."""
-    fix = (f"restore it from a copy of the checkpoint, or resume from an earlier checkpoint (write its "
-           f"iteration into latest_checkpointed_iteration.txt next to {os.path.dirname(os.path.dirname(path))}"
-           f"/iter_*)")
+    save_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    fix = (f"restore it from a copy of the checkpoint, or resume from an earlier checkpoint by writing its "
+           f"iteration into {os.path.join(save_dir, 'latest_checkpointed_iteration.txt')}")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; {fix}")
+    size = os.path.getsize(path)
+    damaged = f"{path} ({size} bytes) is truncated or overwritten"
     try:
         with torch.serialization.safe_globals(_safe_deepspeed_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights only" in str(e).lower() or "weights_only" in str(e):
+        found = _GLOBAL_RE.search(str(e))
+        if found and found.group(1).startswith(("deepspeed.", "torch.")):
             raise CheckpointError(
-                f"{path} holds objects that are not tensors or plain data (pickled code or classes we do "
-                f"not load); it was refused and nothing in it ran. It was not written by megatron_ru, or "
-                f"was altered after the save: {fix}") from None
-        raise CheckpointError(f"{path} is damaged ({_first_line(e)}); {fix}") from None
-    except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {_first_line(e)}): the file is "
-                              f"truncated or overwritten; {fix}") from None
+                f"{path} holds a {found.group(1)} object, which megatron_ru does not allow-list for loading "
+                f"(a DeepSpeed release other than the tested {dsc_range()} may have written it): save it "
+                f"again with a tested DeepSpeed, or {fix}") from None
+        if found:
+            raise CheckpointError(
+                f"{path} refers to code ({found.group(1)}), which a checkpoint never holds: it "
+                f"was refused and nothing in it ran. The file was not written by megatron_ru or was altered "
+                f"after the save: {fix}") from None
+        raise CheckpointError(f"{damaged} (it does not parse as a checkpoint): {fix}") from None
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError) as e:
+        reason = _first_line(e) or ("empty" if size == 0 else "ends early")
+        raise CheckpointError(f"{damaged} ({type(e).__name__}: {reason}): {fix}") from None
 
 
 # ---- a full disk during a save ---------------------------------------------------------------------

@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ru.config.arguments import Arguments, parse_arguments
+from megatron_ru.training.failure import report_failure
 from megatron_ru.training.loop import Progress, TrainResult, Trainer
 from megatron_ru.training.metrics import MetricsWriter, ModelShape
+from megatron_ru.training.signals import ExitSignal, install_if_requested
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 log = get_logger(__name__)
@@ -48,7 +50,8 @@ def _resume(engine: Any, state: Any, args: Arguments) -> Progress:
     c = args.checkpoint
     loaded = load_checkpoint(engine, c.load, rank=state.rank, tp=state.tp_size, pp=state.pp_size,
                              dp=state.dp_size, zero_stage=args.training.zero_stage,
-                             load_optim=not c.no_load_optim, finetune=c.finetune)
+                             load_optim=not c.no_load_optim, finetune=c.finetune,
+                             load_rng=not c.no_load_rng, save_dir=c.save)
     if loaded is None:
         return Progress()
     meta, rng = loaded
@@ -62,8 +65,10 @@ def _resume(engine: Any, state: Any, args: Arguments) -> Progress:
     return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
 
 
-def setup(args: Arguments) -> Trainer:
-    """Everything before the first iteration: groups, seeds, tokenizer, data, model, engine, resume."""
+def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
+    """Everything before the first iteration: groups, seeds, tokenizer, data, model, engine, resume.
+    ``exit_signal``: a handler installed earlier (by ``pretrain_gpt.py``, before its imports), else
+    one is installed here when --exit-signal-handler is given."""
     from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.random import model_parallel_seed
@@ -72,12 +77,12 @@ def setup(args: Arguments) -> Trainer:
     from megatron_ru.training.engine import attach_deepspeed_comm, initialize_engine
     from megatron_ru.training.freeze import apply_freezing
     from megatron_ru.training.lr import schedule_from_config
-    from megatron_ru.training.signals import ExitSignal
 
     p = args.parallel
     init_distributed(p.backend, p.distributed_timeout_minutes)
-    state = ParallelState.build(args.tp, args.pp, sequence_parallel=p.sequence_parallel,
-                                timeout_minutes=p.distributed_timeout_minutes)
+    # the layout validated at parse time, checked against the real process group
+    state = ParallelState.build(args.tp, args.pp, world_size=args.layout.world_size,
+                                sequence_parallel=args.sequence_parallel, timeout_minutes=p.distributed_timeout_minutes)
     # Megatron: a different dropout stream per pipeline stage, the TP stream inside the tracker
     model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
@@ -91,17 +96,20 @@ def setup(args: Arguments) -> Trainer:
     engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
     metrics = MetricsWriter(args.logging, active=state.rank == 0)
-    exit_signal = ExitSignal().install() if args.training.exit_signal_handler else None
+    if exit_signal is None and args.training.exit_signal_handler:
+        exit_signal = ExitSignal().install()
     return Trainer(engine, state, args, train_ds, valid_ds, model_shape(args, tokenizer.vocab_size),
                    metrics, progress, exit_signal)
 
 
-def run(args: Arguments, job_started: Optional[float] = None) -> TrainResult:
+def run(args: Arguments, job_started: Optional[float] = None,
+        exit_signal: Optional[ExitSignal] = None) -> TrainResult:
     """Set up and train. ``job_started`` (default: now) is when --exit-duration-in-mins starts
     counting: like Megatron, from the start of the job, so start-up and checkpoint loading are
-    inside the budget the job scripts derive from the scheduler's time limit."""
+    inside the budget the job scripts derive from the scheduler's time limit. ``exit_signal``:
+    see :func:`setup`; a signal received during set-up stops training after the first iteration."""
     job_started = time.time() if job_started is None else job_started
-    trainer = setup(args)
+    trainer = setup(args, exit_signal)
     try:
         result = trainer.train(job_started=job_started)
     finally:
@@ -112,28 +120,26 @@ def run(args: Arguments, job_started: Optional[float] = None) -> TrainResult:
     return result
 
 
-def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = None) -> int:
-    """Exit codes: 0 done (also after a signal-triggered save), 2 invalid flags, 1 a failure."""
+def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = None,
+         exit_signal: Optional[ExitSignal] = None) -> int:
+    """The whole program; returns the exit status: 0 done (also after a signal-triggered save),
+    2 a configuration or input error, 1 a failure during training. A failure is printed once per
+    job, without a traceback unless MEGATRON_RU_DEBUG=1 (:mod:`megatron_ru.training.failure`).
+    On failure the process group is left for the process exit to drop: destroying it could wait
+    on a peer that is stuck (``pretrain_gpt.py`` exits at once with :func:`flush_and_exit`)."""
     job_started = time.time() if job_started is None else job_started
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if exit_signal is None:
+        exit_signal = install_if_requested(argv)
+    timeout_minutes: Optional[float] = None
     try:
         args = parse_arguments(argv)
-    except ValueError as e:
-        log.error(str(e))
-        return 2
-    try:
-        run(args, job_started)
-    except (RuntimeError, dist.DistBackendError) as e:
-        # a peer that died shows up here as a failed collective ("Connection closed by peer")
-        log.error(f"training failed: {type(e).__name__}: {e}. If another rank died or hung, its own log "
-                  f"says why; collectives give up after --distributed-timeout-minutes "
-                  f"({args.parallel.distributed_timeout_minutes}).")
-        return 1
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort while exiting
-                pass
+        timeout_minutes = args.parallel.distributed_timeout_minutes
+        run(args, job_started, exit_signal)
+    except Exception as e:  # noqa: BLE001 - every failure ends here: one message, one exit status
+        return report_failure(e, timeout_minutes)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

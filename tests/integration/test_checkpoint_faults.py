@@ -1,0 +1,144 @@
+"""Issue 9 §3/§4: a damaged checkpoint of a real 4-rank TP2 × PP2 run is refused before anything is
+loaded, with one error (on every rank) naming the files and the fix; never another rank's weights.
+
+One spawn of 4 gloo ranks: train 3 iterations and save, then for each fault rank 0 damages the real
+files (delete / truncate / poison / rewrite), every rank tries to resume, and rank 0 repairs them.
+"""
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.integration._train_helpers import make_corpus, tiny_argv
+
+pytestmark = pytest.mark.slow
+
+LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--hidden-dropout", "0.1"]
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def _poison(path):
+    import pickle
+    import subprocess  # noqa: F401 - the payload names it
+
+    class Evil:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", os.path.dirname(os.path.dirname(path)) + ".pwned"],))
+    with open(path, "wb") as f:
+        pickle.dump({"module": Evil()}, f, protocol=2)
+
+
+def _old_metadata(ckpt_dir):
+    """A checkpoint saved before metadata.json listed its files."""
+    path = os.path.join(ckpt_dir, "metadata.json")
+    meta = json.load(open(path))
+    del meta["files"]
+    json.dump(meta, open(path, "w"))
+
+
+def _faults(ckpt):
+    """name -> (damage function, extra flags of the resume)."""
+    def rm(name):
+        return lambda: os.remove(os.path.join(ckpt, name))
+    return {
+        "tp_shard_deleted": (rm("layer_04-model_01-model_states.pt"), []),
+        "tp_shard_deleted_old_metadata": (
+            lambda: (_old_metadata(ckpt), os.remove(os.path.join(ckpt, "layer_02-model_01-model_states.pt"))), []),
+        "layer_truncated": (lambda: _truncate(os.path.join(ckpt, "layer_03-model_00-model_states.pt")), []),
+        "model_file_deleted": (rm("mp_rank_03_model_states.pt"), []),
+        "model_file_poisoned": (lambda: _poison(os.path.join(ckpt, "mp_rank_01_model_states.pt")), []),
+        "rng_deleted": (rm("rng_rank_00003.pt"), []),
+        "rng_deleted_no_load_rng": (rm("rng_rank_00003.pt"), ["--no-load-rng"]),
+        "metadata_truncated": (lambda: _truncate(os.path.join(ckpt, "metadata.json")), []),
+    }
+
+
+def _body(rank, world_size, prefix, cache, save, backup):
+    import torch.distributed as dist
+
+    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.training.checkpoint import CheckpointError
+    from megatron_ru.training.pretrain import run
+
+    def train(iters, extra):
+        return run(parse_arguments(tiny_argv(prefix, cache, iters=iters, extra=[*LAYOUT, *extra]),
+                                   world_size=world_size, device_type="cpu"))
+
+    out = {"first": train(3, ["--save", save]).losses}
+    ckpt = os.path.join(save, "iter_0000003")
+    if rank == 0:
+        shutil.copytree(ckpt, backup)
+    for name, (damage, extra) in _faults(ckpt).items():
+        dist.barrier()
+        if rank == 0:
+            damage()
+        dist.barrier()
+        try:
+            result = train(5, ["--load", save, *extra])
+            out[name] = {"iteration": result.iteration, "losses": result.losses}
+        except CheckpointError as e:
+            out[name] = {"error": str(e)}
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt)
+            shutil.copytree(backup, ckpt)
+    # --finetune with a mistyped directory (the job scripts' INIT_CHECKPOINT) and with an empty one
+    for name, load in (("finetune_typo", save + "_typo"), ("finetune_empty", backup + "_empty")):
+        if rank == 0:
+            os.makedirs(backup + "_empty", exist_ok=True)
+        dist.barrier()
+        try:
+            train(5, ["--load", load, "--finetune"])
+            out[name] = {"error": None}
+        except CheckpointError as e:
+            out[name] = {"error": str(e)}
+    out["intact"] = train(5, ["--load", save]).losses  # the repaired checkpoint resumes
+    return out
+
+
+def test_damaged_tp2_pp2_checkpoint_is_refused_with_the_files_named(tmp_path):
+    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+    save, backup = str(tmp_path / "ckpt"), str(tmp_path / "backup")
+    results = run_distributed(_body, 4, args=(prefix, cache, save, backup), timeout=600,
+                              env={"DS_ACCELERATOR": "cpu"})
+    ckpt = os.path.join(save, "iter_0000003")
+    pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
+    for rank, out in enumerate(results):
+        for name in ("tp_shard_deleted", "tp_shard_deleted_old_metadata", "layer_truncated", "model_file_deleted",
+                     "model_file_poisoned", "rng_deleted", "metadata_truncated"):
+            assert "error" in out[name], (rank, name, out[name])  # every rank refuses, none trains on
+    r = results[0]
+    assert r["tp_shard_deleted"]["error"] == (
+        f"checkpoint {ckpt} is damaged, nothing was loaded: 1 file(s) missing: "
+        f"layer_04-model_01-model_states.pt. To continue: restore the files from a copy of the checkpoint")
+    assert "1 file(s) missing: layer_02-model_01-model_states.pt" in r["tp_shard_deleted_old_metadata"]["error"]
+    assert "truncated or overwritten: layer_03-model_00-model_states.pt (" in r["layer_truncated"]["error"]
+    assert "missing: mp_rank_03_model_states.pt" in r["model_file_deleted"]["error"]
+    poisoned = r["model_file_poisoned"]["error"]
+    assert "truncated or overwritten: mp_rank_01_model_states.pt" in poisoned and "weights_only" not in poisoned
+    assert not os.path.exists(save + ".pwned")
+    rng = r["rng_deleted"]["error"]
+    assert "missing: rng_rank_00003.pt" in rng and "pass --no-load-rng" in rng and "no longer bit-exact" in rng
+    assert sorted(r["rng_deleted_no_load_rng"]["losses"]) == [4, 5]  # the user's choice: proceed
+    meta_err = r["metadata_truncated"]["error"]
+    assert meta_err.startswith(f"{os.path.join(ckpt, 'metadata.json')} is damaged (JSONDecodeError") and \
+        pointer in meta_err
+    assert r["finetune_typo"]["error"] == (
+        f"--load {save}_typo does not exist: --finetune starts from the weights of a checkpoint, and there is "
+        f"none. Point --load at a directory written by --save (it holds latest_checkpointed_iteration.txt)")
+    assert r["finetune_empty"]["error"].startswith(f"--load {backup}_empty holds no latest_checkpointed_iteration"
+                                                   f".txt (it is empty): --finetune")
+    assert sorted(r["intact"]) == [4, 5]
+    # the save recorded every file with its size; the layout-derived list (old checkpoints) agrees
+    from megatron_ru.training.checkpoint import CheckpointMeta
+    from megatron_ru.training.checkpoint_files import derive_expected, list_files
+    meta = CheckpointMeta.read(os.path.join(backup))
+    assert meta.files == list_files(backup) and len(meta.files) == 7 * 2 + 4 + 4
+    assert sorted(derive_expected(2, 2, 1, 0, meta.files)) == sorted(meta.files)
