@@ -21,7 +21,8 @@ from megatron_ru.config.model import ModelConfig, model_parallel_problems
 from megatron_ru.config.parallel import ParallelConfig
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
-from megatron_ru.parallel.topology import layout_problems
+from megatron_ru.data.checks import DataBlend
+from megatron_ru.parallel.topology import ParallelLayout, layout_problems
 
 CONFIG_CLASSES: tuple[type, ...] = (ParallelConfig, ModelConfig, DataConfig, TokenizerConfig, TrainingConfig,
                                     OptimizerConfig, CheckpointConfig, LoggingConfig)
@@ -42,6 +43,13 @@ class Arguments:
     logging: LoggingConfig
     world_size: int
     device_type: str
+    # ---- resolved once by parse_arguments (after validation); consumers never re-check them ----
+    layout: Optional[ParallelLayout] = None
+    """TP x DP x PP of ``world_size`` ranks; setup() checks it against the real process group."""
+    blend: Optional[DataBlend] = None
+    """``--data-path`` as dataset prefixes and weights (None: blended by token count)."""
+    split: Optional[tuple[float, float, float]] = None
+    """``--split`` as normalised train/valid/test shares of each dataset's documents."""
 
     @property
     def tp(self) -> int:
@@ -53,7 +61,14 @@ class Arguments:
 
     @property
     def dp(self) -> int:
-        return max(1, self.world_size // max(1, self.tp * self.pp))
+        """WORLD_SIZE / (TP x PP), exact: validation refuses a world size it does not divide."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The one source of sequence parallelism: validation allows it only with TP > 1, so
+        the flag is the active state (models and groups take this value, never recompute it)."""
+        return self.parallel.sequence_parallel
 
     @property
     def global_batch_size(self) -> int:
@@ -62,14 +77,17 @@ class Arguments:
 
     @property
     def grad_accum(self) -> int:
-        return max(1, self.global_batch_size // (self.training.micro_batch_size * self.dp))
+        """Exact: validation refuses a global batch that micro batch x DP does not divide."""
+        return self.global_batch_size // (self.training.micro_batch_size * self.dp)
 
     @property
     def train_iters(self) -> int:
+        """--train-iters, or --train-samples in whole global batches (validation refuses fewer
+        samples than one global batch, and requires exactly one of the two flags)."""
         t = self.training
         if t.train_iters is not None:
             return t.train_iters
-        return max(1, (t.train_samples or 0) // self.global_batch_size)
+        return t.train_samples // self.global_batch_size
 
     @property
     def precision(self) -> str:
@@ -88,6 +106,20 @@ class Arguments:
 
 
 # ---- cross-config rules (each takes the Arguments, returns problems naming flags) ----------
+
+def _derivable(a: Arguments) -> bool:
+    """Whether DP, the global batch, accumulation and the iteration count are defined: rules that
+    use them run only then (the rules for the flags involved report what is wrong)."""
+    t = a.training
+    if a.tp < 1 or a.pp < 1 or a.world_size < 1 or a.world_size % (a.tp * a.pp) or t.micro_batch_size < 1:
+        return False
+    if t.global_batch_size is not None and (t.global_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * a.dp)):
+        return False
+    if (t.train_iters is None) == (t.train_samples is None):
+        return False
+    length = t.train_iters if t.train_iters is not None else t.train_samples
+    return length >= 1 and (t.train_samples is None or t.train_samples >= a.global_batch_size)
+
 
 def _layout_rule(a: Arguments) -> list[str]:
     return layout_problems(a.world_size, a.tp, a.pp) + model_parallel_problems(a.model, a.tp, a.pp)
@@ -110,7 +142,7 @@ def _precision_rule(a: Arguments) -> list[str]:
 
 def _batch_rule(a: Arguments) -> list[str]:
     t = a.training
-    if t.micro_batch_size < 1 or a.tp * a.pp < 1 or a.world_size % (a.tp * a.pp):
+    if t.micro_batch_size < 1 or a.tp < 1 or a.pp < 1 or a.world_size < 1 or a.world_size % (a.tp * a.pp):
         return []  # reported by other rules
     per_step = t.micro_batch_size * a.dp
     if t.global_batch_size is not None and t.global_batch_size % per_step:
@@ -149,21 +181,25 @@ def _tokenizer_vocab_size(a: Arguments) -> tuple[Optional[int], list[str]]:
 def _data_rule(a: Arguments) -> list[str]:
     """Datasets against the split, the sample counts and the tokenizer (index files and a sample
     of documents only; see megatron_ru/data/checks.py)."""
-    from megatron_ru.data.checks import DataBlend, data_problems
+    from megatron_ru.data.checks import data_problems
     from megatron_ru.training.data import dataset_sizes
     vocab_size, out = _tokenizer_vocab_size(a)
-    if a.data.problems() or a.training.problems() or a.parallel.problems() or a.world_size % max(1, a.tp * a.pp):
+    if a.data.problems() or a.training.problems() or not _derivable(a):
         return out  # missing files, a bad --split or batch sizes are reported by their own rules
-    prefixes, weights = parse_data_path(list(a.data.data_path or []))
     t = a.training
     sizes = dataset_sizes(a.train_iters, a.global_batch_size, t.eval_interval, t.eval_iters)
-    blend = DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
-    return out + data_problems(blend, parse_split(a.data.split), a.data.split, sizes, vocab_size)
+    return out + data_problems(resolve_blend(a.data), tuple(parse_split(a.data.split)), a.data.split, sizes,
+                               vocab_size)
+
+
+def resolve_blend(cfg: DataConfig) -> DataBlend:
+    prefixes, weights = parse_data_path(list(cfg.data_path or []))
+    return DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
 
 
 def _lr_rule(a: Arguments) -> list[str]:
     from megatron_ru.training.lr import schedule_from_config
-    if a.training.train_iters is None and a.training.train_samples is None:
+    if not _derivable(a):
         return []
     try:
         schedule_from_config(a.optimizer, a.train_iters, a.global_batch_size)
@@ -193,7 +229,7 @@ def _checkpoint_rule(a: Arguments) -> list[str]:
 
 def _deepspeed_config_rule(a: Arguments) -> list[str]:
     path = a.training.deepspeed_config
-    if not path:
+    if not path or not _derivable(a):
         return []
     if not os.path.isfile(path):
         return [f"--deepspeed_config {path}: file not found"]
@@ -243,4 +279,7 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
                      device_type=device_type or default_device_type())
     if validate:
         validate_all(args.configs(), RULES, context=args)
+    args.layout = ParallelLayout(args.world_size, args.tp, args.pp)
+    args.blend = resolve_blend(args.data)
+    args.split = tuple(parse_split(args.data.split))  # type: ignore[assignment]
     return args

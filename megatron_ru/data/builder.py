@@ -13,7 +13,7 @@ import numpy as np
 
 from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
 from megatron_ru.data.blended import BlendedDataset, samples_per_dataset
-from megatron_ru.data.checks import split_document_ranges
+from megatron_ru.data.checks import DataBlend, data_problems, split_document_ranges
 from megatron_ru.data.gpt_dataset import GPTDataset
 from megatron_ru.data.indexed_dataset import IndexedDataset
 from megatron_ru.utils.logging import RANK0, get_logger
@@ -27,36 +27,29 @@ SPLIT_NAMES = ("train", "valid", "test")
 def _split_dataset(indexed: IndexedDataset, split: int, doc_range: tuple[int, int], num_samples: int,
                    cfg: DataConfig, seed: int, is_builder_rank: bool,
                    barrier: Optional[Callable[[], None]]) -> Optional[GPTDataset]:
-    name = SPLIT_NAMES[split]
-    start, end = doc_range
-    if end <= start:
-        if num_samples == 0:
-            return None
-        raise ValueError(f"the {name} split of {indexed.prefix} receives no documents: --split {cfg.split} over its "
-                         f"{indexed.num_documents} documents gives the {name} split documents [{start}, {end}), but "
-                         f"{num_samples} {name} samples are needed. Give the {name} split a larger share in --split, "
-                         f"use a larger corpus, or ask for no {name} samples")
-    return GPTDataset(indexed, doc_range, num_samples, cfg.seq_length, seed, name=name,
+    if num_samples == 0 and doc_range[1] <= doc_range[0]:
+        return None
+    return GPTDataset(indexed, doc_range, num_samples, cfg.seq_length, seed, name=SPLIT_NAMES[split],
                       sample_start=cfg.sample_start, cache_dir=cfg.data_cache_path,
                       is_builder_rank=is_builder_rank, barrier=barrier)
 
 
-def build_train_valid_test_datasets(data_cfg: DataConfig, train_val_test_num_samples: tuple[int, int, int],
-                                    seed: int, *, is_builder_rank: bool,
-                                    barrier: Optional[Callable[[], None]]) -> tuple[Any, Any, Any]:
+def build_train_valid_test_datasets(data_cfg: DataConfig, blend: DataBlend, split: Sequence[float],
+                                    train_val_test_num_samples: tuple[int, int, int], seed: int, *,
+                                    is_builder_rank: bool, barrier: Optional[Callable[[], None]]
+                                    ) -> tuple[Any, Any, Any]:
     """(train, valid, test) datasets; each has ``len`` and ``[i] -> {"tokens": int64[seq_length + 1]}``,
-    or is None when its split has no documents and no samples were asked of it."""
-    problems = data_cfg.problems()
-    if problems:
-        raise ValueError("invalid data configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    prefixes, weights = parse_data_path(list(data_cfg.data_path or []))
-    proportions = parse_split(data_cfg.split)
+    or is None when its split has no documents and no samples were asked of it.
+
+    ``blend`` and ``split`` are resolved and checked once, before this is called (by
+    ``parse_arguments``, or :func:`resolve_data` for direct use): nothing is re-validated here."""
+    prefixes, weights = list(blend.prefixes), (None if blend.weights is None else list(blend.weights))
     indexed = [IndexedDataset(p) for p in prefixes]
     if data_cfg.mmap_warmup:
         for ds in indexed:  # touch every page of the index arrays once
             _ = (int(ds.sequence_lengths.sum(dtype=np.int64)), int(ds.sequence_pointers.sum()),
                  int(ds.document_indices.sum()))
-    ranges = [split_document_ranges(ds.num_documents, proportions) for ds in indexed]
+    ranges = [split_document_ranges(ds.num_documents, split) for ds in indexed]
     nums = [int(n) for n in train_val_test_num_samples]
 
     if len(indexed) == 1:
@@ -81,6 +74,22 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, train_val_test_num_sam
     return out[0], out[1], out[2]
 
 
+def resolve_data(data_cfg: DataConfig, train_val_test_num_samples: Sequence[int],
+                 vocab_size: Optional[int] = None) -> tuple[DataBlend, tuple[float, float, float]]:
+    """Validate ``data_cfg`` with these sample counts (and vocabulary) and resolve it, for callers
+    without ``parse_arguments`` (the index-cache CLI below, tests): one ValueError lists every
+    problem."""
+    problems = data_cfg.problems()
+    if not problems:
+        prefixes, weights = parse_data_path(list(data_cfg.data_path or []))
+        blend = DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
+        split = tuple(parse_split(data_cfg.split))
+        problems = data_problems(blend, split, data_cfg.split, train_val_test_num_samples, vocab_size)
+    if problems:
+        raise ValueError("invalid data configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    return blend, split  # type: ignore[return-value]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     """Build (or check) the index cache ahead of a job, e.g. on a login node, and describe it:
 
@@ -99,8 +108,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     parser.add_argument("--seed", type=int, default=1234, help="Same as the training --seed.")
     ns = parser.parse_args(argv)
     cfg = from_namespace(DataConfig, ns)
-    datasets = build_train_valid_test_datasets(cfg, (ns.train_samples, ns.valid_samples, ns.test_samples),
-                                               ns.seed, is_builder_rank=True, barrier=None)
+    nums = (ns.train_samples, ns.valid_samples, ns.test_samples)
+    blend, split = resolve_data(cfg, nums)
+    datasets = build_train_valid_test_datasets(cfg, blend, split, nums, ns.seed, is_builder_rank=True, barrier=None)
     lines = []
     for split, ds in zip(SPLIT_NAMES, datasets):
         if ds is None:

@@ -198,23 +198,15 @@ class GPTDataset:
                  seq_length: int, seed: int, *, name: str = "train", sample_start: str = "any",
                  cache_dir: str | None = None, is_builder_rank: bool = True,
                  barrier: Callable[[], None] | None = None) -> None:
-        if sample_start not in SAMPLE_START_MODES:
-            raise ValueError(f"--sample-start {sample_start!r}: choose one of {', '.join(SAMPLE_START_MODES)}")
-        if seq_length <= 0:
-            raise ValueError(f"--seq-length must be positive, got {seq_length}")
-        if num_samples < 0:
-            raise ValueError(f"{name}: cannot ask for {num_samples} samples")
+        # --seq-length, --sample-start and the split (documents holding tokens) were validated with
+        # the configuration (megatron_ru/data/checks.py); these are the caller's invariants
         start, end = (int(x) for x in document_range)
-        if not 0 <= start < end <= indexed.num_documents:
-            raise ValueError(f"{name} split of {indexed.prefix}: document range [{start}, {end}) is empty or outside "
-                             f"the corpus of {indexed.num_documents} documents; adjust --split")
+        assert 0 <= start < end <= indexed.num_documents and seq_length > 0 and num_samples >= 0, \
+            (name, indexed.prefix, document_range, seq_length, num_samples)
         self.indexed, self.name, self.seq_length = indexed, name, seq_length
         self.sample_start = sample_start
         # per-document sizes are all that reading needs; boundaries are only built with the index
         self.doc_sizes = document_sizes(indexed.sequence_lengths, indexed.document_indices)
-        if int(self.doc_sizes[start:end].sum()) == 0:
-            raise ValueError(f"{name} split of {indexed.prefix}: its documents [{start}, {end}) hold no tokens; "
-                             "adjust --split or rebuild the dataset with tools/preprocess_data.py")
         description = {"kind": "gpt", "version": INDEX_VERSION, "data": dataset_fingerprint(indexed.prefix),
                        "documents": [start, end], "num_samples": int(num_samples), "seq_length": int(seq_length),
                        "seed": int(seed), "sample_start": sample_start}

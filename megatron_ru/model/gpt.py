@@ -49,7 +49,9 @@ class EmbeddingLayer(nn.Module):
                  dtype: torch.dtype = torch.float32, output_only: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        # one source: the validated configuration allows sequence parallelism only with TP > 1
+        assert not sequence_parallel or group_size(tp_group) > 1, "sequence parallelism needs TP > 1"
+        self.sequence_parallel = sequence_parallel
         self.vocab_size = vocab_size
         self.dropout = cfg.hidden_dropout
         self.output_only = output_only
@@ -137,13 +139,6 @@ class GPTLoss:
         return (losses * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def _check(cfg: ModelConfig, tp_group: ProcessGroup | None) -> None:
-    from megatron_ru.config.model import model_parallel_problems
-    found = cfg.problems() + model_parallel_problems(cfg, group_size(tp_group), 1)
-    if found:
-        raise ValueError("invalid model configuration:\n" + "\n".join(f"  - {p}" for p in found))
-
-
 def build_layer_specs(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
                       sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
                       dtype: torch.dtype = torch.float32) -> list:
@@ -153,7 +148,6 @@ def build_layer_specs(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup 
     Use with ``PipelineModule(layers=..., loss_fn=GPTLoss(...),
     partition_method="type:TransformerLayer")``."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    _check(cfg, tp_group)
     common = dict(seed=seed, device=device, dtype=dtype)
     emb_args = (EmbeddingLayer, cfg, vocab_size, tp_group, sequence_parallel)
     specs: list = []
@@ -183,7 +177,6 @@ class GPTModel(nn.Module):
                  sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        _check(cfg, tp_group)
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size(cfg, vocab_size, tp_group)

@@ -74,7 +74,7 @@ def build_datasets(args: Any, is_builder_rank: bool, barrier: Any,
     from megatron_ru.data.builder import build_train_valid_test_datasets
     sizes = dataset_sizes(args.train_iters, args.global_batch_size, args.training.eval_interval,
                           args.training.eval_iters)
-    train, valid, test = build_train_valid_test_datasets(args.data, sizes, args.training.seed,
+    train, valid, test = build_train_valid_test_datasets(args.data, args.blend, args.split, sizes, args.training.seed,
                                                          is_builder_rank=is_builder_rank, barrier=barrier)
     if vocab_size is not None:
         train = VocabCheckedDataset(train, vocab_size, "train") if train is not None else None

@@ -8,12 +8,18 @@ import pytest
 
 from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
 from megatron_ru.data.blended import BlendedDataset, samples_per_dataset
-from megatron_ru.data.builder import build_train_valid_test_datasets, split_document_ranges
+from megatron_ru.data.builder import build_train_valid_test_datasets as _build, resolve_data, split_document_ranges
 from megatron_ru.data.gpt_dataset import GPTDataset
 from megatron_ru.data.indexed_dataset import IndexedDataset
 from test_gpt_dataset import STRIDE, write_corpus
 
 RU_BASE, EN_BASE = 0, 10_000_000  # token values tell which corpus a sample came from
+
+
+def build_train_valid_test_datasets(cfg, nums, **kw):
+    """Resolve (validate) the configuration once, then build: what parse_arguments does for training."""
+    blend, split = resolve_data(cfg, nums)
+    return _build(cfg, blend, split, nums, **kw)
 
 
 def _cfg(tmp_path, data_path, **kw) -> DataConfig:
@@ -94,8 +100,8 @@ def test_single_dataset_splits_are_disjoint_documents(tmp_path):
 def test_empty_split_message_names_split_and_corpus_size(tmp_path):
     write_corpus(str(tmp_path / "c"), [[12]] * 20)
     cfg = _cfg(tmp_path, [str(tmp_path / "c")], seq_length=8)  # default 969,30,1: test split gets 0 of 20
-    with pytest.raises(ValueError, match=r"test split of .* receives no documents: --split 969,30,1 over its 20 "
-                                         r"documents .* \[20, 20\), but 3 test samples are needed"):
+    with pytest.raises(ValueError, match=r"--split 969,30,1: the test split of .* receives no documents \(its share "
+                                         r"of the 20 documents rounds to zero\), but 3 samples are asked of it"):
         build_train_valid_test_datasets(cfg, (10, 2, 3), seed=0, is_builder_rank=True, barrier=None)
     train, valid, test = build_train_valid_test_datasets(cfg, (10, 2, 0), seed=0, is_builder_rank=True, barrier=None)
     assert test is None and len(train) >= 10 and len(valid) >= 2

@@ -148,3 +148,32 @@ def test_negative_numbers_are_values_and_reach_validation(data_prefix, value):
     """argparse took '-1e-3' for an option ('expected one argument'); now every flag reads it."""
     assert "--lr and --min-lr must be >= 0" in _error(data_prefix, lr=value)
     assert f"--init-method-std must be > 0, got {float(value)}" in _error(data_prefix, init_method_std=value)
+
+
+def test_parse_returns_resolved_blend_split_and_layout(data_prefix, tmp_path):
+    from megatron_ru.data.checks import DataBlend
+    other = write_dataset(str(tmp_path / "other"), seed=1)
+    a = parse_arguments(_argv(data_prefix, tensor_model_parallel_size=2, split="98,2,0"), world_size=8,
+                        device_type="cpu")
+    assert a.blend == DataBlend((data_prefix,), None)
+    assert a.split == pytest.approx((0.98, 0.02, 0.0))
+    assert (a.layout.world_size, a.layout.tp, a.layout.pp, a.layout.dp) == (8, 2, 1, 4) and a.dp == 4
+    argv = _argv(data_prefix, tensor_model_parallel_size=2, sequence_parallel=True)
+    argv[argv.index("--data-path") + 1:argv.index("--data-path") + 2] = ["0.7", data_prefix, "0.3", other]
+    a = parse_arguments(argv, world_size=4, device_type="cpu")
+    assert a.blend == DataBlend((data_prefix, other), (0.7, 0.3)) and a.sequence_parallel
+
+
+def test_derived_values_are_exact_and_invalid_ones_are_refused_not_clamped(data_prefix, tmp_path):
+    """dp/grad_accum/train_iters used to be max(1, ...): now validation refuses what would need it,
+    and every rule copes with a layout that has no DP size (no ZeroDivisionError)."""
+    a = parse_arguments(_argv(data_prefix, global_batch_size=24, micro_batch_size=3, train_iters=None,
+                              train_samples=100), world_size=4, device_type="cpu")
+    assert (a.dp, a.grad_accum, a.train_iters) == (4, 2, 4)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8}))
+    msg = _error(data_prefix, world_size=2, tensor_model_parallel_size=4, deepspeed_config=str(ds))
+    assert "WORLD_SIZE=2 is not divisible by TP x PP = 4 x 1" in msg
+    assert "--train-samples (4) is smaller than one global batch (8)" in _error(
+        data_prefix, train_iters=None, train_samples=4)
+    assert "--micro-batch-size must be >= 1 (got 0)" in _error(data_prefix, micro_batch_size=0, deepspeed_config=str(ds))

@@ -169,12 +169,16 @@ def test_negative_index_and_out_of_range(tmp_path):
 
 
 def test_bad_arguments_have_clear_errors(tmp_path):
+    """Checked once, with the configuration (resolve_data / parse_arguments), not by GPTDataset."""
+    from megatron_ru.config.data import DataConfig
+    from megatron_ru.data.builder import resolve_data
     write_corpus(str(tmp_path / "c"), [[10]] * 3)
-    ds_in = IndexedDataset(str(tmp_path / "c"))
-    with pytest.raises(ValueError, match="--sample-start 'sentence'"):
-        GPTDataset(ds_in, (0, 3), 5, 4, seed=0, sample_start="sentence", cache_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"\[2, 2\) is empty.*3 documents.*--split"):
-        GPTDataset(ds_in, (2, 2), 5, 4, seed=0, cache_dir=str(tmp_path))
+    cfg = DataConfig(data_path=[str(tmp_path / "c")], sample_start="sentence", split="2,1,0")
+    with pytest.raises(ValueError, match="--sample-start must be one of any, document, paragraph"):
+        resolve_data(cfg, (5, 0, 0))
+    cfg = DataConfig(data_path=[str(tmp_path / "c")], split="98,1,1")
+    with pytest.raises(ValueError, match=r"--split 98,1,1: the valid split of .* receives no documents.*3 documents"):
+        resolve_data(cfg, (5, 5, 0))
 
 
 def test_python_reference_builds_identical_indices():
@@ -221,9 +225,12 @@ def test_skipped_share_is_logged_when_built(tmp_path):
 
 
 def test_split_without_tokens_is_a_clear_error(tmp_path):
+    from megatron_ru.config.data import DataConfig
+    from megatron_ru.data.builder import resolve_data
     write_corpus(str(tmp_path / "c"), [[5], [0], [0], [4]])
-    with pytest.raises(ValueError, match=r"documents \[1, 3\) hold no tokens; adjust --split"):
-        GPTDataset(IndexedDataset(str(tmp_path / "c")), (1, 3), 5, 4, seed=0, cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(data_path=[str(tmp_path / "c")], split="1,2,1")
+    with pytest.raises(ValueError, match=r"the valid split of .* \(documents \[1, 3\)\) holds no tokens; adjust --split"):
+        resolve_data(cfg, (5, 5, 0))
 
 
 def test_boundary_mode_separates_a_little_used_last_epoch(tmp_path):

@@ -17,7 +17,7 @@ def _rank(rank: int, world_size: int, prefix: str, cache_dir: str):
     import torch.distributed as dist
 
     from megatron_ru.data import gpt_dataset
-    from megatron_ru.data.builder import build_train_valid_test_datasets
+    from megatron_ru.data.builder import build_train_valid_test_datasets, resolve_data
     builds = []
     real = gpt_dataset.build_gpt_indices
 
@@ -27,8 +27,9 @@ def _rank(rank: int, world_size: int, prefix: str, cache_dir: str):
     gpt_dataset.build_gpt_indices = counting
     cfg = DataConfig(data_path=[prefix], split="90,10,0", seq_length=16, data_cache_path=cache_dir,
                      sample_start="paragraph")
-    train, valid, test = build_train_valid_test_datasets(cfg, (200, 20, 0), seed=7, is_builder_rank=(rank == 0),
-                                                         barrier=dist.barrier)
+    blend, split = resolve_data(cfg, (200, 20, 0))
+    train, valid, test = build_train_valid_test_datasets(cfg, blend, split, (200, 20, 0), seed=7,
+                                                         is_builder_rank=(rank == 0), barrier=dist.barrier)
     digest = hashlib.sha256()
     for ds in (train, valid):
         for i in range(len(ds)):

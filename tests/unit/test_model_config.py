@@ -5,7 +5,6 @@ import pytest
 
 from megatron_ru.config.base import parse_configs
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
-from megatron_ru.model import GPTModel
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"]
 
@@ -83,8 +82,17 @@ def test_model_parallel_problems() -> None:
     assert model_parallel_problems(cfg, tp=2, pp=3) == []
 
 
-def test_model_refuses_invalid_config_listing_all_problems() -> None:
+def test_invalid_model_config_is_refused_once_listing_all_problems(tmp_path) -> None:
+    """Validated once, by parse_arguments, before any process group or model exists (GPTModel
+    takes a validated config and does not check it again)."""
+    from megatron_ru.config.arguments import parse_arguments
+    from tests.fixtures.datasets import write_dataset
+    prefix = write_dataset(str(tmp_path / "d"))
+    argv = ["--num-layers", "2", "--hidden-size", "60", "--num-attention-heads", "8", "--hidden-dropout", "2.0",
+            "--max-position-embeddings", "64", "--seq-length", "32", "--train-iters", "2",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--data-path", prefix]
     with pytest.raises(ValueError) as info:
-        GPTModel(_cfg(hidden_size=60, hidden_dropout=2.0), vocab_size=10)
+        parse_arguments(argv, world_size=1, device_type="cpu")
     text = str(info.value)
     assert "--hidden-size (60) must be divisible" in text and "--hidden-dropout must be in [0, 1)" in text
+    assert text.startswith("invalid configuration (")
