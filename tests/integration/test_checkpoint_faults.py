@@ -142,3 +142,52 @@ def test_damaged_tp2_pp2_checkpoint_is_refused_with_the_files_named(tmp_path):
     meta = CheckpointMeta.read(os.path.join(backup))
     assert meta.files == list_files(backup) and len(meta.files) == 7 * 2 + 4 + 4
     assert sorted(derive_expected(2, 2, 1, 0, meta.files)) == sorted(meta.files)
+
+
+def _disk_full_body(rank, world_size, prefix, cache, save):
+    import torch.distributed as dist
+
+    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.training.checkpoint import CheckpointSaveError
+    from megatron_ru.training.pretrain import run
+
+    def train(iters, extra):
+        argv = tiny_argv(prefix, cache, iters=iters, extra=["--zero-stage", "1", "--save", save, *extra])
+        return run(parse_arguments(argv, world_size=world_size, device_type="cpu"))
+
+    train(3, [])
+    dist.barrier()
+    if rank == 0:  # leave room for about half a checkpoint
+        size = sum(os.path.getsize(os.path.join(save, "iter_0000003", n)) for n in
+                   os.listdir(os.path.join(save, "iter_0000003")))
+        st = os.statvfs(save)
+        with open(os.path.join(save, "filler"), "wb") as f:
+            f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - size // 2))
+    dist.barrier()
+    try:
+        train(5, ["--load", save])
+        return None
+    except CheckpointSaveError as e:
+        return str(e)
+
+
+def test_disk_full_during_a_2_rank_save_ends_on_every_rank_and_keeps_the_previous(tmp_path):
+    """Both ranks give up the save together (no rank waits in a collective for one that failed)."""
+    from megatron_ru.training.checkpoint import list_iterations, read_latest_iteration
+    mnt = tmp_path / "small_fs"
+    mnt.mkdir()
+    import subprocess
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {proc.stderr.strip()}")
+    try:
+        prefix, cache, save = make_corpus(str(tmp_path)), str(tmp_path / "cache"), str(mnt / "ckpt")
+        errors = run_distributed(_disk_full_body, 2, args=(prefix, cache, save), timeout=300,
+                                 env={"DS_ACCELERATOR": "cpu"})
+        for msg in errors:
+            assert msg is not None and msg.startswith(f"no space left on tmpfs (mounted at {mnt} ("), msg
+            assert f"while writing {save}/iter_0000005/" in msg
+            assert f"iteration 3 ({save}/iter_0000003) is still the current checkpoint" in msg
+        assert read_latest_iteration(save) == 3 and list_iterations(save) == [3]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

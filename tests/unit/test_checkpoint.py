@@ -1,4 +1,5 @@
 """Checkpoint directory logic, atomic pointer, weights-only loading, crash during a save."""
+import errno
 import glob
 import json
 import os
@@ -156,6 +157,18 @@ def _worker(mode, save_dir, out_json, zero_stage):
         def die():
             os.kill(os.getpid(), signal.SIGKILL)
         ckpt.save_checkpoint(engine, save_dir, 4, _meta(4, zero=zero_stage), 0, get_rng_state(), before_commit=die)
+    elif mode == "diskfull":
+        for it in (1, 2):
+            _step(engine, it)
+        ckpt.save_checkpoint(engine, save_dir, 2, _meta(2, zero=zero_stage), 0, get_rng_state())
+        _step(engine, 3)
+        _fill(save_dir)
+        try:
+            ckpt.save_checkpoint(engine, save_dir, 3, _meta(3, zero=zero_stage), 0, get_rng_state())
+            out["error"] = None
+        except ckpt.CheckpointSaveError as e:
+            out["error"] = str(e)
+        json.dump(out, open(out_json, "w"))
     else:
         meta, rng = ckpt.load_checkpoint(engine, save_dir, rank=0, tp=1, pp=1, dp=1, zero_stage=zero_stage,
                                          load_optim=True, finetune=False)
@@ -164,6 +177,16 @@ def _worker(mode, save_dir, out_json, zero_stage):
         out["lr_steps"] = engine.lr_scheduler.num_steps
         out["losses"] = [_step(engine, it) for it in (3, 4)]
         json.dump(out, open(out_json, "w"))
+
+
+def _fill(directory):
+    """Write a filler file until the file system says ENOSPC."""
+    try:
+        with open(os.path.join(directory, "filler"), "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
 
 
 def _run_worker(*args):
@@ -188,3 +211,35 @@ def test_crash_during_save_keeps_previous_checkpoint_and_resume_is_exact(tmp_pat
     a, b = json.load(open(first)), json.load(open(second))
     assert b["iteration"] == 2 and b["lr_steps"] == 2 and b["rng_keys"] == ["cpu", "tracker"]
     assert b["losses"] == a["losses"]  # iterations 3-4 identical after resume
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 2 MiB file system that fills up (needs root to mount; skipped otherwise)."""
+    mnt = tmp_path / "small_fs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {proc.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_save_names_device_and_path_and_keeps_previous(small_tmpfs, tmp_path):
+    """Was ``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0``."""
+    save, out = os.path.join(small_tmpfs, "ckpt"), str(tmp_path / "full.json")
+    proc = _run_worker("diskfull", save, out, 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    msg = json.load(open(out))["error"]
+    assert msg is not None and msg.startswith(f"no space left on tmpfs (mounted at {small_tmpfs} (0 bytes free of "
+                                              f"2.0 MiB)) while writing {save}/iter_0000003/"), msg
+    assert f"the save of iteration 3 was abandoned and its partial directory {save}/iter_0000003 removed; " \
+           f"iteration 2 ({save}/iter_0000002) is still the current checkpoint" in msg
+    assert "--keep-last" in msg and "--save" in msg
+    assert ckpt.read_latest_iteration(save) == 2 and ckpt.list_iterations(save) == [2]
+    os.remove(os.path.join(save, "filler"))
+    proc = _run_worker("resume", save, str(tmp_path / "resumed.json"), 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(tmp_path / "resumed.json"))["iteration"] == 2
