@@ -188,13 +188,24 @@ def _data_rule(a: Arguments) -> list[str]:
         return out  # missing files, a bad --split or batch sizes are reported by their own rules
     t = a.training
     sizes = dataset_sizes(a.train_iters, a.global_batch_size, t.eval_interval, t.eval_iters)
-    return out + data_problems(resolve_blend(a.data), tuple(parse_split(a.data.split)), a.data.split, sizes,
-                               vocab_size)
+    assert a.blend is not None and a.split is not None  # resolved whenever DataConfig has no problems
+    return out + data_problems(a.blend, a.split, a.data.split, sizes, vocab_size)
 
 
-def resolve_blend(cfg: DataConfig) -> DataBlend:
-    prefixes, weights = parse_data_path(list(cfg.data_path or []))
-    return DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
+def _resolve_data_flags(cfg: DataConfig) -> tuple[Optional[DataBlend], Optional[tuple[float, float, float]]]:
+    """``--data-path`` and ``--split`` parsed once; None where a flag is invalid (DataConfig.problems
+    says why)."""
+    try:
+        prefixes, weights = parse_data_path(list(cfg.data_path or []))
+        blend: Optional[DataBlend] = DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
+    except ValueError:
+        blend = None
+    try:
+        a, b, c = parse_split(cfg.split)
+        split: Optional[tuple[float, float, float]] = (a, b, c)
+    except ValueError:
+        split = None
+    return blend, split
 
 
 def _lr_rule(a: Arguments) -> list[str]:
@@ -272,14 +283,15 @@ def default_device_type() -> str:
 
 def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,
                     device_type: Optional[str] = None, validate: bool = True) -> Arguments:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) into :class:`Arguments` and validate it."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``) into :class:`Arguments`, validate it once (one
+    ValueError listing every problem) and resolve the data blend, the split and the layout, which
+    the rest of the program takes as they are."""
     parsed = parse_configs(CONFIG_CLASSES, argv, description="Pretrain a GPT/LLaMA model (megatron_ru).")
     args = Arguments(**{_FIELD_OF[cls]: parsed[cls] for cls in CONFIG_CLASSES},
                      world_size=default_world_size() if world_size is None else world_size,
                      device_type=device_type or default_device_type())
+    args.blend, args.split = _resolve_data_flags(args.data)
     if validate:
         validate_all(args.configs(), RULES, context=args)
-    args.layout = ParallelLayout(args.world_size, args.tp, args.pp)
-    args.blend = resolve_blend(args.data)
-    args.split = tuple(parse_split(args.data.split))  # type: ignore[assignment]
+    args.layout = ParallelLayout(args.world_size, args.tp, args.pp)  # valid: refused above otherwise
     return args
