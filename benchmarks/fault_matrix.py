@@ -1,0 +1,520 @@
+"""The fault matrix of issue 9: real 4-rank jobs, killed, stopped, signalled, fed corrupt files
+and invalid configurations; for each run: did the job end (no hang), did it fail when it had to
+(no silent wrong result), and does its error name the file or flag at fault, once, without a
+traceback.
+
+    .venv/bin/python benchmarks/fault_matrix.py [--launchers mpirun torchrun] [--layouts tp2pp2 dp4]
+                                                [--faults kill9 sigstop ...] [--timeout-minutes 0.5]
+
+Jobs: ``tp2pp2`` (TP 2 x PP 2, ZeRO 1) and ``dp4`` (DP 4, ZeRO 1) of the tiny LLaMA-style model of
+the integration tests, under bare ``mpirun`` (no MASTER_ADDR/MASTER_PORT: the README's command)
+and ``torchrun``. Every run has ``--distributed-timeout-minutes`` (default 0.5) and a wall limit
+of ``start-up + timeout + 90 s``; a run still alive at the limit is a hang. Prints a markdown
+table (the one in docs/training.md) and writes benchmarks/out/fault_matrix.json.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import pickle
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.integration._train_helpers import make_corpus, tiny_argv  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+LAYOUTS = {"tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--zero-stage", "1"],
+           "dp4": ["--zero-stage", "1"]}
+
+
+@dataclass
+class Outcome:
+    launcher: str
+    layout: str
+    fault: str
+    expect: str            # "error" or "exit0"
+    rc: Optional[int]
+    seconds: float
+    hang: bool
+    silent_wrong: bool
+    names_culprit: bool
+    error_lines: int
+    tracebacks: int
+    ok: bool
+    note: str = ""
+    tail: str = field(default="", repr=False)
+
+
+# ---- launching ------------------------------------------------------------------------------
+
+def _env(launcher: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "SLURM_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PATH": f"{BIN}:{env.get('PATH', '')}",
+                "PYTHONPATH": REPO})
+    if launcher == "mpirun":
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   OMPI_MCA_rmaps_base_oversubscribe="1")
+    return env
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(launcher: str, argv: list[str], nproc: int = 4) -> list[str]:
+    if launcher == "mpirun":
+        return [shutil.which("mpirun") or "mpirun", "-np", str(nproc), sys.executable, "pretrain_gpt.py", *argv]
+    if launcher == "torchrun":
+        return [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(nproc), "--master-port",
+                str(_free_port()), "pretrain_gpt.py", *argv]
+    return [sys.executable, "pretrain_gpt.py", *argv]
+
+
+def rank_pids(root: int) -> dict[int, int]:
+    """Global rank -> pid of every pretrain_gpt.py process under ``root``."""
+    out = {}
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for child in children:
+        try:
+            if "pretrain_gpt.py" not in " ".join(child.cmdline()):
+                continue
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rank = env.get("RANK") or env.get("OMPI_COMM_WORLD_RANK")
+        if rank is not None:
+            out[int(rank)] = child.pid
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        procs = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@dataclass
+class Run:
+    rc: Optional[int]
+    seconds: float
+    output: str
+    hang: bool
+    extra: dict = field(default_factory=dict)
+
+
+def launch(launcher: str, argv: list[str], limit: float, during: Optional[Callable] = None,
+           nproc: int = 4) -> Run:
+    """Run a job; ``during(proc, started)`` acts on it while it runs (returns a dict of notes)."""
+    log = tempfile.TemporaryFile(mode="w+")
+    started = time.time()
+    proc = subprocess.Popen(command(launcher, argv, nproc), cwd=REPO, env=_env(launcher), stdout=log,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    extra = {}
+    hang = False
+    try:
+        if during is not None:
+            extra = during(proc, started) or {}
+        proc.wait(timeout=max(1.0, limit - (time.time() - started)))
+    except subprocess.TimeoutExpired:
+        hang = True
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+            proc.wait()
+    seconds = time.time() - started
+    log.seek(0)
+    return Run(None if hang else proc.returncode, seconds, log.read(), hang, extra)
+
+
+# ---- the workspace: corpus and a checkpoint per layout ---------------------------------------
+
+class Workspace:
+    def __init__(self, root: str, timeout_minutes: float) -> None:
+        self.root = root
+        self.timeout_minutes = timeout_minutes
+        self.prefix = make_corpus(root)
+        self.cache = os.path.join(root, "cache")
+        self._base: dict[str, str] = {}
+
+    def argv(self, layout: str, *, iters: int = 6, extra: tuple = ()) -> list[str]:
+        return tiny_argv(self.prefix, self.cache, iters=iters,
+                         extra=[*LAYOUTS[layout], "--eval-iters", "0", "--distributed-timeout-minutes",
+                                str(self.timeout_minutes), *extra])
+
+    def base_checkpoint(self, layout: str) -> str:
+        """A checkpoint at iteration 2 (written once per layout by a clean torchrun job)."""
+        if layout not in self._base:
+            path = os.path.join(self.root, f"base_{layout}")
+            run = launch("torchrun", self.argv(layout, iters=6, extra=("--save", path, "--exit-interval", "2")),
+                         limit=600)
+            if run.rc != 0:
+                raise RuntimeError(f"could not make the base checkpoint for {layout}:\n{run.output[-3000:]}")
+            self._base[layout] = path
+        return self._base[layout]
+
+    def copy_checkpoint(self, layout: str, name: str) -> str:
+        dst = os.path.join(self.root, "runs", name)
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(self.base_checkpoint(layout), dst)
+        return dst
+
+
+def ckpt_files(ckpt: str, pattern: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(ckpt, "iter_0000002", pattern)))
+
+
+class _Poison:
+    """Unpickling this runs a shell command: a loader that unpickles code would create MARKER."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+# ---- faults ---------------------------------------------------------------------------------
+# Each returns (argv, during, culprit regex, expectation, check-after).
+
+def _wait_training(metrics: str, proc: subprocess.Popen, lines: int = 2, limit: float = 300) -> bool:
+    deadline = time.time() + limit
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= lines:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def fault_rank(sig: int, rank: int = 1):
+    def make(ws: Workspace, launcher: str, layout: str, name: str):
+        metrics = os.path.join(ws.root, "runs", f"{name}.jsonl")
+        os.makedirs(os.path.dirname(metrics), exist_ok=True)
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        argv = ws.argv(layout, iters=100000, extra=("--metrics-file", metrics, "--log-interval", "1"))
+
+        def during(proc, started):
+            if not _wait_training(metrics, proc):
+                return {"injected": False}
+            pids = rank_pids(proc.pid)
+            if rank not in pids:
+                return {"injected": False}
+            os.kill(pids[rank], sig)
+            return {"injected": True, "injected_at": time.time() - started}
+        return argv, during, r"rank|peer|timed out|Timeout|closed|died|signal", "error"
+    return make
+
+
+def fault_file(action: Callable[[str, str], str], culprit: str, extra: tuple = ()):
+    """``action(ckpt_dir, layout)`` damages a copy of the base checkpoint; the job resumes from it."""
+    def make(ws: Workspace, launcher: str, layout: str, name: str):
+        ckpt = ws.copy_checkpoint(layout, name)
+        action(ckpt, layout)
+        return ws.argv(layout, iters=6, extra=("--load", ckpt, "--save", ckpt, *extra)), None, culprit, "error"
+    return make
+
+
+def _one_rank_model_file(ckpt: str, layout: str) -> str:
+    # a file that one rank alone reads: the TP-rank-1 shard of stage 0's first layer, or rank 1's
+    # optimizer shard for DP 4 (model files are shared by every DP rank)
+    pattern = "layer_01-model_01-model_states.pt" if layout == "tp2pp2" else "*zero_pp_rank_1_*optim_states.pt"
+    return ckpt_files(ckpt, pattern)[0]
+
+
+def truncate_one_rank_file(ckpt: str, layout: str) -> None:
+    path = _one_rank_model_file(ckpt, layout)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def delete_optimizer_shard(ckpt: str, layout: str) -> None:
+    os.remove(ckpt_files(ckpt, "*zero_pp_rank_1_*optim_states.pt")[0])
+
+
+def delete_tp_shard(ckpt: str, layout: str) -> None:
+    pattern = "layer_04-model_01-model_states.pt" if layout == "tp2pp2" else "mp_rank_00_model_states.pt"
+    os.remove(ckpt_files(ckpt, pattern)[0])
+
+
+def delete_rng(ckpt: str, layout: str) -> None:
+    os.remove(ckpt_files(ckpt, "rng_rank_00002.pt")[0])
+
+
+def poison(ckpt: str, layout: str) -> None:
+    path = ckpt_files(ckpt, "layer_01-model_00-model_states.pt" if layout == "tp2pp2"
+                      else "mp_rank_00_model_states.pt")[0]
+    with open(path, "wb") as f:
+        pickle.dump({"module": _Poison(os.path.join(ckpt, "POISON_RAN"))}, f)
+
+
+def corrupt_metadata(ckpt: str, layout: str) -> None:
+    with open(ckpt_files(ckpt, "metadata.json")[0], "w") as f:
+        f.write('{"iteration": 2, "consum')
+
+
+def bad_pointer(ckpt: str, layout: str) -> None:
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("iter2\n")
+
+
+def finetune_missing(ws: Workspace, launcher: str, layout: str, name: str):
+    missing = os.path.join(ws.root, "runs", "no_such_checkpoint_dir")
+    return ws.argv(layout, iters=2, extra=("--finetune", "--load", missing)), None, "no_such_checkpoint_dir", "error"
+
+
+def _damaged_idx(ws: Workspace, name: str, edit: Callable[[bytearray], None]) -> str:
+    dst = os.path.join(ws.root, "runs", name, "data")
+    os.makedirs(dst, exist_ok=True)
+    prefix = os.path.join(dst, "tiny_text_document")
+    shutil.copy(ws.prefix + ".bin", prefix + ".bin")
+    raw = bytearray(open(ws.prefix + ".idx", "rb").read())
+    edit(raw)
+    with open(prefix + ".idx", "wb") as f:
+        f.write(raw)
+    return prefix
+
+
+def idx_fault(edit: Callable[[bytearray], None]):
+    def make(ws: Workspace, launcher: str, layout: str, name: str):
+        prefix = _damaged_idx(ws, name, edit)
+        argv = ws.argv(layout, iters=2, extra=("--data-path", prefix,
+                                               "--data-cache-path", os.path.join(ws.root, "runs", name, "cache")))
+        return argv, None, r"tiny_text_document\.idx", "error"
+    return make
+
+
+def _flip_doc_count(raw: bytearray) -> None:
+    # MMIDIDX header: magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
+    raw[26 + 8 + 1] ^= 0x04
+
+
+def _dtype_8_to_3(raw: bytearray) -> None:
+    assert raw[17] == 8, raw[17]
+    raw[17] = 3
+
+
+def vocab_too_small(ws: Workspace, launcher: str, layout: str, name: str):
+    return ws.argv(layout, iters=2, extra=("--vocab-size", "50")), None, r"vocab|--vocab-size", "error"
+
+
+def signal_all(sig: int, at_startup: bool):
+    def make(ws: Workspace, launcher: str, layout: str, name: str):
+        save = os.path.join(ws.root, "runs", name)
+        shutil.rmtree(save, ignore_errors=True)
+        os.makedirs(save)
+        metrics = os.path.join(save, "metrics.jsonl")
+        argv = ws.argv(layout, iters=100000, extra=("--save", save, "--exit-signal-handler",
+                                                    "--metrics-file", metrics))
+
+        def during(proc, started):
+            if at_startup:
+                deadline = time.time() + 60
+                while time.time() < deadline and len(rank_pids(proc.pid)) < 4:
+                    time.sleep(0.05)
+                time.sleep(1.0)  # ranks are importing torch/DeepSpeed: before any handler existed
+            elif not _wait_training(metrics, proc):
+                return {"injected": False}
+            for pid in rank_pids(proc.pid).values():
+                os.kill(pid, sig)
+            return {"injected": True, "injected_at": time.time() - started, "save": save}
+        return argv, during, "", "exit0"
+    return make
+
+
+FAULTS: dict[str, Callable] = {
+    "kill9-rank1": fault_rank(signal.SIGKILL),
+    "sigstop-rank1": fault_rank(signal.SIGSTOP),
+    "truncated-file-one-rank": fault_file(truncate_one_rank_file, r"_states\.pt"),
+    "deleted-optimizer-shard": fault_file(delete_optimizer_shard, r"optim_states\.pt"),
+    "deleted-tp-shard": fault_file(delete_tp_shard, r"model_states\.pt"),
+    "deleted-rng-file": fault_file(delete_rng, r"rng_rank_00002\.pt"),
+    "poisoned-file": fault_file(poison, r"model_states\.pt"),
+    "corrupt-metadata": fault_file(corrupt_metadata, r"metadata\.json"),
+    "bad-pointer": fault_file(bad_pointer, r"latest_checkpointed_iteration\.txt"),
+    "finetune-missing-load": finetune_missing,
+    "idx-doc-count-bit": idx_fault(_flip_doc_count),
+    "idx-dtype-8-to-3": idx_fault(_dtype_8_to_3),
+    "ids-beyond-vocab": vocab_too_small,
+    "sigusr1-training": signal_all(signal.SIGUSR1, at_startup=False),
+    "sigterm-startup": signal_all(signal.SIGTERM, at_startup=True),
+}
+
+# Invalid configurations: (name, extra flags, regex the single error line must match).
+INVALID = [
+    ("tp-not-dividing-world", ["--tensor-model-parallel-size", "3"], r"--tensor-model-parallel-size"),
+    ("heads-not-divisible", ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6",
+                             "--num-query-groups", "2"], r"--num-attention-heads"),
+    ("zero2-with-pp", ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"], r"--zero-stage"),
+    ("batch-not-divisible", ["--micro-batch-size", "4", "--global-batch-size", "6"], r"--global-batch-size"),
+    ("negative-lr", ["--lr", "-1e-3"], r"--lr"),
+    ("rope-seq-beyond-mpe", ["--seq-length", "64"], r"--max-position-embeddings"),
+    ("fp16-on-cpu", ["--fp16"], r"--fp16"),
+    ("seq-parallel-tp1", ["--sequence-parallel"], r"--sequence-parallel"),
+    ("finetune-without-load", ["--finetune"], r"--load"),
+    ("signal-handler-without-save", ["--exit-signal-handler"], r"--save"),
+    ("missing-data", ["--data-path", "/nonexistent/corpus_text_document"], r"/nonexistent/corpus_text_document"),
+    ("empty-validation-split", ["--split", "100,0,0", "--eval-iters", "2", "--eval-interval", "1"], r"--split"),
+    ("tokenizer-not-sentencepiece", ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                                     "@README"], r"README\.md"),
+    ("bad-deepspeed-config", ["--deepspeed_config", "/nonexistent/ds.json"], r"--deepspeed_config"),
+]
+
+
+def _count_errors(text: str) -> int:
+    return sum(1 for line in text.splitlines() if re.search(r"\bERROR\b|^error:|\] error", line))
+
+
+def _rank_tracebacks(text: str) -> int:
+    """Tracebacks printed by the ranks (torchrun's own report of a failed child is not counted)."""
+    blocks = text.split("Traceback (most recent call last):")[1:]
+    return sum(1 for b in blocks if "/bin/torchrun" not in b[:400])
+
+
+def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run: Run,
+          check_exit0: Optional[Callable[[Run], str]] = None) -> Outcome:
+    tracebacks = _rank_tracebacks(run.output)
+    errors = _count_errors(run.output)
+    names = bool(re.search(culprit, run.output)) if culprit else True
+    silent = expect == "error" and run.rc == 0
+    note = ""
+    if run.extra.get("injected") is False:
+        note = "fault not injected (job ended before it)"
+    if expect == "exit0":
+        note = (check_exit0(run) if check_exit0 else "") or note
+        ok = run.rc == 0 and not run.hang and not note
+    else:
+        ok = not run.hang and not silent and run.rc not in (None, 0) and names
+    if "weights_only=False" in run.output:
+        ok, note = False, "suggests weights_only=False"
+    return Outcome(launcher, layout, fault, expect, run.rc, round(run.seconds, 1), run.hang, silent, names,
+                   errors, tracebacks, ok, note, run.output[-4000:])
+
+
+def _saved_checkpoint(run: Run) -> str:
+    save = run.extra.get("save")
+    if not save:
+        return "no signal sent"
+    pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(pointer):
+        return "no checkpoint saved"
+    return ""
+
+
+def run_matrix(ws: Workspace, launchers: list[str], layouts: list[str], faults: list[str],
+               startup_s: float) -> list[Outcome]:
+    out = []
+    limit = startup_s + ws.timeout_minutes * 60 + 90
+    for layout in layouts:
+        for launcher in launchers:
+            for fault in faults:
+                name = f"{fault}-{launcher}-{layout}"
+                argv, during, culprit, expect = FAULTS[fault](ws, launcher, layout, name)
+                run = launch(launcher, argv, limit, during)
+                if fault == "poisoned-file" and glob.glob(os.path.join(ws.root, "runs", name, "POISON_RAN")):
+                    run.extra["note"] = "POISON RAN"
+                o = judge(launcher, layout, fault, expect, culprit, run, _saved_checkpoint)
+                if run.extra.get("note"):
+                    o.ok, o.note = False, run.extra["note"]
+                print(f"{'ok  ' if o.ok else 'FAIL'} {launcher:8s} {layout:6s} {fault:26s} rc={o.rc} "
+                      f"{o.seconds:6.1f}s errors={o.error_lines} "
+                      f"tracebacks={o.tracebacks} {o.note}", flush=True)
+                out.append(o)
+    return out
+
+
+def run_invalid(ws: Workspace, launcher: str) -> list[Outcome]:
+    """Each invalid configuration must end with exit 2 and exactly one error line naming its flag.
+    The first three (layout rules that need a world of 4) run under the 4-rank launcher, which
+    also proves the error is printed once, not once per rank; the rest in one process."""
+    out = []
+    readme = os.path.join(REPO, "README.md")
+    for i, (name, flags, culprit) in enumerate(INVALID):
+        flags = [readme if f == "@README" else f for f in flags]
+        where = launcher if i < 3 else "python"
+        argv = tiny_argv(ws.prefix, ws.cache, iters=2, extra=["--distributed-timeout-minutes",
+                                                              str(ws.timeout_minutes), *flags])
+        run = launch(where, argv, limit=180, nproc=4)
+        o = judge(where, "-", f"invalid:{name}", "error", culprit, run)
+        o.ok = o.ok and run.rc == 2 and o.error_lines == 1 and o.tracebacks == 0
+        print(f"{'ok  ' if o.ok else 'FAIL'} {where:8s} invalid:{name:30s} rc={o.rc} {o.seconds:5.1f}s "
+              f"errors={o.error_lines} tracebacks={o.tracebacks}", flush=True)
+        out.append(o)
+    return out
+
+
+def table(outcomes: list[Outcome]) -> str:
+    rows = ["| launcher | layout | fault | exit | s | hang | silent | names culprit | error lines | tracebacks | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        rows.append(f"| {o.launcher} | {o.layout} | {o.fault} | {o.rc} | {o.seconds} | {'yes' if o.hang else 'no'} | "
+                    f"{'YES' if o.silent_wrong else 'no'} | {'yes' if o.names_culprit else 'NO'} | {o.error_lines} | "
+                    f"{o.tracebacks} | {'ok' if o.ok else 'FAIL ' + o.note} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launchers", nargs="+", default=["mpirun", "torchrun"], choices=["mpirun", "torchrun"])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    p.add_argument("--no-invalid", action="store_true", help="skip the invalid-configuration runs")
+    p.add_argument("--timeout-minutes", type=float, default=0.5)
+    p.add_argument("--startup-seconds", type=float, default=90, help="allowance for 4 ranks to start")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "out", "fault_matrix.json"))
+    a = p.parse_args()
+    root = a.workdir or tempfile.mkdtemp(prefix="fault_matrix_")
+    os.makedirs(os.path.join(root, "runs"), exist_ok=True)
+    ws = Workspace(root, a.timeout_minutes)
+    started = time.time()
+    outcomes = [] if a.no_invalid else run_invalid(ws, a.launchers[0])
+    outcomes += run_matrix(ws, a.launchers, a.layouts, a.faults, a.startup_seconds)
+    bad = [o for o in outcomes if not o.ok]
+    summary = {"runs": len(outcomes), "hangs": sum(o.hang for o in outcomes),
+               "silent_wrong": sum(o.silent_wrong for o in outcomes),
+               "unnamed": sum(not o.names_culprit for o in outcomes), "failed": len(bad),
+               "minutes": round((time.time() - started) / 60, 1), "machine": f"{platform.node()} "
+               f"{os.cpu_count()} cores", "timeout_minutes": a.timeout_minutes}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out + ".tmp", "w") as f:
+        json.dump({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, f, indent=1)
+    os.replace(a.out + ".tmp", a.out)
+    sys.stdout.write(table(outcomes) + "\n\n" + json.dumps(summary) + "\n")
+    for o in bad:
+        sys.stdout.write(f"\n---- {o.launcher} {o.layout} {o.fault} ----\n{o.tail[-1500:]}\n")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
