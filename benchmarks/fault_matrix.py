@@ -462,7 +462,7 @@ def run_invalid(ws: Workspace, launcher: str) -> list[Outcome]:
     for i, (name, flags, culprit) in enumerate(INVALID):
         flags = [readme if f == "@README" else f for f in flags]
         where = launcher if i < 3 else "python"
-        argv = tiny_argv(ws.prefix, ws.cache, iters=2, extra=["--distributed-timeout-minutes",
+        argv = tiny_argv(ws.prefix, ws.cache, iters=6, extra=["--distributed-timeout-minutes",
                                                               str(ws.timeout_minutes), *flags])
         run = launch(where, argv, limit=180, nproc=4)
         o = judge(where, "-", f"invalid:{name}", "error", culprit, run)
@@ -487,7 +487,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--launchers", nargs="+", default=["mpirun", "torchrun"], choices=["mpirun", "torchrun"])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    p.add_argument("--faults", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     p.add_argument("--no-invalid", action="store_true", help="skip the invalid-configuration runs")
     p.add_argument("--timeout-minutes", type=float, default=0.5)
     p.add_argument("--startup-seconds", type=float, default=90, help="allowance for 4 ranks to start")
