@@ -21,7 +21,7 @@ from megatron_ru.data.indexed_dataset import IndexedDataset
 TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32), np.dtype(np.int64))
 
 SAMPLE_DOCUMENTS = 1024
-SAMPLE_TOKENS = 1 << 22
+SAMPLE_TOKENS = 1 << 20  # 2-4 MB per dataset read by every rank at start-up
 
 
 def _fix(prefix: str, vocab_size: int) -> str:
