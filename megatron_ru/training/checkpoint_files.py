@@ -60,11 +60,17 @@ def list_files(ckpt_dir: str) -> dict[str, int]:
 
 def derive_expected(tp: int, pp: int, dp: int, zero_stage: int, present: Iterable[str]) -> dict[str, Optional[int]]:
     """The files a checkpoint of this layout holds, for checkpoints saved before ``metadata.json``
-    listed them (sizes unknown: None). Layer files: every TP rank's file of every layer index any
-    TP rank has a file for; ZeRO files: every (DP, model-parallel) rank with the prefix in use."""
+    listed them (sizes unknown: None). Model files: one per model-parallel (TP × PP) rank, with ZeRO 3
+    one per DP and model-parallel rank; layer files (PP > 1): every TP rank's file of every layer
+    index any TP rank has a file for; ZeRO optimizer files: every (DP, model-parallel) rank, with the
+    prefix in use (``bf16_``)."""
     present = list(present)
     mp = tp * pp
-    out: dict[str, Optional[int]] = {f"mp_rank_{m:02d}_model_states.pt": None for m in range(mp)}
+    if zero_stage == 3:  # the weights are partitioned too: one model file per DP and model-parallel rank
+        out: dict[str, Optional[int]] = {f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt": None
+                                         for d in range(dp) for m in range(mp)}
+    else:
+        out = {f"mp_rank_{m:02d}_model_states.pt": None for m in range(mp)}
     out.update({rng_file_name(r): None for r in range(mp * dp)})
     if pp > 1:
         layers = sorted({int(m.group(1)) for m in map(LAYER_RE.match, present) if m})

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from megatron_ru.training.checkpoint import read_latest_iteration
+from megatron_ru.training.checkpoint import CheckpointMeta, read_latest_iteration
+from megatron_ru.training.checkpoint_files import derive_expected, list_files
 from tests.dist_utils import run_distributed
 from tests.integration._train_helpers import make_corpus, tiny_argv, train_body
 
@@ -60,3 +61,9 @@ def test_resume_is_exact_for_pp1_and_pp2(tmp_path):
         assert [r["iteration"] for r in recs if r["type"] == "train"] == list(range(1, 13))
         assert os.path.isdir(tmp_path / name / "iter_0000006") == (name != "pp2")
         assert os.path.isdir(tmp_path / name / "iter_0000012")
+        # metadata.json lists every file with its size; the list derived for older checkpoints agrees
+        ckpt_dir = str(tmp_path / name / "iter_0000012")
+        meta = CheckpointMeta.read(ckpt_dir)
+        assert meta.files == list_files(ckpt_dir), name
+        assert sorted(derive_expected(meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size,
+                                      meta.data_parallel_size, meta.zero_stage, meta.files)) == sorted(meta.files)

@@ -44,6 +44,51 @@ def test_keep_last_prunes_oldest(tmp_path):
     assert ckpt.list_iterations(str(tmp_path)) == [6, 8]
 
 
+def test_missing_checkpoint_is_an_error_unless_load_is_also_save(tmp_path):
+    """Was: --finetune --load TYPO trained from random weights, exit 0."""
+    kw = dict(rank=0, tp=1, pp=1, dp=1, zero_stage=0, load_optim=True)
+    save = str(tmp_path / "run")
+    # resume-or-start: --load DIR --save DIR with nothing there yet
+    assert ckpt.load_checkpoint(None, save, finetune=False, save_dir=save, **kw) is None
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load_checkpoint(None, str(tmp_path / "init"), finetune=False, save_dir=save, **kw)
+    assert str(e.value) == (
+        f"--load {tmp_path / 'init'} does not exist: --load names a checkpoint to start from and is not the --save "
+        f"directory, and there is none. Point --load at a directory written by --save (it holds "
+        f"latest_checkpointed_iteration.txt), pass the same directory to --save and --load to resume-or-start, or "
+        f"drop --load to start from scratch")
+    os.makedirs(tmp_path / "run" / "iter_0000004")
+    with pytest.raises(ckpt.CheckpointError, match="holds iter_. directories but no latest_checkpointed_iteration"
+                                                   ".txt .no save there completed.: --finetune starts"):
+        ckpt.load_checkpoint(None, save, finetune=True, save_dir=save, **kw)
+    ckpt.write_text_atomic(os.path.join(save, ckpt.TRACKER_FILE), "8\n")
+    with pytest.raises(ckpt.CheckpointError, match="names iteration 8 but .*iter_0000008 does not exist"):
+        ckpt.load_checkpoint(None, save, finetune=False, save_dir=save, **kw)
+
+
+def test_file_check_lists_every_problem_and_the_fix(tmp_path):
+    d = tmp_path / "iter_0000006"
+    d.mkdir()
+    for name, size in {"mp_rank_00_model_states.pt": 10, "rng_rank_00000.pt": 5, "rng_rank_00001.pt": 5}.items():
+        (d / name).write_bytes(b"x" * size)
+    (d / "rng_rank_00001.pt").write_bytes(b"x" * 3)
+    expected = {"mp_rank_00_model_states.pt": 10, "rng_rank_00000.pt": 5, "rng_rank_00001.pt": 5,
+                "rng_rank_00002.pt": 5, "zero_pp_rank_0_mp_rank_00_optim_states.pt": 7}
+    check = dict(pointer="P", earlier=[2, 4])
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.check_files(str(d), expected, kinds={"model", "rng"}, **check)
+    assert str(e.value) == (
+        f"checkpoint {d} is damaged, nothing was loaded: 1 file(s) missing: rng_rank_00002.pt; 1 file(s) truncated "
+        f"or overwritten: rng_rank_00001.pt (3 bytes, saved as 5). To continue: restore the files from a copy of the "
+        f"checkpoint; or resume from an earlier checkpoint by writing its iteration (2, 4 exist) into P; or pass "
+        f"--no-load-rng to resume with fresh random states (the resumed run is then no longer bit-exact with an "
+        f"uninterrupted run when dropout is on)")
+    ckpt.check_files(str(d), expected, kinds={"model"}, **check)  # weights only, fresh RNG: nothing missing
+    with pytest.raises(ckpt.CheckpointError, match="missing: zero_pp_rank_0_mp_rank_00_optim_states.pt.*"
+                                                   "pass --no-load-optim"):
+        ckpt.check_files(str(d), expected, kinds={"model", "optim"}, **check)
+
+
 def test_layout_mismatch_messages():
     msg = ckpt.layout_problems(_meta(4, tp=2, pp=1), tp=1, pp=2, dp=2, zero_stage=0, load_optim=False)
     assert len(msg) == 1 and "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" in msg[0]
