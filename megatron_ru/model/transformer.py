@@ -44,7 +44,8 @@ class Norm(nn.Module):
         self.eps = eps
         self.shape = (hidden_size,)
         self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        assert not sequence_parallel or group_size(tp_group) > 1, "sequence parallelism needs TP > 1"
+        self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
                      if normalization == "LayerNorm" else None)
@@ -190,7 +191,8 @@ class TransformerLayer(nn.Module):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        assert not sequence_parallel or group_size(tp_group) > 1, "sequence parallelism needs TP > 1"
+        self.sequence_parallel = sequence_parallel
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = cfg.recompute
         norm = dict(normalization=cfg.normalization, eps=cfg.norm_epsilon, tp_group=tp_group,

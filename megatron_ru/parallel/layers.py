@@ -74,7 +74,8 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("ColumnParallelLinear: gather_output=True would interleave the "
                              f"{partition_stride} fused blocks of each rank; use gather_output=False")
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        assert not sequence_parallel or self.tp_size > 1, "sequence parallelism needs TP > 1"
+        self.sequence_parallel = sequence_parallel
         self.weight = _make_param((output_size, input_size), init_method or default_init(), tp_group,
                                   0, partition_stride, device, dtype)
         self.bias = (_make_param((output_size,), bias_init_method, tp_group, 0, partition_stride, device, dtype)
@@ -113,7 +114,8 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(input_size, self.tp_size,
                                                "RowParallelLinear input size over tensor-parallel size")
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        assert not sequence_parallel or self.tp_size > 1, "sequence parallelism needs TP > 1"
+        self.sequence_parallel = sequence_parallel
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True")
         self.weight = _make_param((output_size, input_size), init_method or default_init(), tp_group,
