@@ -294,12 +294,17 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     meta = CheckpointMeta.read(ckpt_dir)
     weights_only = finetune or not load_optim
     problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only)
+    if weights_only and 3 in (meta.zero_stage, zero_stage):
+        problems.append(
+            f"loading weights only (--finetune or --no-load-optim) with ZeRO stage 3 (the checkpoint's stage "
+            f"{meta.zero_stage}, this run's {zero_stage}) is not supported: DeepSpeed gathers ZeRO-3 weights from "
+            f"its partitioned files with unrestricted unpickling and a 'latest' file megatron_ru does not write; "
+            f"resume the full state instead (drop --finetune/--no-load-optim; same data-parallel size and "
+            f"--zero-stage as the checkpoint)")
     if problems:
         raise CheckpointError(f"cannot load {ckpt_dir}: " + "; ".join(problems))
     want_rng = load_rng and not finetune
-    # ZeRO-3 keeps the weights in the optimizer partitions: they are read even for weights only
-    kinds = {"model"} | ({"optim"} if not weights_only or meta.zero_stage == 3 else set()) | \
-        ({"rng"} if want_rng else set())
+    kinds = {"model"} | ({"optim"} if not weights_only else set()) | ({"rng"} if want_rng else set())
     present = sorted(list_files(ckpt_dir))
     check_files(ckpt_dir, meta.expected_files(present), kinds=kinds, pointer=pointer,
                 earlier=[i for i in list_iterations(load_dir) if i < iteration])

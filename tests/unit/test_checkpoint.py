@@ -66,6 +66,19 @@ def test_missing_checkpoint_is_an_error_unless_load_is_also_save(tmp_path):
         ckpt.load_checkpoint(None, save, finetune=False, save_dir=save, **kw)
 
 
+def test_weights_only_with_zero3_is_refused_up_front(tmp_path):
+    """Was ``ValueError: Unable to find 'latest' file`` from inside DeepSpeed."""
+    save = str(tmp_path / "run")
+    os.makedirs(os.path.join(save, "iter_0000004"))
+    ckpt.write_text_atomic(os.path.join(save, "iter_0000004", ckpt.METADATA_FILE),
+                           json.dumps(_meta(4, dp=2, zero=3).__dict__))
+    ckpt.write_text_atomic(os.path.join(save, ckpt.TRACKER_FILE), "4\n")
+    for zero, flags in ((3, dict(finetune=True, load_optim=True)), (1, dict(finetune=False, load_optim=False))):
+        with pytest.raises(ckpt.CheckpointError, match=r"with ZeRO stage 3 \(the checkpoint's stage 3, this run's "
+                                                       rf"{zero}\) is not supported.*resume the full state"):
+            ckpt.load_checkpoint(None, save, rank=0, tp=1, pp=1, dp=2, zero_stage=zero, **flags)
+
+
 def test_file_check_lists_every_problem_and_the_fix(tmp_path):
     d = tmp_path / "iter_0000006"
     d.mkdir()
