@@ -130,6 +130,7 @@ run_abci_job() {
     echo "# command"
   fi
   run_or_print mpirun -np "$((nhosts * GPUS_PER_NODE))" -npernode "${GPUS_PER_NODE}" \
-    --hostfile "${hostfile}" "${MPI_EXPORTS[@]}" -bind-to none -map-by slot "${extra_mpi[@]}" \
+    --hostfile "${hostfile}" "${MPI_EXPORTS[@]}" --mca odls_base_sigkill_timeout "${SAVE_GRACE_SECONDS}" \
+    -bind-to none -map-by slot "${extra_mpi[@]}" \
     "${PYTHON:-python}" "${PROJECT_DIR}/pretrain_gpt.py" "${TRAIN_ARGS[@]}"
 }

@@ -26,6 +26,11 @@
 # Checkpoints: resume from SAVE_DIR when it has one, else start from INIT_CHECKPOINT (if set).
 : "${SAVE_DIR:=${PROJECT_DIR}/checkpoints/gpt_345m}" "${INIT_CHECKPOINT=}" "${SAVE_INTERVAL:=1000}"
 : "${EXIT_MARGIN_SECONDS:=900}"  # stop training this long before h_rt to save and exit
+# After a SIGTERM reaches mpirun itself, it passes it on and SIGKILLs the ranks this long later
+# (Open MPI's odls_base_sigkill_timeout, default 1 s: too short to save). mpirun waits about twice
+# this long on every abort, also after a rank failed, so keep it modest. (The job shell turns
+# the scheduler's signals into SIGUSR1 for mpirun, which kills nothing: no grace needed there.)
+: "${SAVE_GRACE_SECONDS:=60}"
 : "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
 : "${EXTRA_ARGS=}"  # any further pretrain_gpt.py flags
 # Cluster: modules (loaded only where `module` exists), GPUs per node (default: from rt_*).

@@ -129,10 +129,25 @@ quoted_command() {
   printf '%s\n' "${out% }"
 }
 
+# Identity of the checkpoint pointer in SAVE_DIR (content and modification time), "none" without one.
+checkpoint_stamp() {
+  local pointer="${SAVE_DIR:-}/latest_checkpointed_iteration.txt"
+  if [ -n "${SAVE_DIR:-}" ] && [ -f "${pointer}" ]; then
+    printf '%s@%s\n' "$(cat "${pointer}")" "$(stat -c %y "${pointer}")"
+  else
+    echo none
+  fi
+}
+
 # Run the command, or print it when DRY_RUN=1. The command runs in the background so that this
 # shell can turn the scheduler's warning signals (SIGTERM, SIGUSR1, SIGUSR2) into SIGUSR1 for it:
-# mpirun passes SIGUSR1 on to every rank, and pretrain_gpt.py --exit-signal-handler then saves
-# a checkpoint and exits 0 (a SIGTERM would make mpirun kill the ranks before they save).
+# mpirun passes SIGUSR1 on to every rank (a SIGTERM would make it kill the ranks after
+# odls_base_sigkill_timeout), srun to every task (torchrun, told to handle it, to its workers),
+# and pretrain_gpt.py --exit-signal-handler then saves a checkpoint and exits 0.
+# The job's status is the launcher's, with one exception: torchrun exits 1 after any signal it
+# handled (and mpirun after a SIGTERM it got directly) even when every rank saved and exited 0.
+# So when this shell passed a signal on and the launcher then failed, but a new checkpoint was
+# completed in SAVE_DIR after the signal (its pointer is written last), the job ends 0.
 run_or_print() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
     quoted_command "$@"
@@ -141,7 +156,8 @@ run_or_print() {
   launch_log "running: $(quoted_command "$@")"
   "$@" &
   LAUNCH_CHILD=$!
-  trap 'launch_log "signal received: asking every rank to save and exit"; kill -USR1 "${LAUNCH_CHILD}" 2>/dev/null || true' TERM USR1 USR2
+  LAUNCH_STAMP_AT_SIGNAL=""
+  trap 'on_launch_signal' TERM USR1 USR2
   local rc=0
   # wait returns early (status > 128) when a trapped signal arrives; wait again until it exits
   while :; do
@@ -150,5 +166,17 @@ run_or_print() {
     kill -0 "${LAUNCH_CHILD}" 2>/dev/null || break
   done
   trap - TERM USR1 USR2
+  if [ "${rc}" -ne 0 ] && [ -n "${LAUNCH_STAMP_AT_SIGNAL}" ] && [ "$(checkpoint_stamp)" != none ] &&
+    [ "$(checkpoint_stamp)" != "${LAUNCH_STAMP_AT_SIGNAL}" ]; then
+    launch_log "the launcher exited with status ${rc} after the signal, but the ranks saved iteration" \
+      "$(cat "${SAVE_DIR}/latest_checkpointed_iteration.txt") in ${SAVE_DIR} after it: ending with status 0"
+    rc=0
+  fi
   return "${rc}"
+}
+
+on_launch_signal() {
+  launch_log "signal received: asking every rank to save and exit"
+  if [ -z "${LAUNCH_STAMP_AT_SIGNAL}" ]; then LAUNCH_STAMP_AT_SIGNAL="$(checkpoint_stamp)"; fi
+  kill -USR1 "${LAUNCH_CHILD}" 2>/dev/null || true
 }

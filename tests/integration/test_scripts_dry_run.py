@@ -50,7 +50,9 @@ def test_abci_two_nodes_four_gpus(tmp_path):
     assert cmd[:15] == ["mpirun", "-np", "8", "-npernode", "4", "--hostfile", str(hostfile),
                         "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
     mpi_end = cmd.index("python")
-    assert cmd[mpi_end - 4:mpi_end] == ["-bind-to", "none", "-map-by", "slot"]
+    # a SIGTERM that reaches mpirun itself leaves the ranks 60 s to save (Open MPI's default: 1 s)
+    assert cmd[mpi_end - 7:mpi_end] == ["--mca", "odls_base_sigkill_timeout", "60", "-bind-to", "none", "-map-by",
+                                        "slot"]
     train = cmd[mpi_end + 2:]
     assert cmd[mpi_end + 1] == str(REPO / "pretrain_gpt.py")
     assert "--use-mpi" not in train
@@ -233,8 +235,11 @@ def test_slurm_torchrun_rendezvous_on_head_node(tmp_path, slurm_tools):
     t = cmd.index("torchrun")
     assert cmd[:t] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2",
                        "--cpus-per-task=64"]
-    assert cmd[t:t + 7] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-id=77", "--rdzv-backend=c10d",
-                            "--rdzv-endpoint=gpu-001:15077", str(REPO / "pretrain_gpt.py")]
+    # torchrun handles (passes on to its workers) only the signals named on its command line:
+    # SIGUSR1/SIGUSR2 must be there or they kill torchrun and orphan the workers
+    assert cmd[t:t + 8] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-id=77", "--rdzv-backend=c10d",
+                            "--rdzv-endpoint=gpu-001:15077", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,"
+                            "SIGUSR1,SIGUSR2", str(REPO / "pretrain_gpt.py")]
     assert "head gpu-001, master gpu-001:15077" in proc.stderr
 
 
