@@ -136,9 +136,13 @@ class CheckpointConfig:
 
     save: Optional[str] = arg(None, "Directory to save checkpoints in (iter_XXXXXXX/ per save).")
     save_interval: Optional[int] = arg(None, "Save every N iterations (and always on exit when --save is set).")
-    load: Optional[str] = arg(None, "Directory to resume from (reads latest_checkpointed_iteration.txt).")
+    load: Optional[str] = arg(None, "Directory to resume from (reads latest_checkpointed_iteration.txt). With no "
+                                    "checkpoint there, training starts from scratch only when it is also --save; "
+                                    "otherwise (and always with --finetune) that is an error.")
     no_load_optim: bool = arg(False, "Load weights only: fresh optimizer, scheduler and loss scaler.")
-    no_load_rng: bool = arg(False, "Do not restore the RNG states saved in the checkpoint.")
+    no_load_rng: bool = arg(False, "Do not restore the RNG states saved in the checkpoint (also when its "
+                                   "rng_rank_*.pt files are missing, which is an error otherwise); dropout then "
+                                   "differs from an uninterrupted run, so the resume is not exact.")
     finetune: bool = arg(False, "Load weights only and start at iteration 0 with fresh optimizer, "
                                 "scheduler, RNG and data position.")
     keep_last: Optional[int] = arg(None, "Keep only the newest N checkpoints in --save.")
