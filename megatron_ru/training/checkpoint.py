@@ -314,6 +314,7 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
         log_rank0(log, f"--no-load-rng: resuming with fresh random states{missing}; dropout and other random "
                        f"streams differ from an uninterrupted run, so this resume is not exact", level=30)
     dsc.install_checkpoint_io(engine, safe_load)
+    dsc.install_numeric_model_file_order(engine)
     if pp > 1:
         dsc.install_exact_layer_loading(engine.module)
     try:

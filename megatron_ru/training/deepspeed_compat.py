@@ -15,11 +15,15 @@ takes effect on the installed DeepSpeed:
 * :func:`install_exact_layer_loading` — ``PipelineModule.load_state_dir``: DeepSpeed globs
   ``layer_XX-*model_states.pt`` and merges or splits whatever it finds to fit the TP size; we read
   exactly this rank's file (``layer_XX-model_YY-model_states.pt``) or fail.
+* :func:`install_numeric_model_file_order` — ``engine._get_all_ckpt_names``: DeepSpeed sorts the
+  ``mp_rank_XX`` files as strings and picks the one at index ``mp_rank`` (wrong from 101 ranks on).
 * :class:`DeepSpeedMpu` — the ``get_*`` interface DeepSpeed calls on ``mpu=`` (PP = 1); a mixin of
   :class:`~megatron_ru.parallel.state.ParallelState`, which passes itself as ``mpu``.
 """
 from __future__ import annotations
 
+import os
+import re
 import types
 from typing import Any, Callable, Optional
 
@@ -166,6 +170,26 @@ def install_exact_layer_loading(module: Any) -> None:
         self._synchronize_tied_weights()
 
     module.load_state_dir = types.MethodType(load_state_dir, module)
+
+
+def _natural_key(path: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", os.path.basename(path))]
+
+
+def install_numeric_model_file_order(engine: Any) -> None:
+    """Make ``engine._get_all_ckpt_names`` list ``mp_rank_XX`` files in rank order. DeepSpeed sorts them
+    as strings and then takes the file at index ``mp_rank``: from 101 model-parallel ranks on,
+    ``mp_rank_100`` sorts before ``mp_rank_10_`` and a rank would read another rank's file."""
+    original = getattr(engine, "_get_all_ckpt_names", None)
+    if not callable(original):
+        raise _missing("DeepSpeedEngine._get_all_ckpt_names")
+    original = getattr(engine, "_megatron_ru_original_ckpt_names", original)
+    engine._megatron_ru_original_ckpt_names = original
+
+    def _get_all_ckpt_names(self: Any, checkpoints_path: str, tag: str) -> list[str]:
+        return sorted(original(checkpoints_path, tag), key=_natural_key)
+
+    engine._get_all_ckpt_names = types.MethodType(_get_all_ckpt_names, engine)
 
 
 # ---- 5. the mpu interface --------------------------------------------------------------------------

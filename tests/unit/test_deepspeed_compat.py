@@ -68,6 +68,8 @@ def test_a_patch_whose_target_is_gone_says_which_release_to_install():
         dsc.install_checkpoint_io(object(), lambda p, m: None)
     with pytest.raises(RuntimeError, match="has no PipelineModule.load_state_dir"):
         dsc.install_exact_layer_loading(object())
+    with pytest.raises(RuntimeError, match="has no DeepSpeedEngine._get_all_ckpt_names"):
+        dsc.install_numeric_model_file_order(object())
 
 
 # ---- 1. shared-memory op --------------------------------------------------------------------------
@@ -156,6 +158,27 @@ def test_checkpoint_engine_reads_and_writes_through_our_functions(tmp_path):
     assert r["failed_path"] == str(tmp_path / "ckpt" / "gone" / "new.pt") and r["error"] == "RuntimeError"
     assert r["damaged"].startswith(str(tmp_path / "ckpt" / "t1" / "mp_rank_00_model_states.pt"))
     assert "is truncated or overwritten" in r["damaged"]
+
+
+def check_model_file_order(out):
+    import torch
+    _init_single_process()
+    engine = _engine(torch.nn.Linear(4, 4))
+    ckpt = os.path.join(os.path.dirname(out), "many", "t")
+    os.makedirs(ckpt)
+    for m in range(128):  # e.g. TP 8 x PP 16
+        open(os.path.join(ckpt, f"mp_rank_{m:02d}_model_states.pt"), "w").close()
+    before = [os.path.basename(p) for p in engine._get_all_ckpt_names(os.path.dirname(ckpt), "t")]
+    dsc.install_numeric_model_file_order(engine)
+    after = [os.path.basename(p) for p in engine._get_all_ckpt_names(os.path.dirname(ckpt), "t")]
+    json.dump({"before": before, "after": after}, open(out, "w"))
+
+
+def test_model_files_are_listed_in_rank_order(tmp_path):
+    """DeepSpeed picks ``names[mp_rank]``: unpatched, rank 10 would read ``mp_rank_100``."""
+    r = _run("check_model_file_order", tmp_path)
+    assert r["before"][10] == "mp_rank_100_model_states.pt"  # DeepSpeed's string order
+    assert r["after"] == [f"mp_rank_{m:02d}_model_states.pt" for m in range(128)]
 
 
 # ---- 4. a pipeline stage reads exactly its own layer file -------------------------------------------
