@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,13 @@ from tests.integration.schedulers.training import (check_fresh_run, check_ranks,
 JOB_TIMEOUT = 150
 
 
-def submit(cluster, script: str, env: dict[str, str], log: Path, time_limit: str = "10:00") -> str:
+def submit(cluster, script: str, env: dict[str, str], log: Path, time_limit: str = "10:00",
+           extra: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT) -> str:
     # one node with two GPUs instead of the script's production allocation
     job_id = cluster.sbatch(["--nodes=1", "--gres=gpu:2", f"--time={time_limit}", f"--output={log}",
-                             *(["--ntasks-per-node=2"] if "pyxis" in script else []), script],
+                             *(["--ntasks-per-node=2"] if "pyxis" in script else []), *extra, script],
                             cwd=REPO, env=env)
-    state = cluster.wait(job_id, JOB_TIMEOUT)
+    state = cluster.wait(job_id, timeout)
     text = log.read_text() if log.exists() else ""
     assert state == "COMPLETED", f"job {job_id} ({script}) ended {state} " \
                                  f"(exit {cluster.exit_code(job_id)}):\n{text[-4000:]}"
@@ -83,3 +85,42 @@ def test_slurm_dry_run_inside_a_real_job(slurm_cluster, tmp_path):  # noqa: F811
             t = cmd.index("torchrun")
             assert cmd[t + 1:t + 6] == ["--nnodes=1", "--nproc-per-node=2", f"--rdzv-id={job_id}",
                                         "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{15000 + job_id % 16384}"]
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of running processes that contain TEXT (a test's own temporary path)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmd:
+            found.append(f"{proc.name}: {cmd[:200]}")
+    return found
+
+
+@pytest.mark.slow
+def test_slurm_torchrun_signal_saves_and_ends(slurm_cluster, tiny_corpus, tmp_path):  # noqa: F811
+    """sbatch --signal=B:USR1@T: the job shell passes SIGUSR1 to srun, srun to torchrun, torchrun
+    (told to handle it with --signals-to-handle) to its workers, which save at the next iteration
+    and exit; torchrun then reports 1, but the checkpoint completed after the signal makes the job
+    COMPLETED. No worker outlives the job. (Before, torchrun died of SIGUSR1 and its workers,
+    orphaned, trained on.) --time=4 with the signal 150 s before the end: Slurm sends it 30-90 s
+    after the start, long before the exit duration (240 s - 30 s margin) would stop training."""
+    save = tmp_path / "checkpoints"
+    metrics = tmp_path / "metrics.jsonl"
+    env = job_env(tiny_corpus, save, metrics, 100000, extra={"EXIT_MARGIN_SECONDS": "30", "SAVE_INTERVAL": "100000"})
+    log = submit(slurm_cluster, "scripts/slurm/submit_torchrun.sbatch", env, tmp_path / "job.log", time_limit="4",
+                 extra=("--signal=B:USR1@150",), timeout=300)
+    assert "signal received: asking every rank to save and exit" in log, log[-3000:]
+    stop = re.search(r"exiting at iteration (\d+): exit signal", log)
+    assert stop, log[-3000:]
+    assert latest_iteration(save) == int(stop.group(1)) >= 1
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2" in log
+    assert "after it: ending with status 0" in log, log[-3000:]
+    check_ranks(log, save, "torchrun")
+    deadline = time.monotonic() + 15
+    while processes_mentioning(str(save)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not processes_mentioning(str(save)), processes_mentioning(str(save))
