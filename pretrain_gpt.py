@@ -6,14 +6,24 @@
     python pretrain_gpt.py --help                     # every flag
 
 See docs/training.md. Exit status: 0 done (also after --exit-signal-handler saved), 2 invalid
-configuration, 1 a failure during training.
+configuration or input (flags, data, checkpoint files), 1 a failure during training. An error is
+printed once per job, without a traceback unless MEGATRON_RU_DEBUG=1.
 """
 import sys
 import time
 
 JOB_STARTED = time.time()  # --exit-duration-in-mins counts from here, imports included
 
+# before the slow imports: a SIGTERM/SIGUSR1 that arrives during start-up is kept, not fatal
+from megatron_ru.training.signals import install_if_requested  # noqa: E402
+
+EXIT_SIGNAL = install_if_requested(sys.argv[1:])
+
+from megatron_ru.training.failure import flush_and_exit  # noqa: E402
 from megatron_ru.training.pretrain import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(job_started=JOB_STARTED))
+    code = main(job_started=JOB_STARTED, exit_signal=EXIT_SIGNAL)
+    if code != 0:
+        flush_and_exit(code)  # a failed job must not wait on its peers while shutting down
+    sys.exit(code)

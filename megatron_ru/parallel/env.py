@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -223,12 +224,44 @@ def share_master_over_mpi(denv: DistEnv) -> DistEnv:
                            "MASTER_ADDR=<rank 0 host> MASTER_PORT=<free port> to every rank "
                            "(mpirun -x MASTER_ADDR -x MASTER_PORT)") from None
     comm = MPI.COMM_WORLD
-    if comm.Get_size() != denv.world_size or comm.Get_rank() != denv.rank:
-        raise RuntimeError(f"MPI reports rank {comm.Get_rank()} of {comm.Get_size()} but the environment "
-                           f"says rank {denv.rank} of {denv.world_size}")
-    mine = (denv.master_addr or _own_address(), denv.master_port or _free_port()) if denv.rank == 0 else None
+    mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
+    mine = (denv.master_addr or _own_address(), denv.master_port or _free_port()) if mpi_rank == 0 else None
     addr, port = comm.bcast(mine, root=0)
+    # MPI's only job here is this broadcast: finalise it now, on every rank together. A process
+    # that imported mpi4py otherwise runs MPI_Finalize at interpreter exit, which waits for every
+    # other rank; a rank failing with an exception then never exits while the others sit in a
+    # collective, and the job hangs until the scheduler kills it. Finalised, a failing rank simply
+    # exits non-zero, and mpirun ends the whole job at once.
+    MPI.Finalize()
+    if (mpi_rank, mpi_size) != (denv.rank, denv.world_size):
+        raise RuntimeError(f"MPI reports rank {mpi_rank} of {mpi_size} but the environment says rank "
+                           f"{denv.rank} of {denv.world_size}")
     return dataclasses.replace(denv, master_addr=addr, master_port=port, master_from="mpi")
+
+
+def abort_mpi_if_active(code: int) -> None:
+    """``MPI_Abort`` the job when this process still has MPI initialised (it failed between
+    mpi4py's import and :func:`share_master_over_mpi`'s finalise); otherwise do nothing."""
+    if "mpi4py.MPI" not in sys.modules:
+        return
+    MPI = sys.modules["mpi4py.MPI"]
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(code)
+
+
+def use_timeout_for_new_groups(timeout: timedelta) -> None:
+    """Make ``timeout`` the default of every process group created from now on.
+
+    ``torch.distributed.new_group(ranks)`` without ``timeout=`` does not inherit the default group's
+    timeout: it takes torch's built-in 30 minutes (gloo) or 10 (NCCL). DeepSpeed creates its own
+    groups that way (pipeline grid, p2p and tied-weight groups, ``deepspeed.comm.new_group``), so a
+    stopped or failed peer would keep a pipeline all_gather waiting for half an hour whatever
+    --distributed-timeout-minutes says. torch reads these module globals each time it creates a group.
+    """
+    from torch.distributed import distributed_c10d
+    distributed_c10d.default_pg_timeout = timeout
+    if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), timedelta):
+        distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def default_device() -> torch.device:
@@ -252,9 +285,13 @@ def choose_backend(backend: str | None = None) -> str:
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10) -> DistEnv:
     """Discover, apply, share the MPI address if needed, pick backend/device, init the group.
 
-    Idempotent: when torch.distributed is already initialised, returns the discovered env
-    (after checking rank and world size agree) without re-initialising."""
+    Every process group created afterwards, by us or by DeepSpeed, gets the same timeout
+    (:func:`use_timeout_for_new_groups`). Idempotent: when torch.distributed is already
+    initialised, returns the discovered env (after checking rank and world size agree) without
+    re-initialising."""
     denv = discover_environment(os.environ)
+    timeout = timedelta(minutes=timeout_minutes)
+    use_timeout_for_new_groups(timeout)
     if denv.master_from == "mpi" and not dist.is_initialized():
         denv = share_master_over_mpi(denv)
     apply_environment(denv)
@@ -270,7 +307,6 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
     log.info(f"rank discovery: source={denv.source} rank={denv.rank}/{denv.world_size} local_rank="
              f"{denv.local_rank}/{denv.local_world_size} master={denv.master_addr}:{denv.master_port} "
              f"(from {denv.master_from}) backend={backend}", extra={"rank0_only": True})
-    timeout = timedelta(minutes=timeout_minutes)
     if denv.world_size == 1:
         # nothing to rendezvous with: an in-memory store avoids picking a port at all
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

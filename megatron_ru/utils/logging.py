@@ -2,9 +2,9 @@
 
 Every module does ``log = get_logger(__name__)``. Records carry the global rank in their
 prefix; ``log_rank0`` / ``log.info(..., extra=RANK0)`` keeps a message to rank 0 only, which
-is what most progress lines want. The rank is read lazily from ``RANK`` (written back into
-the environment by ``megatron_ru.parallel.env`` before training starts) so that importing
-the package never needs a process group.
+is what most progress lines want. The rank is read lazily from the launcher's environment
+(``RANK``, else OpenMPI's or Slurm's variable) so that importing the package never needs a
+process group and a line logged before rank discovery still names the right rank.
 """
 from __future__ import annotations
 
@@ -19,11 +19,21 @@ _configured = False
 RANK0 = {"rank0_only": True}
 
 
+#: where a launcher puts this process's global rank, in rank discovery's order; ``RANK`` is also
+#: written back by ``megatron_ru.parallel.env`` once discovery ran (under mpirun or srun only then)
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
 def current_rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    """This process's global rank as the launcher gave it (0 when none did), so that a line logged
+    before rank discovery, e.g. a configuration error under mpirun, already names its rank."""
+    for name in _RANK_VARS:
+        if name in os.environ:
+            try:
+                return int(os.environ[name])
+            except ValueError:
+                return 0
+    return 0
 
 
 class _RankFilter(logging.Filter):
