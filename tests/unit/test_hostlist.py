@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_ru.parallel.hostlist import expand_hostlist, first_host
+from megatron_ru.parallel.hostlist import expand_hostlist, first_host, main
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -31,3 +31,14 @@ def test_expand_like_scontrol(text, expected):
 def test_bad_node_lists_name_the_problem(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         expand_hostlist(text)
+
+
+def test_command_prints_one_host_per_line(capsys):
+    """`python -m megatron_ru.parallel.hostlist NODELIST`: what `scontrol show hostnames` prints
+    (the Slurm job scripts use it where scontrol is missing or unconfigured)."""
+    assert main(["gpu-[001-002],cpu07"]) == 0
+    assert capsys.readouterr().out == "gpu-001\ngpu-002\ncpu07\n"
+    assert main(["node[05-01]"]) == 2
+    assert "cannot expand the node list 'node[05-01]': descending range '05-01'" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "usage: python -m megatron_ru.parallel.hostlist NODELIST" in capsys.readouterr().err
