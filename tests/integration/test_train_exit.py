@@ -76,3 +76,46 @@ def test_train_only_embeddings_and_freeze_patterns():
     apply_freezing(model, freeze=["*"])
     with pytest.raises(ValueError, match="no trainable parameters on this rank"):
         build_optimizer(model, args.optimizer)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (``SigCgt`` in /proc)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_signal_during_start_up_saves_after_the_first_iteration(tmp_path, signum):
+    """The signal arrives while the process still imports torch (before any log line): the handler
+    is already installed, training stops after its first iteration with a checkpoint, exit 0."""
+    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+    save, out_path = str(tmp_path / "ckpt"), tmp_path / "out.txt"
+    args = tiny_argv(prefix, cache, iters=10000, extra=["--eval-iters", "0", "--save", save,
+                                                        "--exit-signal-handler"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        # as soon as a handler exists, or (before the fix) the first log line shows start-up is under way
+        while not (_catches(proc.pid, signum) or out_path.read_text()):
+            assert time.time() < deadline and proc.poll() is None, out_path.read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signum)
+        before = out_path.read_text()
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out_path.read_text()
+    assert "training from iteration" not in before  # the signal came during start-up
+    assert proc.returncode == 0, text[-3000:]
+    assert "exiting at iteration 1: exit signal" in text, text[-3000:]
+    assert read_latest_iteration(save) == 1
