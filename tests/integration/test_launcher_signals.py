@@ -20,7 +20,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "DRY_RUN": "1"}
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+# torchrun as the venv's (the job scripts activate it first), found without relying on PATH
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 RANK_PROGRAM = """
 import os, signal, sys, time
@@ -72,10 +76,11 @@ def mpirun_options(tmp_path: Path, grace_s: int) -> list[str]:
 
 def start(tmp_path: Path, launcher: list[str], via_shell: bool) -> subprocess.Popen:
     """LAUNCHER (mpirun ... | torchrun ..., which runs a script with its own python) on the rank program."""
+    torchrun = launcher[:len(TORCHRUN)] == TORCHRUN
     (tmp_path / "ckpt").mkdir(exist_ok=True)
     prog = tmp_path / "rank.py"
     prog.write_text(RANK_PROGRAM)
-    python = [] if launcher[0] == "torchrun" else [sys.executable]
+    python = [] if torchrun else [sys.executable]
     cmd = [*launcher, *python, str(prog), str(tmp_path), str(tmp_path / "ckpt")]
     env = {**os.environ, **MPI_ENV, "SAVE_DIR": str(tmp_path / "ckpt"), "OMP_NUM_THREADS": "1"}
     if via_shell:
@@ -124,7 +129,7 @@ def test_torchrun_passes_slurms_signal_to_its_workers(tmp_path, sig):
     """Slurm's --signal=USR1@T (or the SIGTERM at the limit) reaches torchrun itself: with the
     script's options torchrun passes it on, the workers save and exit, none is orphaned.
     (torchrun ends 1 after any signal it handled, whatever its workers did.)"""
-    proc = start(tmp_path, ["torchrun", "--nproc-per-node=2", *torchrun_signal_options(tmp_path)], via_shell=False)
+    proc = start(tmp_path, [*TORCHRUN, "--nproc-per-node=2", *torchrun_signal_options(tmp_path)], via_shell=False)
     proc.send_signal(getattr(signal, f"SIG{sig}"))
     rc, out = finish(proc, tmp_path, 60)
     assert saved(tmp_path) == [f"SIG{sig}"] * 2, out
@@ -134,7 +139,7 @@ def test_torchrun_passes_slurms_signal_to_its_workers(tmp_path, sig):
 def test_torchrun_job_ends_0_after_a_signal_triggered_save(tmp_path):
     """SIGTERM to the whole job step (shell, torchrun, workers): the workers save, torchrun
     reports 1, and the job shell, seeing a checkpoint completed after the signal, ends 0."""
-    proc = start(tmp_path, ["torchrun", "--nproc-per-node=2", *torchrun_signal_options(tmp_path)], via_shell=True)
+    proc = start(tmp_path, [*TORCHRUN, "--nproc-per-node=2", *torchrun_signal_options(tmp_path)], via_shell=True)
     os.killpg(proc.pid, signal.SIGTERM)
     rc, out = finish(proc, tmp_path, 60)
     assert saved(tmp_path)[0] in ("SIGTERM", "SIGUSR1") and "-" not in saved(tmp_path), out
