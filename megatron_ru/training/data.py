@@ -10,10 +10,21 @@ reads), so no broadcast is needed. Position in the data = consumed samples, stor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megatron_ru.config.arguments import Arguments
+
+
+class SampleDataset(Protocol):
+    """What the loop reads: GPT, blended and vocabulary-checked datasets alike."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]: ...
 
 
 @dataclass
@@ -68,8 +79,9 @@ class VocabCheckedDataset:
         raise batch_token_error("?", top, self.vocab_size, self.split)
 
 
-def build_datasets(args: Any, is_builder_rank: bool, barrier: Any,
-                   vocab_size: Optional[int] = None) -> tuple[Any, Any, Any]:
+def build_datasets(args: "Arguments", is_builder_rank: bool, barrier: Optional[Callable[[], None]],
+                   vocab_size: Optional[int] = None
+                   ) -> tuple[Optional[SampleDataset], Optional[SampleDataset], Optional[SampleDataset]]:
     """(train, valid, test); with ``vocab_size`` train and valid are :class:`VocabCheckedDataset`."""
     from megatron_ru.data.builder import build_train_valid_test_datasets
     sizes = dataset_sizes(args.train_iters, args.global_batch_size, args.training.eval_interval,
@@ -82,7 +94,7 @@ def build_datasets(args: Any, is_builder_rank: bool, barrier: Any,
     return train, valid, test
 
 
-def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+def micro_batches(dataset: Optional[SampleDataset], consumed_samples: int, micro_batch_size: int, dp_rank: int,
                   dp_size: int, device: torch.device, num_workers: int = 0) -> Optional[Iterator[Batch]]:
     """Endless-enough iterator of this rank's micro batches starting after ``consumed_samples``
     (None when there is no dataset, e.g. no validation split)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,13 @@ import torch.distributed as dist
 from megatron_ru.training import deepspeed_compat as dsc
 from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
 from megatron_ru.utils.logging import get_logger, log_rank0
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.parallel.state import ParallelState
+    from megatron_ru.training.lr import LRSchedule
 
 __all__ = ["attach_deepspeed_comm", "build_ds_config", "build_optimizer", "clip_grad_norm_tp_aware",
            "disable_cpu_shm_comm", "initialize_engine", "optimizer_param_groups"]
@@ -43,7 +50,7 @@ def attach_deepspeed_comm() -> None:
                                dist_init_required=False)
 
 
-def build_ds_config(args: Any) -> dict[str, Any]:
+def build_ds_config(args: "Arguments") -> dict[str, Any]:
     """The DeepSpeed JSON config from the flags (or the user's ``--deepspeed_config`` with the
     flags' batch sizes, precision and ZeRO stage filled in; validation already checked they agree)."""
     t, o = args.training, args.optimizer
@@ -137,7 +144,8 @@ def clip_grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], max_norm: floa
     return norm
 
 
-def initialize_engine(model: torch.nn.Module, state: Any, args: Any, schedule: Any) -> Any:
+def initialize_engine(model: torch.nn.Module, state: "ParallelState", args: "Arguments",
+                      schedule: "LRSchedule") -> "DeepSpeedEngine":
     """``deepspeed.initialize`` for a module (PP=1) or a ``PipelineModule`` (PP>1)."""
     attach_deepspeed_comm()
     import deepspeed

@@ -10,18 +10,22 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_ru.config.training import CheckpointConfig, LoggingConfig, TrainingConfig
+from megatron_ru.parallel.state import ParallelState
 from megatron_ru.training import checkpoint as ckpt
-from megatron_ru.training.data import micro_batches, pipeline_items
+from megatron_ru.training.data import Batch, SampleDataset, micro_batches, pipeline_items
 from megatron_ru.training.engine import grad_norm_of, loss_scale_of
-from megatron_ru.training.metrics import (MetricsWriter, ModelShape, device_peak_tflops, flops_per_token,
-                                          peak_memory_mib)
+from megatron_ru.training.metrics import MetricsWriter, peak_memory_mib
 from megatron_ru.training.signals import ExitSignal
 from megatron_ru.utils.logging import get_logger, log_rank0
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 log = get_logger(__name__)
 
@@ -48,7 +52,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _dp_mean(value: torch.Tensor, state: Any) -> float:
+@dataclass(frozen=True)
+class BatchPlan:
+    """The resolved batch numbers the loop runs by (``Arguments`` derives them from the flags and
+    the world size; validation made them exact)."""
+
+    train_iters: int
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum: int
+    seq_length: int
+    #: DataLoader worker processes per rank (--num-workers)
+    num_workers: int = 0
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What the progress line needs to turn step time into TFLOP/s and MFU."""
+
+    flops_per_iter: float
+    peak_tflops: Optional[float]
+
+
+def _dp_mean(value: torch.Tensor, state: ParallelState) -> float:
     if state.dp_size > 1:
         value = value.clone()
         dist.all_reduce(value, group=state.dp_group)
@@ -57,24 +83,31 @@ def _dp_mean(value: torch.Tensor, state: Any) -> float:
 
 
 class Trainer:
-    def __init__(self, engine: Any, state: Any, args: Any, train_ds: Any, valid_ds: Any, shape: ModelShape,
-                 metrics: MetricsWriter, progress: Progress, exit_signal: Optional[ExitSignal] = None) -> None:
-        self.engine, self.state, self.args = engine, state, args
+    """Runs the loop over an engine. It reads only what it is given: the batch plan, the
+    training/checkpoint/logging configs, and ``run_config`` (all flags, resolved: stored in each
+    checkpoint's metadata)."""
+
+    def __init__(self, engine: "DeepSpeedEngine", state: ParallelState, plan: BatchPlan,
+                 training: TrainingConfig, checkpoint: CheckpointConfig, logging: LoggingConfig,
+                 train_ds: Optional[SampleDataset], valid_ds: Optional[SampleDataset], throughput: Throughput,
+                 metrics: MetricsWriter, progress: Progress, exit_signal: Optional[ExitSignal] = None,
+                 run_config: Optional[dict[str, Any]] = None) -> None:
+        self.engine, self.state, self.plan = engine, state, plan
+        self.training, self.checkpoint, self.logging = training, checkpoint, logging
         self.valid_ds = valid_ds
+        self.throughput = throughput
         self.metrics = metrics
         self.progress = progress
         self.exit_signal = exit_signal
+        self.run_config = run_config or {}
         self.device = state.device
         self.is_pipe = state.pp_size > 1
-        self.seq_length = args.data.seq_length
-        self.flops_per_iter = flops_per_token(shape, args.model.recompute) * args.global_batch_size * self.seq_length
-        self.peak_tflops = device_peak_tflops(args.precision, args.logging.peak_tflops)
-        self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, args.training.micro_batch_size,
-                                           state.dp_rank, state.dp_size, self.device, args.data.num_workers)
+        self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, plan.micro_batch_size,
+                                           state.dp_rank, state.dp_size, self.device, plan.num_workers)
         self._last_lr = engine.lr_scheduler.get_lr()[0]
         if self.train_batches is None:
             raise ValueError("the training dataset is empty: check --data-path and --split")
-        self._valid_batches: Optional[Iterator] = None
+        self._valid_batches: Optional[Iterator[Batch]] = None
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -84,16 +117,16 @@ class Trainer:
             return float(loss.item())  # already averaged over micro batches and DP by DeepSpeed
         engine.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for _ in range(self.args.grad_accum):
+        for _ in range(self.plan.grad_accum):
             b = next(self.train_batches)
             loss = engine(b.tokens, labels=b.labels)
             engine.backward(loss)
             engine.step()
             total += loss.detach().double()
-        return _dp_mean(total / self.args.grad_accum, self.state)
+        return _dp_mean(total / self.plan.grad_accum, self.state)
 
     def evaluate(self) -> Optional[float]:
-        t = self.args.training
+        t = self.training
         if self.valid_ds is None or t.eval_iters == 0:
             return None
         if self._valid_batches is None:
@@ -105,22 +138,23 @@ class Trainer:
                 if self.is_pipe:
                     total += self.engine.eval_batch(data_iter=pipeline_items(self._valid_batches)).double().reshape(())
                 else:
-                    for _ in range(self.args.grad_accum):
+                    for _ in range(self.plan.grad_accum):
                         b = next(self._valid_batches)
-                        total += self.engine(b.tokens, labels=b.labels).detach().double() / self.args.grad_accum
-                self.progress.consumed_valid_samples += self.args.global_batch_size
+                        total += self.engine(b.tokens, labels=b.labels).detach().double() / self.plan.grad_accum
+                self.progress.consumed_valid_samples += self.plan.global_batch_size
         self.engine.train()
         mean = total / t.eval_iters
         return float(mean.item()) if self.is_pipe else _dp_mean(mean, self.state)
 
-    def _cycle_valid(self) -> Iterator:
+    def _cycle_valid(self) -> Iterator[Batch]:
         """Validation micro batches continuing at the consumed-sample position; when the split is
         exhausted (e.g. a resumed run that evaluates more often than the first) start it over."""
-        t, n = self.args.training, len(self.valid_ds)
+        assert self.valid_ds is not None
+        n = len(self.valid_ds)
         start = self.progress.consumed_valid_samples % n
         while True:
             got = 0
-            for batch in micro_batches(self.valid_ds, start, t.micro_batch_size, self.state.dp_rank,
+            for batch in micro_batches(self.valid_ds, start, self.plan.micro_batch_size, self.state.dp_rank,
                                        self.state.dp_size, self.device):
                 got += 1
                 yield batch
@@ -133,21 +167,21 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, result: TrainResult) -> None:
         from megatron_ru.parallel.random import get_rng_state
-        c, p = self.args.checkpoint, self.progress
+        c, p = self.checkpoint, self.progress
         if not c.save or (result.saved and result.saved[-1] == p.iteration):
             return
         meta = ckpt.CheckpointMeta(
             iteration=p.iteration, consumed_train_samples=p.consumed_train_samples,
             consumed_valid_samples=p.consumed_valid_samples, tensor_model_parallel_size=self.state.tp_size,
             pipeline_model_parallel_size=self.state.pp_size, data_parallel_size=self.state.dp_size,
-            zero_stage=self.args.training.zero_stage, args=self.args.to_dict())
+            zero_stage=self.training.zero_stage, args=self.run_config)
         ckpt.save_checkpoint(self.engine, c.save, p.iteration, meta, self.state.rank, get_rng_state(),
                              keep_last=c.keep_last)
         result.saved.append(p.iteration)
 
     # ---- the loop ---------------------------------------------------------------------------
     def _exit_reason(self, started: float) -> Optional[str]:
-        t, it = self.args.training, self.progress.iteration
+        t, it = self.training, self.progress.iteration
         if t.exit_interval and it % t.exit_interval == 0:
             return f"--exit-interval {t.exit_interval}"
         if t.exit_duration_in_mins is not None:
@@ -164,33 +198,34 @@ class Trainer:
     def _log(self, it: int, losses: list[float], elapsed: float, skipped: int, grad_norm: Optional[float]) -> None:
         n = len(losses)
         per_iter = elapsed / n
-        tokens_per_sec = self.args.global_batch_size * self.seq_length / per_iter
-        tflops = self.flops_per_iter / per_iter / self.state.world_size / 1e12
+        tokens_per_sec = self.plan.global_batch_size * self.plan.seq_length / per_iter
+        tflops = self.throughput.flops_per_iter / per_iter / self.state.world_size / 1e12
+        peak = self.throughput.peak_tflops
         label, mem = peak_memory_mib()
         self.metrics.log_train({
-            "iteration": it, "train_iters": self.args.train_iters,
+            "iteration": it, "train_iters": self.plan.train_iters,
             "consumed_samples": self.progress.consumed_train_samples, "elapsed_ms": 1000.0 * per_iter,
-            "lr": self._last_lr, "global_batch_size": self.args.global_batch_size,
+            "lr": self._last_lr, "global_batch_size": self.plan.global_batch_size,
             "lm_loss": sum(losses) / n, "loss_scale": loss_scale_of(self.engine), "grad_norm": grad_norm,
             "skipped_iterations": skipped, "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
-            "mfu": (tflops / self.peak_tflops) if self.peak_tflops else None, "memory_label": label,
+            "mfu": (tflops / peak) if peak else None, "memory_label": label,
             "peak_memory_mib": mem})
 
     def train(self, on_iteration: Optional[Callable[[int, float], None]] = None,
               job_started: Optional[float] = None) -> TrainResult:
-        args, p, result = self.args, self.progress, TrainResult()
+        plan, t, c, p, result = self.plan, self.training, self.checkpoint, self.progress, TrainResult()
         started = time.time() if job_started is None else job_started
         window: list[float] = []
         skipped_window = 0
         window_start = time.perf_counter()
-        log_rank0(log, f"training from iteration {p.iteration} to {args.train_iters} "
+        log_rank0(log, f"training from iteration {p.iteration} to {plan.train_iters} "
                        f"(consumed samples {p.consumed_train_samples})")
-        while p.iteration < args.train_iters:
+        while p.iteration < plan.train_iters:
             self._last_lr = self.engine.lr_scheduler.get_lr()[0]  # the lr this step applies
             skipped_before = self.engine.skipped_steps
             loss = self.train_step()
             p.iteration += 1
-            p.consumed_train_samples += args.global_batch_size
+            p.consumed_train_samples += plan.global_batch_size
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at iteration {p.iteration}; lower --lr, raise "
                                          f"--lr-warmup-iters, or use --bf16 instead of --fp16")
@@ -200,22 +235,20 @@ class Trainer:
             skipped_window += self.engine.skipped_steps - skipped_before
             if on_iteration is not None:
                 on_iteration(p.iteration, loss)
-            if p.iteration % args.logging.log_interval == 0 or p.iteration == args.train_iters:
+            if p.iteration % self.logging.log_interval == 0 or p.iteration == plan.train_iters:
                 _sync(self.device)
                 self._log(p.iteration, window, time.perf_counter() - window_start, skipped_window, grad_norm)
                 window, skipped_window, window_start = [], 0, time.perf_counter()
-            if args.training.eval_interval and p.iteration % args.training.eval_interval == 0:
+            if t.eval_interval and p.iteration % t.eval_interval == 0:
                 self._eval_and_log(result)
-            c = args.checkpoint
             if c.save and c.save_interval and p.iteration % c.save_interval == 0:
                 self.save(result)
-            reason = self._exit_reason(started) if p.iteration < args.train_iters else None
+            reason = self._exit_reason(started) if p.iteration < plan.train_iters else None
             if reason:
                 log_rank0(log, f"exiting at iteration {p.iteration}: {reason}")
                 result.exit_reason = reason
                 break
-        if result.exit_reason == "done" and not (args.training.eval_interval and
-                                                 p.iteration % args.training.eval_interval == 0):
+        if result.exit_reason == "done" and not (t.eval_interval and p.iteration % t.eval_interval == 0):
             self._eval_and_log(result)
         self.save(result)
         result.iteration = p.iteration

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_ru.config.arguments import Arguments, parse_arguments
+from megatron_ru.parallel.state import ParallelState
 from megatron_ru.training.failure import report_failure
-from megatron_ru.training.loop import Progress, TrainResult, Trainer
-from megatron_ru.training.metrics import MetricsWriter, ModelShape
+from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
+from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
 from megatron_ru.training.signals import ExitSignal, install_if_requested
 from megatron_ru.utils.logging import get_logger, log_rank0
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 log = get_logger(__name__)
 
@@ -28,7 +32,20 @@ def model_shape(args: Arguments, vocab_size: int) -> ModelShape:
                       seq_length=args.data.seq_length, vocab_size=vocab_size, gated_mlp=m.swiglu)
 
 
-def build_model(args: Arguments, state: Any, vocab_size: int) -> torch.nn.Module:
+def batch_plan(args: Arguments) -> BatchPlan:
+    """The resolved batch numbers of ``args`` (what the loop runs by)."""
+    return BatchPlan(train_iters=args.train_iters, global_batch_size=args.global_batch_size,
+                     micro_batch_size=args.training.micro_batch_size, grad_accum=args.grad_accum,
+                     seq_length=args.data.seq_length, num_workers=args.data.num_workers)
+
+
+def throughput(args: Arguments, vocab_size: int) -> Throughput:
+    flops = flops_per_token(model_shape(args, vocab_size), args.model.recompute)
+    return Throughput(flops_per_iter=flops * args.global_batch_size * args.data.seq_length,
+                      peak_tflops=device_peak_tflops(args.precision, args.logging.peak_tflops))
+
+
+def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch.nn.Module:
     """``GPTModel`` for PP = 1, a DeepSpeed ``PipelineModule`` over our layer specs for PP > 1.
     Parameters are created in fp32 (DeepSpeed casts for bf16/fp16 and keeps fp32 masters)."""
     from megatron_ru.model.gpt import GPTLoss, GPTModel, build_layer_specs
@@ -44,7 +61,7 @@ def build_model(args: Arguments, state: Any, vocab_size: int) -> torch.nn.Module
                           partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
 
 
-def _resume(engine: Any, state: Any, args: Arguments) -> Progress:
+def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) -> Progress:
     from megatron_ru.parallel.random import set_rng_state
     from megatron_ru.training.checkpoint import load_checkpoint
     c = args.checkpoint
@@ -72,7 +89,6 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.random import model_parallel_seed
-    from megatron_ru.parallel.state import ParallelState
     from megatron_ru.training.data import build_datasets
     from megatron_ru.training.engine import attach_deepspeed_comm, initialize_engine
     from megatron_ru.training.freeze import apply_freezing
@@ -98,8 +114,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     metrics = MetricsWriter(args.logging, active=state.rank == 0)
     if exit_signal is None and args.training.exit_signal_handler:
         exit_signal = ExitSignal().install()
-    return Trainer(engine, state, args, train_ds, valid_ds, model_shape(args, tokenizer.vocab_size),
-                   metrics, progress, exit_signal)
+    return Trainer(engine, state, batch_plan(args), args.training, args.checkpoint, args.logging, train_ds, valid_ds,
+                   throughput(args, tokenizer.vocab_size), metrics, progress, exit_signal, run_config=args.to_dict())
 
 
 def run(args: Arguments, job_started: Optional[float] = None,
