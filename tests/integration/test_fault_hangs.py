@@ -252,3 +252,20 @@ print(sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[15.0]", proc.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("flags, expected", [
+    (["--num-layers", "four"], "argument --num-layers: invalid int value: 'four'"),  # argparse's own error
+    (["--lr", "-1e-3"], "--lr and --min-lr must be >= 0"),                             # our validation
+])
+def test_invalid_flag_under_mpirun_is_printed_once_exit_2(flags, expected, corpus, tmp_path):
+    job = Job("mpirun", tiny_argv(*corpus, iters=3, extra=flags), tmp_path / "out.txt")
+    try:
+        code = job.wait(150, time.time(), "start")
+    finally:
+        job.close()
+    text = job.text()
+    assert code == 2, text[-4000:]
+    assert text.count(expected) == 1, text[-4000:]
+    _no_traceback_of_ours(text)
