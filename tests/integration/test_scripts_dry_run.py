@@ -160,8 +160,9 @@ def path_without(tmp_path: Path, command: str) -> str:
 
 @pytest.fixture(params=["scontrol", "unconfigured", "real-unconfigured", "no-scontrol"])
 def slurm_tools(request, tmp_path) -> tuple[str, dict[str, str]]:
-    """(case, environment) for the cases above; real-unconfigured is this machine's own
-    scontrol (when installed) given an empty slurm.conf, which it refuses at once."""
+    """(case, environment) for the cases above; real-unconfigured is Debian's real scontrol
+    (installed here when absent, never configured by this test) given an empty slurm.conf, which
+    it refuses at once."""
     case = request.param
     if case == "scontrol":
         return case, {"PATH": fake_bin(tmp_path, "scontrol", SCONTROL_WORKS)}
@@ -169,7 +170,9 @@ def slurm_tools(request, tmp_path) -> tuple[str, dict[str, str]]:
         return case, {"PATH": fake_bin(tmp_path, "scontrol", SCONTROL_UNCONFIGURED)}
     if case == "real-unconfigured":
         if shutil.which("scontrol", path="/usr/local/bin:/usr/bin:/bin") is None:
-            pytest.skip("Slurm's scontrol is not installed here (the unconfigured and no-scontrol cases cover it)")
+            # Debian's client alone: installed, not configured, as on a login node of another cluster
+            from tests.integration.schedulers.system import apt_install
+            apt_install(["slurm-client"])
         (tmp_path / "empty_slurm.conf").touch()
         return case, {"SLURM_CONF": str(tmp_path / "empty_slurm.conf")}
     return case, {"PATH": path_without(tmp_path, "scontrol")}
