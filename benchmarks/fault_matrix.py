@@ -174,8 +174,10 @@ class Workspace:
 
     def base_checkpoint(self, layout: str) -> str:
         """A checkpoint at iteration 2 (written once per layout by a clean torchrun job)."""
+        path = os.path.join(self.root, f"base_{layout}")
+        if os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")):
+            self._base[layout] = path  # made by an earlier run in the same --workdir
         if layout not in self._base:
-            path = os.path.join(self.root, f"base_{layout}")
             run = launch("torchrun", self.argv(layout, iters=6, extra=("--save", path, "--exit-interval", "2")),
                          limit=600)
             if run.rc != 0:
@@ -259,7 +261,9 @@ def truncate_one_rank_file(ckpt: str, layout: str) -> None:
 
 
 def delete_optimizer_shard(ckpt: str, layout: str) -> None:
-    os.remove(ckpt_files(ckpt, "*zero_pp_rank_1_*optim_states.pt")[0])
+    # rank 1's: the TP-rank-1 file of stage 0 (DP 1), or data-parallel rank 1's ZeRO partition
+    pattern = "*mp_rank_01_optim_states.pt" if layout == "tp2pp2" else "*zero_pp_rank_1_*optim_states.pt"
+    os.remove(ckpt_files(ckpt, pattern)[0])
 
 
 def delete_tp_shard(ckpt: str, layout: str) -> None:
@@ -439,7 +443,13 @@ def run_matrix(ws: Workspace, launchers: list[str], layouts: list[str], faults: 
         for launcher in launchers:
             for fault in faults:
                 name = f"{fault}-{launcher}-{layout}"
-                argv, during, culprit, expect = FAULTS[fault](ws, launcher, layout, name)
+                try:
+                    argv, during, culprit, expect = FAULTS[fault](ws, launcher, layout, name)
+                except (OSError, IndexError) as e:  # the fault could not be set up: a bug here
+                    out.append(Outcome(launcher, layout, fault, "error", None, 0.0, False, False, False, 0, 0,
+                                       False, f"fault not set up: {type(e).__name__}: {e}"))
+                    print(f"FAIL {launcher:8s} {layout:6s} {fault:26s} not set up: {e}", flush=True)
+                    continue
                 run = launch(launcher, argv, limit, during)
                 if fault == "poisoned-file" and glob.glob(os.path.join(ws.root, "runs", name, "POISON_RAN")):
                     run.extra["note"] = "POISON RAN"
