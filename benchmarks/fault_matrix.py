@@ -43,6 +43,33 @@ LAYOUTS = {"tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-par
            "dp4": ["--zero-stage", "1"]}
 
 
+#: length of the runs whose resumed losses are compared with an uninterrupted run's
+REFERENCE_ITERS = 200
+
+
+def train_losses(metrics: str) -> dict[int, float]:
+    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(metrics)) if r.get("type") == "train"}
+
+
+def resume_matches_reference(ws: "Workspace", launcher: str, layout: str, save: str) -> str:
+    """Resume from whatever the pointer in ``save`` names and train to REFERENCE_ITERS: every loss
+    after the resume point must equal the uninterrupted run's bit for bit ("" if so, else why)."""
+    pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(pointer):
+        return "no checkpoint saved"
+    start = int(open(pointer).read().strip())
+    metrics = os.path.join(save, "resumed.jsonl")
+    run = launch(launcher, ws.argv(layout, iters=REFERENCE_ITERS, extra=("--load", save, "--save", save,
+                                                                         "--metrics-file", metrics)), limit=900)
+    if run.rc != 0:
+        return f"resume from iteration {start} failed (exit {run.rc})"
+    resumed, reference = train_losses(metrics), ws.reference_losses(layout, launcher)
+    if sorted(resumed) != list(range(start + 1, REFERENCE_ITERS + 1)):
+        return f"resumed run logged iterations {min(resumed, default=None)}..{max(resumed, default=None)}"
+    diff = [i for i in resumed if resumed[i] != reference[i]]
+    return f"resumed losses differ from the uninterrupted run at {len(diff)} iterations" if diff else ""
+
+
 @dataclass
 class Outcome:
     launcher: str
@@ -166,6 +193,7 @@ class Workspace:
         self.prefix = make_corpus(root)
         self.cache = os.path.join(root, "cache")
         self._base: dict[str, str] = {}
+        self._reference: dict[str, dict[int, float]] = {}
 
     def argv(self, layout: str, *, iters: int = 6, extra: tuple = ()) -> list[str]:
         return tiny_argv(self.prefix, self.cache, iters=iters,
@@ -184,6 +212,20 @@ class Workspace:
                 raise RuntimeError(f"could not make the base checkpoint for {layout}:\n{run.output[-3000:]}")
             self._base[layout] = path
         return self._base[layout]
+
+    def reference_losses(self, layout: str, launcher: str) -> dict[int, float]:
+        """Per-iteration losses of an uninterrupted REFERENCE_ITERS run (once per layout and launcher)."""
+        key = f"{layout}-{launcher}"
+        if key not in self._reference:
+            metrics = os.path.join(self.root, f"reference_{key}.jsonl")
+            if not os.path.isfile(metrics):
+                run = launch(launcher, self.argv(layout, iters=REFERENCE_ITERS, extra=("--metrics-file", metrics + ".tmp")),
+                             limit=900)
+                if run.rc != 0:
+                    raise RuntimeError(f"the reference run {key} failed:\n{run.output[-3000:]}")
+                os.replace(metrics + ".tmp", metrics)
+            self._reference[key] = train_losses(metrics)
+        return self._reference[key]
 
     def copy_checkpoint(self, layout: str, name: str) -> str:
         dst = os.path.join(self.root, "runs", name)
@@ -294,7 +336,7 @@ def bad_pointer(ckpt: str, layout: str) -> None:
 
 def finetune_missing(ws: Workspace, launcher: str, layout: str, name: str):
     missing = os.path.join(ws.root, "runs", "no_such_checkpoint_dir")
-    return ws.argv(layout, iters=2, extra=("--finetune", "--load", missing)), None, "no_such_checkpoint_dir", "error"
+    return ws.argv(layout, iters=6, extra=("--finetune", "--load", missing)), None, "no_such_checkpoint_dir", "error"
 
 
 def _damaged_idx(ws: Workspace, name: str, edit: Callable[[bytearray], None]) -> str:
@@ -312,7 +354,7 @@ def _damaged_idx(ws: Workspace, name: str, edit: Callable[[bytearray], None]) ->
 def idx_fault(edit: Callable[[bytearray], None]):
     def make(ws: Workspace, launcher: str, layout: str, name: str):
         prefix = _damaged_idx(ws, name, edit)
-        argv = ws.argv(layout, iters=2, extra=("--data-path", prefix,
+        argv = ws.argv(layout, iters=6, extra=("--data-path", prefix,
                                                "--data-cache-path", os.path.join(ws.root, "runs", name, "cache")))
         return argv, None, r"tiny_text_document\.idx", "error"
     return make
@@ -320,7 +362,7 @@ def idx_fault(edit: Callable[[bytearray], None]):
 
 def _flip_doc_count(raw: bytearray) -> None:
     # MMIDIDX header: magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
-    raw[26 + 8 + 1] ^= 0x04
+    raw[26] ^= 0x04
 
 
 def _dtype_8_to_3(raw: bytearray) -> None:
@@ -329,7 +371,7 @@ def _dtype_8_to_3(raw: bytearray) -> None:
 
 
 def vocab_too_small(ws: Workspace, launcher: str, layout: str, name: str):
-    return ws.argv(layout, iters=2, extra=("--vocab-size", "50")), None, r"vocab|--vocab-size", "error"
+    return ws.argv(layout, iters=6, extra=("--vocab-size", "50")), None, r"vocab|--vocab-size", "error"
 
 
 def signal_all(sig: int, at_startup: bool):
@@ -338,8 +380,8 @@ def signal_all(sig: int, at_startup: bool):
         shutil.rmtree(save, ignore_errors=True)
         os.makedirs(save)
         metrics = os.path.join(save, "metrics.jsonl")
-        argv = ws.argv(layout, iters=100000, extra=("--save", save, "--exit-signal-handler",
-                                                    "--metrics-file", metrics))
+        argv = ws.argv(layout, iters=REFERENCE_ITERS, extra=("--save", save, "--exit-signal-handler",
+                                                             "--metrics-file", metrics))
 
         def during(proc, started):
             if at_startup:
@@ -352,8 +394,43 @@ def signal_all(sig: int, at_startup: bool):
             for pid in rank_pids(proc.pid).values():
                 os.kill(pid, sig)
             return {"injected": True, "injected_at": time.time() - started, "save": save}
-        return argv, during, "", "exit0"
+
+        def after(run: Run) -> str:
+            if "exiting at iteration" not in run.output:
+                return "the signal did not stop training"
+            return resume_matches_reference(ws, launcher, layout, save)
+        return argv, during, "", "exit0", after
     return make
+
+
+def kill_during_saves(ws: Workspace, launcher: str, layout: str, name: str):
+    """SIGKILL rank 1 while the job saves every iteration; the pointer must still name a complete
+    checkpoint, from which a resume reproduces the uninterrupted run."""
+    save = os.path.join(ws.root, "runs", name)
+    shutil.rmtree(save, ignore_errors=True)
+    os.makedirs(save)
+    metrics = os.path.join(save, "metrics.jsonl")
+    argv = ws.argv(layout, iters=REFERENCE_ITERS, extra=("--save", save, "--save-interval", "1",
+                                                         "--metrics-file", metrics))
+
+    def during(proc, started):
+        if not _wait_training(metrics, proc, lines=3):
+            return {"injected": False}
+        deadline = time.time() + 30
+        while time.time() < deadline:  # a moment when an iteration directory is not yet current
+            pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
+            current = open(pointer).read().strip() if os.path.isfile(pointer) else ""
+            if any(d != f"iter_{int(current or 0):07d}" for d in os.listdir(save) if d.startswith("iter_")):
+                break
+            time.sleep(0.005)
+        pids = rank_pids(proc.pid)
+        if 1 not in pids:
+            return {"injected": False}
+        os.kill(pids[1], signal.SIGKILL)
+        return {"injected": True, "injected_at": time.time() - started}
+
+    return argv, during, r"rank|peer|closed|died|signal", "error", \
+        lambda run: resume_matches_reference(ws, launcher, layout, save)
 
 
 FAULTS: dict[str, Callable] = {
@@ -370,6 +447,7 @@ FAULTS: dict[str, Callable] = {
     "idx-doc-count-bit": idx_fault(_flip_doc_count),
     "idx-dtype-8-to-3": idx_fault(_dtype_8_to_3),
     "ids-beyond-vocab": vocab_too_small,
+    "kill9-during-save": kill_during_saves,
     "sigusr1-training": signal_all(signal.SIGUSR1, at_startup=False),
     "sigterm-startup": signal_all(signal.SIGTERM, at_startup=True),
 }
@@ -405,8 +483,7 @@ def _rank_tracebacks(text: str) -> int:
     return sum(1 for b in blocks if "/bin/torchrun" not in b[:400])
 
 
-def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run: Run,
-          check_exit0: Optional[Callable[[Run], str]] = None) -> Outcome:
+def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run: Run) -> Outcome:
     tracebacks = _rank_tracebacks(run.output)
     errors = _count_errors(run.output)
     names = bool(re.search(culprit, run.output)) if culprit else True
@@ -415,7 +492,6 @@ def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run
     if run.extra.get("injected") is False:
         note = "fault not injected (job ended before it)"
     if expect == "exit0":
-        note = (check_exit0(run) if check_exit0 else "") or note
         ok = run.rc == 0 and not run.hang and not note
     else:
         ok = not run.hang and not silent and run.rc not in (None, 0) and names
@@ -423,16 +499,6 @@ def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run
         ok, note = False, "suggests weights_only=False"
     return Outcome(launcher, layout, fault, expect, run.rc, round(run.seconds, 1), run.hang, silent, names,
                    errors, tracebacks, ok, note, run.output[-4000:])
-
-
-def _saved_checkpoint(run: Run) -> str:
-    save = run.extra.get("save")
-    if not save:
-        return "no signal sent"
-    pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(pointer):
-        return "no checkpoint saved"
-    return ""
 
 
 def run_matrix(ws: Workspace, launchers: list[str], layouts: list[str], faults: list[str],
@@ -444,7 +510,9 @@ def run_matrix(ws: Workspace, launchers: list[str], layouts: list[str], faults: 
             for fault in faults:
                 name = f"{fault}-{launcher}-{layout}"
                 try:
-                    argv, during, culprit, expect = FAULTS[fault](ws, launcher, layout, name)
+                    spec = FAULTS[fault](ws, launcher, layout, name)
+                    argv, during, culprit, expect = spec[:4]
+                    after = spec[4] if len(spec) > 4 else None
                 except (OSError, IndexError) as e:  # the fault could not be set up: a bug here
                     out.append(Outcome(launcher, layout, fault, "error", None, 0.0, False, False, False, 0, 0,
                                        False, f"fault not set up: {type(e).__name__}: {e}"))
@@ -453,9 +521,15 @@ def run_matrix(ws: Workspace, launchers: list[str], layouts: list[str], faults: 
                 run = launch(launcher, argv, limit, during)
                 if fault == "poisoned-file" and glob.glob(os.path.join(ws.root, "runs", name, "POISON_RAN")):
                     run.extra["note"] = "POISON RAN"
-                o = judge(launcher, layout, fault, expect, culprit, run, _saved_checkpoint)
+                o = judge(launcher, layout, fault, expect, culprit, run)
                 if run.extra.get("note"):
                     o.ok, o.note = False, run.extra["note"]
+                elif after is not None and not run.hang and run.extra.get("injected", True):
+                    problem = after(run)
+                    if problem:
+                        o.ok, o.note = False, problem
+                    elif o.ok:
+                        o.note = "resume exact"
                 print(f"{'ok  ' if o.ok else 'FAIL'} {launcher:8s} {layout:6s} {fault:26s} rc={o.rc} "
                       f"{o.seconds:6.1f}s errors={o.error_lines} "
                       f"tracebacks={o.tracebacks} {o.note}", flush=True)
