@@ -18,7 +18,6 @@ import argparse
 import glob
 import json
 import os
-import pickle
 import platform
 import re
 import shutil
@@ -318,10 +317,23 @@ def delete_rng(ckpt: str, layout: str) -> None:
 
 
 def poison(ckpt: str, layout: str) -> None:
+    """A model file replaced by a torch.save archive whose pickle runs a command, and its size in
+    metadata.json updated to match (whoever can write one file can write both): only the refusal
+    to unpickle code can catch it."""
+    import io
+
+    import torch
     path = ckpt_files(ckpt, "layer_01-model_00-model_states.pt" if layout == "tp2pp2"
                       else "mp_rank_00_model_states.pt")[0]
+    buf = io.BytesIO()
+    torch.save({"module": _Poison(os.path.join(ckpt, "POISON_RAN"))}, buf)
     with open(path, "wb") as f:
-        pickle.dump({"module": _Poison(os.path.join(ckpt, "POISON_RAN"))}, f)
+        f.write(buf.getvalue())
+    meta_path = ckpt_files(ckpt, "metadata.json")[0]
+    meta = json.load(open(meta_path))
+    meta["files"][os.path.basename(path)] = len(buf.getvalue())
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
 
 
 def corrupt_metadata(ckpt: str, layout: str) -> None:
@@ -567,6 +579,30 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(rows)
 
 
+def pivot(outcomes: list[Outcome]) -> str:
+    """The docs table: one row per fault, one column per launcher x layout, each cell "exit, seconds"
+    and the verdict; invalid configurations folded into one row."""
+    cols = sorted({(o.launcher, o.layout) for o in outcomes if o.layout != "-"}, key=lambda c: (c[1], c[0]),
+                  reverse=True)
+    faults = list(dict.fromkeys(o.fault for o in outcomes if o.layout != "-"))
+    cell = {(o.fault, o.launcher, o.layout): o for o in outcomes}
+    rows = ["| fault | " + " | ".join(f"{lau} {lay}" for lau, lay in cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    for fault in faults:
+        out = []
+        for lau, lay in cols:
+            o = cell.get((fault, lau, lay))
+            out.append("—" if o is None else f"{o.rc if not o.hang else 'HANG'}, {o.seconds:.0f} s"
+                       f"{'' if o.ok else ' **FAIL** ' + o.note}{' (resume exact)' if o.ok and o.note == 'resume exact' else ''}")
+        rows.append(f"| {fault} | " + " | ".join(out) + " |")
+    invalid = [o for o in outcomes if o.layout == "-"]
+    if invalid:
+        good = sum(o.ok for o in invalid)
+        rows.append(f"| {len(invalid)} invalid configurations | {good}/{len(invalid)}: exit 2, one error line "
+                    f"naming the flag, no traceback | | | |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--launchers", nargs="+", default=["mpirun", "torchrun"], choices=["mpirun", "torchrun"])
@@ -577,7 +613,12 @@ def main() -> int:
     p.add_argument("--startup-seconds", type=float, default=90, help="allowance for 4 ranks to start")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "out", "fault_matrix.json"))
+    p.add_argument("--table-from", default=None, help="print the docs table of an earlier run's JSON and exit")
     a = p.parse_args()
+    if a.table_from:
+        saved = json.load(open(a.table_from))
+        sys.stdout.write(pivot([Outcome(**o) for o in saved["outcomes"]]) + "\n\n" + json.dumps(saved["summary"]) + "\n")
+        return 0
     root = a.workdir or tempfile.mkdtemp(prefix="fault_matrix_")
     os.makedirs(os.path.join(root, "runs"), exist_ok=True)
     ws = Workspace(root, a.timeout_minutes)
@@ -594,7 +635,7 @@ def main() -> int:
     with open(a.out + ".tmp", "w") as f:
         json.dump({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, f, indent=1)
     os.replace(a.out + ".tmp", a.out)
-    sys.stdout.write(table(outcomes) + "\n\n" + json.dumps(summary) + "\n")
+    sys.stdout.write(table(outcomes) + "\n\n" + pivot(outcomes) + "\n\n" + json.dumps(summary) + "\n")
     for o in bad:
         sys.stdout.write(f"\n---- {o.launcher} {o.layout} {o.fault} ----\n{o.tail[-1500:]}\n")
     return 0 if not bad else 1
