@@ -280,7 +280,7 @@ def test_ctrl_c_mid_run_leaves_nothing(tmp_path, tok_files, worker_type):
     from megatron_ru.data.preprocess.synthetic import write_corpus
 
     big = str(tmp_path / "big.jsonl")
-    write_corpus(big, 8_000_000, seed=3)
+    write_corpus(big, 24_000_000, seed=3)
     out_dir = tmp_path / "out"
     cmd = [sys.executable, TOOL, "--input", big, "--output-prefix", str(out_dir / "ds"), *tok_files["gptsp"],
            "--workers", "2", "--worker-type", worker_type, "--log-interval", "20", "--batch-bytes", "65536"]
@@ -288,9 +288,14 @@ def test_ctrl_c_mid_run_leaves_nothing(tmp_path, tok_files, worker_type):
     try:
         for line in p.stderr:  # wait until documents are being written
             if "processed " in line:
+                # hold the tool where it is: on an idle machine it would otherwise finish the
+                # corpus before the interrupt arrives (seen: 24 MB/s on 2 cores)
+                p.send_signal(signal.SIGSTOP)
                 break
+        assert p.poll() is None, "the tool finished before it could be interrupted"
         assert os.listdir(out_dir), "temporary outputs exist while the tool runs"
-        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGINT)  # delivered when it runs again, in the middle of the corpus
+        p.send_signal(signal.SIGCONT)
         rest = p.stderr.read()
         assert p.wait(timeout=60) == 130, rest
     finally:
