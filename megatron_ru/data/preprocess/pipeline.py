@@ -9,6 +9,8 @@ from the input independently of them and their results are written in input orde
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 import traceback
 from collections import Counter, deque
@@ -157,6 +159,40 @@ def choose_worker_type(requested: str, workers: int, tokenizer: Tokenizer) -> st
     return "thread" if tokenizer.releases_gil and workers <= MAX_AUTO_THREADS else "process"
 
 
+class _DeferredInterrupt:
+    """While workers run, SIGINT (Ctrl-C) only sets a flag; :meth:`check` raises KeyboardInterrupt
+    between batches. Raised wherever the main thread happens to be, it can land inside
+    multiprocessing's queue code with a lock held, and ``Pool.terminate()`` then waits for that
+    lock forever (seen: the tool hung with its workers already gone)."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self._previous = None
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, _signum: int, _frame: object) -> None:
+        self.interrupted = True
+
+    def check(self) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if exc_type is None:
+            self.check()  # a Ctrl-C after the last batch still stops the run before anything is renamed
+
+
+def _ignore_sigint() -> None:
+    """Pool workers leave Ctrl-C to the main process (a terminal sends it to the whole group)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_type: str) -> Iterable[BatchResult]:
     """Encoded batches in input order; at most 2 × workers in flight."""
     global _ENCODER
@@ -174,17 +210,24 @@ def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_ty
         import multiprocessing as mp  # here: importing it (and its pool) costs ~20 ms of start-up
 
         _ENCODER = encoder
-        pool = mp.get_context("fork").Pool(workers)  # workers inherit the loaded tokenizer: no re-load
+        # workers inherit the loaded tokenizer: no re-load
+        pool = mp.get_context("fork").Pool(workers, initializer=_ignore_sigint)
         submit = lambda b: pool.apply_async(_encode_in_worker, (b,))  # noqa: E731
         get = lambda res: res.get()  # noqa: E731
     try:
-        pending: deque = deque()
-        for b in batches:
-            pending.append(submit(b))
-            if len(pending) >= 2 * workers:
-                yield get(pending.popleft())
-        while pending:
-            yield get(pending.popleft())
+        with _DeferredInterrupt() as interrupt:
+            pending: deque = deque()
+            for b in batches:
+                interrupt.check()
+                pending.append(submit(b))
+                if len(pending) >= 2 * workers:
+                    result = get(pending.popleft())
+                    interrupt.check()
+                    yield result
+            while pending:
+                result = get(pending.popleft())
+                interrupt.check()
+                yield result
     finally:
         if worker_type == "thread":
             pool.shutdown(wait=True, cancel_futures=True)
