@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.fixtures.filesystems import small_tmpfs
 from tests.integration._train_helpers import make_corpus, tiny_argv
 
 pytestmark = pytest.mark.slow
@@ -174,14 +175,8 @@ def _disk_full_body(rank, world_size, prefix, cache, save):
 def test_disk_full_during_a_2_rank_save_ends_on_every_rank_and_keeps_the_previous(tmp_path):
     """Both ranks give up the save together (no rank waits in a collective for one that failed)."""
     from megatron_ru.training.checkpoint import list_iterations, read_latest_iteration
-    mnt = tmp_path / "small_fs"
-    mnt.mkdir()
-    import subprocess
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {proc.stderr.strip()}")
-    try:
-        prefix, cache, save = make_corpus(str(tmp_path)), str(tmp_path / "cache"), str(mnt / "ckpt")
+    with small_tmpfs(tmp_path / "small_fs", "8m") as mnt:
+        prefix, cache, save = make_corpus(str(tmp_path)), str(tmp_path / "cache"), os.path.join(mnt, "ckpt")
         errors = run_distributed(_disk_full_body, 2, args=(prefix, cache, save), timeout=300,
                                  env={"DS_ACCELERATOR": "cpu"})
         for msg in errors:
@@ -189,5 +184,3 @@ def test_disk_full_during_a_2_rank_save_ends_on_every_rank_and_keeps_the_previou
             assert f"while writing {save}/iter_0000005/" in msg
             assert f"iteration 3 ({save}/iter_0000003) is still the current checkpoint" in msg
         assert read_latest_iteration(save) == 3 and list_iterations(save) == [3]
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -96,6 +96,16 @@ class Job:
         self._out.close()
 
 
+def run_to_end(launcher: str, argv: list[str], log: Path, limit_s: float) -> tuple[int, str]:
+    """Start a job, wait for it to end by itself (a hang fails the test), return (status, output)."""
+    job = Job(launcher, argv, log)
+    try:
+        code = job.wait(limit_s, time.time(), "start")
+    finally:
+        job.close()
+    return code, job.text()
+
+
 def rank_pids(tag: str) -> dict[int, int]:
     """{global rank: pid} of the rank processes whose command line mentions ``tag``."""
     found = {}
@@ -199,12 +209,8 @@ def test_damaged_pointer_file_every_rank_reads_is_one_error_exit_2(launcher, cor
     load.mkdir()
     pointer = load / "latest_checkpointed_iteration.txt"
     pointer.write_text("garbage\n")
-    job = Job(launcher, _faulty_argv(corpus, tmp_path, "--load", str(load)), tmp_path / "out.txt")
-    try:
-        code = job.wait(240, time.time(), "start")
-    finally:
-        job.close()
-    text = job.text()
+    code, text = run_to_end(launcher, _faulty_argv(corpus, tmp_path, "--load", str(load)), tmp_path / "out.txt",
+                            240)
     lines = _error_lines(text)
     assert len(lines) == 1 and str(pointer) in lines[0] and "'garbage'" in lines[0], text[-4000:]
     _no_traceback_of_ours(text)
@@ -218,12 +224,8 @@ def test_corrupt_idx_under_mpirun_is_one_error_line_exit_2(tmp_path):
     prefix = make_corpus(str(tmp_path))
     idx = Path(prefix + ".idx")
     idx.write_bytes(idx.read_bytes()[:-40])
-    job = Job("mpirun", tiny_argv(prefix, str(tmp_path / "cache"), iters=3, extra=LAYOUT), tmp_path / "out.txt")
-    try:
-        code = job.wait(150, time.time(), "start")
-    finally:
-        job.close()
-    text = job.text()
+    argv = tiny_argv(prefix, str(tmp_path / "cache"), iters=3, extra=LAYOUT)
+    code, text = run_to_end("mpirun", argv, tmp_path / "out.txt", 150)
     lines = _error_lines(text)
     assert code == 2 and len(lines) == 1, text[-4000:]
     assert "rank 0]" in lines[0] and f"{idx}: truncated index" in text, text[-4000:]
@@ -260,12 +262,7 @@ print(sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds
     (["--lr", "-1e-3"], "--lr and --min-lr must be >= 0"),                             # our validation
 ])
 def test_invalid_flag_under_mpirun_is_printed_once_exit_2(flags, expected, corpus, tmp_path):
-    job = Job("mpirun", tiny_argv(*corpus, iters=3, extra=flags), tmp_path / "out.txt")
-    try:
-        code = job.wait(150, time.time(), "start")
-    finally:
-        job.close()
-    text = job.text()
+    code, text = run_to_end("mpirun", tiny_argv(*corpus, iters=3, extra=flags), tmp_path / "out.txt", 150)
     assert code == 2, text[-4000:]
     assert text.count(expected) == 1, text[-4000:]
     _no_traceback_of_ours(text)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_ru.training import checkpoint as ckpt
+from tests.fixtures.filesystems import small_tmpfs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -272,26 +273,19 @@ def test_crash_during_save_keeps_previous_checkpoint_and_resume_is_exact(tmp_pat
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A real 2 MiB file system that fills up (needs root to mount; skipped otherwise)."""
-    mnt = tmp_path / "small_fs"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {proc.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs(tmp_path):
+    """A real 2 MiB file system that fills up."""
+    with small_tmpfs(tmp_path / "small_fs", "2m") as mnt:
+        yield mnt
 
 
-def test_disk_full_during_save_names_device_and_path_and_keeps_previous(small_tmpfs, tmp_path):
+def test_disk_full_during_save_names_device_and_path_and_keeps_previous(small_fs, tmp_path):
     """Was ``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0``."""
-    save, out = os.path.join(small_tmpfs, "ckpt"), str(tmp_path / "full.json")
+    save, out = os.path.join(small_fs, "ckpt"), str(tmp_path / "full.json")
     proc = _run_worker("diskfull", save, out, 1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     msg = json.load(open(out))["error"]
-    assert msg is not None and msg.startswith(f"no space left on tmpfs (mounted at {small_tmpfs} (0 bytes free of "
+    assert msg is not None and msg.startswith(f"no space left on tmpfs (mounted at {small_fs} (0 bytes free of "
                                               f"2.0 MiB)) while writing {save}/iter_0000003/"), msg
     assert f"the save of iteration 3 was abandoned and its partial directory {save}/iter_0000003 removed; " \
            f"iteration 2 ({save}/iter_0000002) is still the current checkpoint" in msg
