@@ -18,14 +18,14 @@ from torch import nn
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init
+from megatron_ru.model.spec import (EMBEDDING, OUTPUT_LAYER, TIED_KEY, WORD_EMBEDDINGS, build_layer,
+                                    layer_constructor, model_description)
 from megatron_ru.model.transformer import Norm, TransformerLayer, split_region_rng
 from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ru.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from megatron_ru.parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_ru.parallel.utils import ProcessGroup, group_size, pad_vocab_size
 
-TIED_KEY = "embed"
-TIED_WEIGHT_ATTR = "word_embeddings.weight"
 
 
 def padded_vocab_size(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None) -> int:
@@ -59,14 +59,14 @@ class EmbeddingLayer(nn.Module):
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size(cfg, vocab_size, tp_group), cfg.hidden_size, tp_group=tp_group,
-            init_method=normal_init(std, seed, "embedding.word_embeddings.weight", valid_rows=vocab_size),
+            init_method=normal_init(std, seed, f"{EMBEDDING}.{WORD_EMBEDDINGS}", valid_rows=vocab_size),
             device=device, dtype=dtype)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute" and not output_only:
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                     device=device, dtype=dtype)
             full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
-            normal_init(std, seed, "embedding.position_embeddings.weight")(full)
+            normal_init(std, seed, f"{EMBEDDING}.position_embeddings.weight")(full)
             with torch.no_grad():
                 self.position_embeddings.weight.copy_(full)
 
@@ -103,7 +103,7 @@ class OutputLayer(ColumnParallelLinear):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(cfg.hidden_size, padded_vocab_size(cfg, vocab_size, tp_group), tp_group=tp_group,
                          bias=False, sequence_parallel=sequence_parallel,
-                         init_method=normal_init(cfg.init_method_std, seed, "output_layer.weight",
+                         init_method=normal_init(cfg.init_method_std, seed, f"{OUTPUT_LAYER}.weight",
                                                  valid_rows=vocab_size),
                          device=device, dtype=dtype)
 
@@ -142,36 +142,48 @@ class GPTLoss:
 def build_layer_specs(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
                       sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
                       dtype: torch.dtype = torch.float32) -> list:
-    """The model as DeepSpeed pipeline layer specs: [embedding, layer 0 .. N-1, final norm,
-    output head]. With tied embeddings the first and last specs are ``TiedLayerSpec("embed")``
-    sharing ``word_embeddings.weight`` (on a separate last stage it is built ``output_only``).
-    Use with ``PipelineModule(layers=..., loss_fn=GPTLoss(...),
+    """The model description (:func:`megatron_ru.model.spec.model_description`) as DeepSpeed pipeline
+    layer specs: [embedding, layer 0 .. N-1, final norm, output head]. With tied embeddings the first
+    and last specs are ``TiedLayerSpec("embed")`` sharing ``word_embeddings.weight`` (on a separate
+    last stage it is built ``output_only``). Use with ``PipelineModule(layers=..., loss_fn=GPTLoss(...),
     partition_method="type:TransformerLayer")``."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    common = dict(seed=seed, device=device, dtype=dtype)
-    emb_args = (EmbeddingLayer, cfg, vocab_size, tp_group, sequence_parallel)
     specs: list = []
-    if cfg.tied_embeddings:
-        specs.append(TiedLayerSpec(TIED_KEY, *emb_args, tied_weight_attr=TIED_WEIGHT_ATTR, **common))
-    else:
-        specs.append(LayerSpec(*emb_args, **common))
-    for i in range(cfg.num_layers):
-        specs.append(LayerSpec(TransformerLayer, cfg, i, tp_group, sequence_parallel, **common))
-    specs.append(LayerSpec(FinalNorm, cfg, tp_group, sequence_parallel, device=device, dtype=dtype))
-    if cfg.tied_embeddings:
+    for desc in model_description(cfg):
         # DeepSpeed builds a tied module from the first spec a stage owns: with one stage that is
-        # the full embedding above, on a separate last stage this word-embeddings-only head
-        specs.append(TiedLayerSpec(TIED_KEY, *emb_args, forward_fn=tied_output_logits,
-                                   tied_weight_attr=TIED_WEIGHT_ATTR, output_only=True, **common))
-    else:
-        specs.append(LayerSpec(OutputLayer, cfg, vocab_size, tp_group, sequence_parallel, **common))
+        # the full embedding, on a separate last stage the word-embeddings-only output head
+        cls, args, kwargs = layer_constructor(desc, cfg, vocab_size, tp_group, sequence_parallel, seed=seed,
+                                              device=device, dtype=dtype, output_only=desc.tied_output)
+        if desc.kind == "embedding" and cfg.tied_embeddings:
+            specs.append(TiedLayerSpec(TIED_KEY, cls, *args, tied_weight_attr=WORD_EMBEDDINGS, **kwargs))
+        elif desc.tied_output:
+            specs.append(TiedLayerSpec(TIED_KEY, cls, *args, forward_fn=tied_output_logits,
+                                       tied_weight_attr=WORD_EMBEDDINGS, **kwargs))
+        else:
+            specs.append(LayerSpec(cls, *args, **kwargs))
     return specs
 
 
+def _attach(root: nn.Module, prefix: str, module: nn.Module) -> None:
+    """Register ``module`` at the dotted canonical ``prefix`` under ``root`` (``decoder.layers.3``
+    -> ``root.decoder.layers[3]``), creating the containers on the way."""
+    *path, last = prefix.split(".")
+    node = root
+    for part, nxt in zip(path, path[1:] + [last]):
+        if not hasattr(node, part):
+            node.add_module(part, nn.ModuleList() if nxt.isdigit() else nn.Module())
+        node = getattr(node, part)
+    if last.isdigit():
+        assert isinstance(node, nn.ModuleList) and len(node) == int(last), f"layers out of order at {prefix}"
+        node.append(module)
+    else:
+        node.add_module(last, module)
+
+
 class GPTModel(nn.Module):
-    """The whole model in one process group stage (PP = 1). Parameter names follow
-    Megatron-core (``embedding.word_embeddings.weight``, ``decoder.layers.{i}...``,
-    ``decoder.final_layernorm.*``, ``output_layer.weight``)."""
+    """The whole model in one pipeline stage (PP = 1), built from the model description: every
+    parameter is registered under its canonical name (``embedding.word_embeddings.weight``,
+    ``decoder.layers.{i}...``, ``decoder.final_layernorm.*``, ``output_layer.weight``)."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
@@ -180,14 +192,13 @@ class GPTModel(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size(cfg, vocab_size, tp_group)
-        common = dict(seed=seed, device=device, dtype=dtype)
-        self.embedding = EmbeddingLayer(cfg, vocab_size, tp_group, sequence_parallel, **common)
-        self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleList(
-            TransformerLayer(cfg, i, tp_group, sequence_parallel, **common) for i in range(cfg.num_layers))
-        self.decoder.final_layernorm = FinalNorm(cfg, tp_group, sequence_parallel, device=device, dtype=dtype)
-        self.output_layer = (None if cfg.tied_embeddings else
-                             OutputLayer(cfg, vocab_size, tp_group, sequence_parallel, **common))
+        self.descriptions = model_description(cfg)
+        for desc in self.descriptions:
+            if not desc.tied_output:
+                _attach(self, desc.prefix, build_layer(desc, cfg, vocab_size, tp_group, sequence_parallel,
+                                                       seed=seed, device=device, dtype=dtype))
+        if OUTPUT_LAYER not in self._modules:
+            self.output_layer = None  # tied: the output head reuses the word embeddings
         self.loss_fn = GPTLoss(vocab_size, tp_group)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,

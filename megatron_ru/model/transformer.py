@@ -14,6 +14,7 @@ from torch import nn
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init, scaled_std
+from megatron_ru.model.spec import layer_prefix
 from megatron_ru.parallel import random as tp_random
 from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_ru.parallel.mappings import copy_to_tensor_model_parallel_region
@@ -105,7 +106,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, seed: int, device: torch.device | None, dtype: torch.dtype) -> None:
         super().__init__()
-        prefix = f"decoder.layers.{layer_number}.self_attention."
+        prefix = layer_prefix(layer_number) + ".self_attention."
         tp = group_size(tp_group)
         self.head_dim = cfg.head_dim
         self.groups_per_rank = divide(cfg.query_groups, tp, "--num-query-groups over tensor-parallel size")
@@ -157,7 +158,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, seed: int, device: torch.device | None, dtype: torch.dtype) -> None:
         super().__init__()
-        prefix = f"decoder.layers.{layer_number}.mlp."
+        prefix = layer_prefix(layer_number) + ".mlp."
         ffn = cfg.resolved_ffn_hidden_size
         self.swiglu = cfg.swiglu
         std = cfg.init_method_std

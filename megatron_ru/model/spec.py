@@ -1,0 +1,235 @@
+"""The one description of the model: an ordered, named list of layers and the canonical name,
+full shape and tensor-parallel split of every parameter.
+
+Everything that needs to know what the model is made of reads it from here: :class:`GPTModel`
+(PP = 1) and the DeepSpeed ``PipelineModule`` specs (PP > 1) are both built from
+:func:`model_description` with :func:`build_layer`; initialisation seeds, ``--freeze`` patterns,
+``--train-only-embeddings``, checkpoint conversion and resharding use the canonical names of
+:func:`parameter_specs` / :func:`canonical_name`. A new architecture detail (a new parameter, a
+new split) is added to the layer classes and to :func:`_layer_params` below — nowhere else.
+
+Canonical names are megatron-core's and do not depend on TP or PP::
+
+    embedding.word_embeddings.weight                      [V, h]   vocab rows, split on dim 0
+    decoder.layers.{i}.self_attention.linear_qkv.weight   [(nq + 2 ng) d, h]   split on dim 0
+    ...
+    output_layer.weight                                   [V, h]   (untied only)
+
+Canonical full tensors hold exactly ``V`` vocabulary rows (the model's vocabulary); the padding to
+``--make-vocab-size-divisible-by`` x TP belongs to a layout (:func:`padded_vocab_rows`).
+
+In a pipeline, layer ``j`` of the description is DeepSpeed's layer ``j``: 0 = embedding,
+1..N = decoder layer j - 1, N + 1 = final norm, N + 2 = output head; its module parameters are
+named ``{j}.<local name>`` (tied embeddings: ``tied_modules.embed.<local name>`` on both ends).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.parallel.utils import pad_vocab_size
+
+EMBEDDING = "embedding"
+FINAL_NORM = "decoder.final_layernorm"
+OUTPUT_LAYER = "output_layer"
+TIED_KEY = "embed"
+WORD_EMBEDDINGS = "word_embeddings.weight"
+
+KINDS = ("embedding", "transformer", "final_norm", "output")
+
+
+def layer_prefix(layer_number: int) -> str:
+    """Canonical prefix of decoder layer ``layer_number`` (0-based)."""
+    return f"decoder.layers.{layer_number}"
+
+
+@dataclass(frozen=True)
+class LayerDesc:
+    """One entry of the model description. ``index`` is also the DeepSpeed pipeline layer index."""
+    index: int
+    kind: str
+    prefix: str
+    layer_number: Optional[int] = None
+
+    @property
+    def tied_output(self) -> bool:
+        return self.kind == "output" and self.prefix == EMBEDDING
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A canonical parameter: full shape (``V`` rows for the vocabulary matrices), the pipeline layer
+    that holds it, and how tensor parallelism splits it (``partition_dim`` None = replicated)."""
+    name: str
+    shape: tuple[int, ...]
+    layer_index: int
+    partition_dim: Optional[int] = None
+    partition_stride: int = 1
+    vocab: bool = False
+
+    @property
+    def local_name(self) -> str:
+        """The name inside its layer module (``self_attention.linear_qkv.weight``)."""
+        return local_name_of(self.name)
+
+
+def model_description(cfg: ModelConfig) -> list[LayerDesc]:
+    """[embedding, decoder layers 0..N-1, final norm, output head]; ``descs[j].index == j``."""
+    n = cfg.num_layers
+    descs = [LayerDesc(0, "embedding", EMBEDDING)]
+    descs += [LayerDesc(i + 1, "transformer", layer_prefix(i), i) for i in range(n)]
+    descs.append(LayerDesc(n + 1, "final_norm", FINAL_NORM))
+    descs.append(LayerDesc(n + 2, "output", EMBEDDING if cfg.tied_embeddings else OUTPUT_LAYER))
+    return descs
+
+
+def padded_vocab_rows(cfg: ModelConfig, vocab_size: int, tp: int) -> int:
+    """Rows of the vocabulary matrices at tensor-parallel size ``tp``."""
+    return pad_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp)
+
+
+def layer_constructor(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,
+                      sequence_parallel: bool = False, *, seed: int = 1234, device: Optional[torch.device] = None,
+                      dtype: torch.dtype = torch.float32, output_only: bool = False
+                      ) -> tuple[type, tuple, dict[str, Any]]:
+    """(class, args, kwargs) of the module of one description entry: what :func:`build_layer`
+    calls and what a DeepSpeed ``LayerSpec`` is made of. ``output_only``: a tied output head on a
+    stage without the input embedding (word embeddings only)."""
+    from megatron_ru.model.gpt import EmbeddingLayer, FinalNorm, OutputLayer
+    from megatron_ru.model.transformer import TransformerLayer
+    common = dict(seed=seed, device=device, dtype=dtype)
+    if desc.kind == "embedding" or desc.tied_output:
+        return EmbeddingLayer, (cfg, vocab_size, tp_group, sequence_parallel), {**common, "output_only": output_only}
+    if desc.kind == "transformer":
+        return TransformerLayer, (cfg, desc.layer_number, tp_group, sequence_parallel), common
+    if desc.kind == "final_norm":
+        return FinalNorm, (cfg, tp_group, sequence_parallel), dict(device=device, dtype=dtype)
+    if desc.kind == "output":
+        return OutputLayer, (cfg, vocab_size, tp_group, sequence_parallel), common
+    raise ValueError(f"unknown layer kind {desc.kind!r}")
+
+
+def build_layer(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,
+                sequence_parallel: bool = False, **kwargs: Any) -> nn.Module:
+    """The module of one description entry (its parameters carry the entry's canonical names
+    relative to ``desc.prefix``); keyword arguments as :func:`layer_constructor`."""
+    cls, args, kw = layer_constructor(desc, cfg, vocab_size, tp_group, sequence_parallel, **kwargs)
+    return cls(*args, **kw)
+
+
+def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tuple[str, tuple[int, ...], Optional[int], int, bool]]:
+    """(local name, full shape, partition dim, stride, vocab) of the parameters of one layer."""
+    h = cfg.hidden_size
+    if desc.kind == "embedding":
+        out = [(WORD_EMBEDDINGS, (vocab_size, h), 0, 1, True)]
+        if cfg.position_embedding_type == "learned_absolute":
+            out.append(("position_embeddings.weight", (cfg.max_position_embeddings, h), None, 1, False))
+        return out
+    if desc.kind == "output":
+        return [] if desc.tied_output else [("weight", (vocab_size, h), 0, 1, True)]
+    norm = [("weight", (h,), None, 1, False)] + ([("bias", (h,), None, 1, False)]
+                                                  if cfg.normalization == "LayerNorm" else [])
+    if desc.kind == "final_norm":
+        return norm
+    d, nq, ng = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+    ffn = cfg.resolved_ffn_hidden_size
+    fc1_rows = 2 * ffn if cfg.swiglu else ffn
+    stride = 2 if cfg.swiglu else 1
+    bias = cfg.add_bias_linear
+    qkv_bias = bias or getattr(cfg, "add_qkv_bias", False)
+    out = [("input_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
+    out.append(("self_attention.linear_qkv.weight", ((nq + 2 * ng) * d, h), 0, 1, False))
+    if qkv_bias:
+        out.append(("self_attention.linear_qkv.bias", ((nq + 2 * ng) * d,), 0, 1, False))
+    out.append(("self_attention.linear_proj.weight", (h, nq * d), 1, 1, False))
+    if bias:
+        out.append(("self_attention.linear_proj.bias", (h,), None, 1, False))
+    out += [("pre_mlp_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
+    out.append(("mlp.linear_fc1.weight", (fc1_rows, h), 0, stride, False))
+    if bias:
+        out.append(("mlp.linear_fc1.bias", (fc1_rows,), 0, stride, False))
+    out.append(("mlp.linear_fc2.weight", (h, ffn), 1, 1, False))
+    if bias:
+        out.append(("mlp.linear_fc2.bias", (h,), None, 1, False))
+    return out
+
+
+def layer_parameter_specs(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[ParamSpec]:
+    """The canonical parameters one description entry holds (none for a tied output head)."""
+    return [ParamSpec(f"{desc.prefix}.{local}", shape, desc.index, dim, stride, vocab)
+            for local, shape, dim, stride, vocab in _layer_params(desc, cfg, vocab_size)]
+
+
+def parameter_specs(cfg: ModelConfig, vocab_size: int) -> list[ParamSpec]:
+    """Every canonical parameter once, in model order (a tied weight under ``embedding.``)."""
+    return [p for desc in model_description(cfg) for p in layer_parameter_specs(desc, cfg, vocab_size)]
+
+
+def local_name_of(name: str) -> str:
+    """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``mlp.linear_fc1.weight``."""
+    for prefix in (FINAL_NORM + ".", EMBEDDING + ".", OUTPUT_LAYER + "."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    m = re.match(r"^decoder\.layers\.\d+\.(.+)$", name)
+    if m:
+        return m.group(1)
+    raise KeyError(f"{name!r} is not a canonical parameter name")
+
+
+_PIPE_RE = re.compile(r"^(\d+)\.(.+)$")
+_TIED_RE = re.compile(rf"^tied_modules\.{TIED_KEY}\.(.+)$")
+
+
+def canonical_name(module_param_name: str, cfg: ModelConfig) -> str:
+    """The canonical name of a parameter named by a :class:`GPTModel` (unchanged) or a DeepSpeed
+    ``PipelineModule`` (``5.self_attention.linear_qkv.weight`` -> ``decoder.layers.4...``). Also
+    accepts a layer-file key qualified by its layer index the same way."""
+    m = _TIED_RE.match(module_param_name)
+    if m:
+        return f"{EMBEDDING}.{m.group(1)}"
+    m = _PIPE_RE.match(module_param_name)
+    if m is None:
+        return module_param_name
+    index, local = int(m.group(1)), m.group(2)
+    descs = model_description(cfg)
+    if index >= len(descs):
+        raise KeyError(f"pipeline layer {index} does not exist in a model with {cfg.num_layers} layers")
+    return f"{descs[index].prefix}.{local}"
+
+
+def canonical_named_parameters(model: nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, nn.Parameter]]:
+    """(canonical name, local parameter) of a GPTModel or this stage of a PipelineModule; a tied
+    weight is yielded once."""
+    for name, p in model.named_parameters():
+        yield canonical_name(name, cfg), p
+
+
+def stage_bounds(cfg: ModelConfig, pp: int) -> list[tuple[int, int]]:
+    """[start, stop) pipeline layer indices of each stage, exactly as DeepSpeed partitions
+    ``partition_method="type:TransformerLayer"`` (balanced transformer-layer counts)."""
+    from deepspeed.runtime import utils as ds_utils
+    weights = [1 if d.kind == "transformer" else 0 for d in model_description(cfg)]
+    parts = ds_utils.partition_balanced(weights=weights, num_parts=pp)
+    return [(parts[s], parts[s + 1]) for s in range(pp)]
+
+
+def model_args_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """Every ModelConfig field (JSON-able): what a checkpoint records about the model."""
+    return dataclasses.asdict(cfg)
+
+
+def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from :func:`model_args_dict`'s output; keys this version does not know are an
+    error (the checkpoint is from a newer megatron_ru), missing ones take their defaults."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"the checkpoint's model arguments include {', '.join(unknown)}, which this "
+                         f"megatron_ru does not know (written by a newer version?)")
+    return ModelConfig(**d)
