@@ -2,7 +2,8 @@
 
 ``--train-only-embeddings`` is the first stage of adapting a model to a new language or
 vocabulary: only the input embedding and the output layer learn. ``--freeze PATTERN ...``
-freezes every parameter whose name matches one of the ``fnmatch`` patterns. Both run before the
+freezes every parameter whose canonical name (docs/model.md) matches one of the ``fnmatch``
+patterns, at any TP/PP. Both run before the
 optimizer is built, so frozen parameters get no optimizer state.
 """
 from __future__ import annotations
@@ -13,25 +14,18 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.model.spec import EMBEDDING, OUTPUT_LAYER, canonical_named_parameters
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 log = get_logger(__name__)
 
-#: name fragments of the input embedding and the output layer (GPTModel and PipelineModule names)
-EMBEDDING_MARKERS: tuple[str, ...] = ("embed", "word_embeddings", "output_layer", "lm_head")
+#: canonical prefixes of the input embedding (word and position tables) and the output layer
+EMBEDDING_PREFIXES: tuple[str, ...] = (EMBEDDING + ".", OUTPUT_LAYER + ".")
 
 
-def is_embedding_or_output(name: str) -> bool:
-    return any(marker in name for marker in EMBEDDING_MARKERS)
-
-
-def _embedding_and_output_params(model: torch.nn.Module) -> set[int]:
-    """ids of the parameters of our embedding/output layers, found by type (pipeline stages name
-    their layers by index, e.g. ``6.weight``), else by name."""
-    from megatron_ru.model.gpt import EmbeddingLayer, OutputLayer
-    found = {id(p) for m in model.modules() if isinstance(m, (EmbeddingLayer, OutputLayer)) for p in m.parameters()}
-    found |= {id(p) for n, p in model.named_parameters() if is_embedding_or_output(n)}
-    return found
+def is_embedding_or_output(canonical: str) -> bool:
+    return canonical.startswith(EMBEDDING_PREFIXES)
 
 
 def _matched_anywhere(counts: list[int], group: Any) -> list[int]:
@@ -45,31 +39,28 @@ def _matched_anywhere(counts: list[int], group: Any) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
-def apply_freezing(model: torch.nn.Module, *, train_only_embeddings: bool = False,
+def apply_freezing(model: torch.nn.Module, cfg: ModelConfig, *, train_only_embeddings: bool = False,
                    freeze: Optional[Sequence[str]] = None, group: Any = None) -> list[str]:
-    """Set ``requires_grad=False`` on the chosen parameters; return the frozen names.
+    """Set ``requires_grad=False`` on the chosen parameters; return their canonical names.
 
-    A ``--freeze`` pattern matching nothing is an error (a typo would silently train everything);
-    with a pipeline, pass its ``group``: a pattern must match on some stage, not on every one
-    (collective over ``group``)."""
-    named = list(model.named_parameters())
+    Patterns match canonical names (``decoder.layers.0.*``), whatever the layout: a
+    ``PipelineModule``'s index-named parameters are translated first. A ``--freeze`` pattern matching
+    nothing is an error (a typo would silently train everything); with a pipeline, pass its
+    ``group``: a pattern must match on some stage, not on every one (collective over ``group``)."""
+    named = list(canonical_named_parameters(model, cfg))
     frozen: list[str] = []
     if train_only_embeddings:
-        keep = _embedding_and_output_params(model)
         for name, p in named:
-            if id(p) not in keep:
+            if not is_embedding_or_output(name):
                 p.requires_grad_(False)
                 frozen.append(name)
-        if len(frozen) == len(named):
-            raise ValueError("--train-only-embeddings found no embedding/output parameter (names containing "
-                             f"{', '.join(EMBEDDING_MARKERS)}); parameter names: {_sample(n for n, _ in named)}")
     patterns = list(freeze or ())
     hits_of = {pat: [(n, p) for n, p in named if fnmatch.fnmatchcase(n, pat)] for pat in patterns}
     totals = _matched_anywhere([len(hits_of[pat]) for pat in patterns], group)
     for pattern, total in zip(patterns, totals):
         if total == 0:
-            raise ValueError(f"--freeze pattern {pattern!r} matches no parameter; parameter names look like "
-                             f"{_sample(n for n, _ in named)}")
+            raise ValueError(f"--freeze pattern {pattern!r} matches no parameter; patterns match the canonical "
+                             f"parameter names (docs/model.md), which look like {_sample(n for n, _ in named)}")
         for name, p in hits_of[pattern]:
             if p.requires_grad:
                 p.requires_grad_(False)

@@ -108,7 +108,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
                                            vocab_size=tokenizer.vocab_size)
     attach_deepspeed_comm()
     model = build_model(args, state, tokenizer.vocab_size)
-    apply_freezing(model, train_only_embeddings=args.training.train_only_embeddings, freeze=args.training.freeze,
+    apply_freezing(model, args.model, train_only_embeddings=args.training.train_only_embeddings,
+                   freeze=args.training.freeze,
                    group=state.pp_group if state.pp_size > 1 else None)
     schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
     engine = initialize_engine(model, state, args, schedule)

@@ -51,7 +51,7 @@ def test_train_only_embeddings_and_freeze_patterns():
     from megatron_ru.training.freeze import apply_freezing
     args = parse_arguments(tiny_argv("/nonexistent", "/tmp"), world_size=1, device_type="cpu", validate=False)
     model = GPTModel(args.model, VOCAB - 1)
-    frozen = apply_freezing(model, train_only_embeddings=True)
+    frozen = apply_freezing(model, args.model, train_only_embeddings=True)
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     assert trainable == ["embedding.word_embeddings.weight", "output_layer.weight"]
     assert len(frozen) == len(list(model.parameters())) - 2
@@ -59,21 +59,27 @@ def test_train_only_embeddings_and_freeze_patterns():
     assert sum(len(g["params"]) for g in opt.param_groups) == 2
 
     model = GPTModel(args.model, VOCAB - 1)
-    apply_freezing(model, freeze=["decoder.layers.0.*", "*final_layernorm*"])
+    apply_freezing(model, args.model, freeze=["decoder.layers.0.*", "*final_layernorm*"])
     names = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert names and all(n.startswith("decoder.layers.0.") or "final_layernorm" in n for n in names)
     assert any(n.startswith("decoder.layers.1.") for n, p in model.named_parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="--freeze pattern 'decoder.layer.0.*' matches no parameter"):
-        apply_freezing(model, freeze=["decoder.layer.0.*"])
-    # pipeline stages name layers by index: the output layer is still found (by type)
+        apply_freezing(model, args.model, freeze=["decoder.layer.0.*"])
+    # pipeline stages name layers by index; the patterns still use the canonical names
     from deepspeed.pipe import PipelineModule  # noqa: F401  (only the layer specs are built here)
     from megatron_ru.model.gpt import build_layer_specs
     layers = torch.nn.Sequential(*[spec.build() for spec in build_layer_specs(args.model, VOCAB - 1)])
-    apply_freezing(layers, train_only_embeddings=True)
+    apply_freezing(layers, args.model, train_only_embeddings=True)
     trainable = sorted(n for n, p in layers.named_parameters() if p.requires_grad)
     assert trainable == ["0.word_embeddings.weight", f"{len(layers) - 1}.weight"]
+    layers = torch.nn.Sequential(*[spec.build() for spec in build_layer_specs(args.model, VOCAB - 1)])
+    frozen = apply_freezing(layers, args.model, freeze=["decoder.layers.1.*", "output_layer.weight"])
+    assert sorted(frozen) == sorted(n for n, _ in model.named_parameters()
+                                    if n.startswith("decoder.layers.1.") or n == "output_layer.weight")
+    assert sorted(n for n, p in layers.named_parameters() if not p.requires_grad) == \
+        sorted(n for n, _ in layers.named_parameters() if n.startswith("2.") or n == f"{len(layers) - 1}.weight")
     # nothing trainable left on a rank is a clear error, not a DeepSpeed crash
-    apply_freezing(model, freeze=["*"])
+    apply_freezing(model, args.model, freeze=["*"])
     with pytest.raises(ValueError, match="no trainable parameters on this rank"):
         build_optimizer(model, args.optimizer)
 
