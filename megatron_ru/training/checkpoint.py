@@ -121,6 +121,13 @@ class CheckpointMeta:
     args: dict[str, Any]
     #: every ``*.pt`` file of the checkpoint with its size in bytes (None: saved before the list existed)
     files: Optional[dict[str, int]] = None
+    #: every ModelConfig field (``megatron_ru.model.spec.model_args_dict``); None: saved before they were recorded
+    model_args: Optional[dict[str, Any]] = None
+    #: the model's vocabulary rows V (unpadded; config.json's vocab_size for imported models)
+    vocab_size: Optional[int] = None
+    #: how to build the tokenizer saved with the checkpoint (import-hf): tokenizer flags, paths relative to
+    #: the --load directory; None: the run's own tokenizer flags
+    tokenizer: Optional[dict[str, Any]] = None
 
     @classmethod
     def read(cls, ckpt_dir: str) -> "CheckpointMeta":
