@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megatron_ru.config.base import parse_configs, validate_all
+from megatron_ru.config.base import explicit_dests, parse_configs, validate_all
 from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
 from megatron_ru.config.parallel import ParallelConfig
@@ -50,6 +51,8 @@ class Arguments:
     """``--data-path`` as dataset prefixes and weights (None: blended by token count)."""
     split: Optional[tuple[float, float, float]] = None
     """``--split`` as normalised train/valid/test shares of each dataset's documents."""
+    model_vocab_size: Optional[int] = None
+    """The model's vocabulary rows from the checkpoint (``--use-checkpoint-args``); None: the tokenizer's size."""
 
     @property
     def tp(self) -> int:
@@ -286,10 +289,14 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
     """Parse ``argv`` (default: ``sys.argv[1:]``) into :class:`Arguments`, validate it once (one
     ValueError listing every problem) and resolve the data blend, the split and the layout, which
     the rest of the program takes as they are."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parsed = parse_configs(CONFIG_CLASSES, argv, description="Pretrain a GPT/LLaMA model (megatron_ru).")
     args = Arguments(**{_FIELD_OF[cls]: parsed[cls] for cls in CONFIG_CLASSES},
                      world_size=default_world_size() if world_size is None else world_size,
                      device_type=device_type or default_device_type())
+    if args.checkpoint.use_checkpoint_args:
+        from megatron_ru.config.checkpoint_args import apply_checkpoint_args
+        apply_checkpoint_args(args, explicit_dests(CONFIG_CLASSES, argv))
     args.blend, args.split = _resolve_data_flags(args.data)
     if validate:
         validate_all(args.configs(), RULES, context=args)

@@ -147,6 +147,16 @@ def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
     return out
 
 
+def explicit_dests(classes: Sequence[type], argv: Sequence[str]) -> set[str]:
+    """The fields whose flags appear in ``argv`` (given explicitly, even when equal to the default)."""
+    parser = build_parser(classes)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    ns, _ = parser.parse_known_args(list(argv))
+    return set(vars(ns))
+
+
 def validate_all(configs: Iterable[Any], rules: Iterable[Callable[..., list[str]]] = (),
                  context: Any = None) -> None:
     """Collect every problem from each config's ``problems()`` and each cross rule; raise once."""

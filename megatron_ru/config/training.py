@@ -146,6 +146,9 @@ class CheckpointConfig:
     finetune: bool = arg(False, "Load weights only and start at iteration 0 with fresh optimizer, "
                                 "scheduler, RNG and data position.")
     keep_last: Optional[int] = arg(None, "Keep only the newest N checkpoints in --save.")
+    use_checkpoint_args: bool = arg(False, "Take the model's shape flags (and the tokenizer recorded with it, "
+                                           "when no tokenizer flag is given) from the checkpoint in --load; a "
+                                           "given flag that contradicts the checkpoint is an error.")
 
     def problems(self) -> list[str]:
         out = []

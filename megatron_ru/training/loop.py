@@ -91,7 +91,10 @@ class Trainer:
                  training: TrainingConfig, checkpoint: CheckpointConfig, logging: LoggingConfig,
                  train_ds: Optional[SampleDataset], valid_ds: Optional[SampleDataset], throughput: Throughput,
                  metrics: MetricsWriter, progress: Progress, exit_signal: Optional[ExitSignal] = None,
-                 run_config: Optional[dict[str, Any]] = None) -> None:
+                 run_config: Optional[dict[str, Any]] = None,
+                 checkpoint_record: Optional[dict[str, Any]] = None) -> None:
+        """``checkpoint_record``: what every saved checkpoint records about the model (``model_args``,
+        ``vocab_size``, ``tokenizer``: fields of :class:`CheckpointMeta`)."""
         self.engine, self.state, self.plan = engine, state, plan
         self.training, self.checkpoint, self.logging = training, checkpoint, logging
         self.valid_ds = valid_ds
@@ -100,6 +103,7 @@ class Trainer:
         self.progress = progress
         self.exit_signal = exit_signal
         self.run_config = run_config or {}
+        self.checkpoint_record = checkpoint_record or {}
         self.device = state.device
         self.is_pipe = state.pp_size > 1
         self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, plan.micro_batch_size,
@@ -174,7 +178,7 @@ class Trainer:
             iteration=p.iteration, consumed_train_samples=p.consumed_train_samples,
             consumed_valid_samples=p.consumed_valid_samples, tensor_model_parallel_size=self.state.tp_size,
             pipeline_model_parallel_size=self.state.pp_size, data_parallel_size=self.state.dp_size,
-            zero_stage=self.training.zero_stage, args=self.run_config)
+            zero_stage=self.training.zero_stage, args=self.run_config, **self.checkpoint_record)
         ckpt.save_checkpoint(self.engine, c.save, p.iteration, meta, self.state.rank, get_rng_state(),
                              keep_last=c.keep_last)
         result.saved.append(p.iteration)

@@ -8,7 +8,7 @@ import contextlib
 import io
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,39 @@ def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch
                           partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
 
 
+def model_vocab_size(args: Arguments, tokenizer_size: int) -> int:
+    """The model's vocabulary rows V: the checkpoint's (``--use-checkpoint-args``, or the checkpoint
+    --load starts from, which fixes the weights' shapes), else the tokenizer's size. A tokenizer
+    with more ids than the model has rows is an error."""
+    vocab = args.model_vocab_size
+    if vocab is None and args.checkpoint.load:
+        from megatron_ru.config.checkpoint_args import read_checkpoint_meta
+        meta = read_checkpoint_meta(args.checkpoint.load)
+        vocab = None if meta is None else meta.vocab_size
+    if vocab is None:
+        return tokenizer_size
+    if tokenizer_size > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer_size} ids but the checkpoint in --load "
+                         f"{args.checkpoint.load} has {vocab} vocabulary rows: use the checkpoint's tokenizer "
+                         f"(--use-checkpoint-args without tokenizer flags picks the one recorded with it), or adapt "
+                         f"the vocabulary first")
+    return vocab
+
+
+def checkpoint_record(args: Arguments, vocab_size: int) -> dict[str, Any]:
+    """What every checkpoint of this run records about the model: the ModelConfig, V and the
+    tokenizer flags (paths made absolute, so ``--use-checkpoint-args`` finds them from anywhere)."""
+    import dataclasses
+    import os
+
+    from megatron_ru.model.spec import model_args_dict
+    tokenizer = dataclasses.asdict(args.tokenizer)
+    for key in ("tokenizer_model", "vocab_file", "merge_file"):
+        if tokenizer.get(key):
+            tokenizer[key] = os.path.abspath(tokenizer[key])
+    return {"model_args": model_args_dict(args.model), "vocab_size": vocab_size, "tokenizer": tokenizer}
+
+
 def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) -> Progress:
     from megatron_ru.parallel.random import set_rng_state
     from megatron_ru.training.checkpoint import load_checkpoint
@@ -104,10 +137,11 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     # Megatron: a different dropout stream per pipeline stage, the TP stream inside the tracker
     model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
+    vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
-                                           vocab_size=tokenizer.vocab_size)
+                                           vocab_size=vocab_size)
     attach_deepspeed_comm()
-    model = build_model(args, state, tokenizer.vocab_size)
+    model = build_model(args, state, vocab_size)
     apply_freezing(model, args.model, train_only_embeddings=args.training.train_only_embeddings,
                    freeze=args.training.freeze,
                    group=state.pp_group if state.pp_size > 1 else None)
@@ -118,7 +152,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     if exit_signal is None and args.training.exit_signal_handler:
         exit_signal = ExitSignal().install()
     return Trainer(engine, state, batch_plan(args), args.training, args.checkpoint, args.logging, train_ds, valid_ds,
-                   throughput(args, tokenizer.vocab_size), metrics, progress, exit_signal, run_config=args.to_dict())
+                   throughput(args, vocab_size), metrics, progress, exit_signal, run_config=args.to_dict(),
+                   checkpoint_record=checkpoint_record(args, vocab_size))
 
 
 def run(args: Arguments, job_started: Optional[float] = None,
