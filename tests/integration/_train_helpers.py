@@ -48,6 +48,28 @@ def tiny_argv(prefix: str, cache: str, *, iters: int = 10, extra: Sequence[str] 
         *extra]
 
 
+#: the model flags of :func:`tiny_argv` (what ``--use-checkpoint-args`` takes from a checkpoint instead)
+TINY_MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--group-query-attention",
+                    "--num-query-groups", "--ffn-hidden-size", "--max-position-embeddings",
+                    "--position-embedding-type", "--normalization", "--swiglu", "--disable-bias-linear",
+                    "--untie-embeddings-and-output-weights")
+
+
+def without_flags(argv: Sequence[str], *flags: str) -> list[str]:
+    """``argv`` without the given flags and their values."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out
+
+
 def train_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[str, Any]]:
     """Rank body for ``run_distributed``: train once per argv in ``runs`` (several engines in one
     spawn to save start-up time); return losses and grad norms of each run. An argv starting with

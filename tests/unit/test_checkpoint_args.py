@@ -11,7 +11,9 @@ import pytest
 
 from megatron_ru.config.arguments import parse_arguments
 from megatron_ru.model.spec import model_args_dict
+from tests.integration._train_helpers import TINY_MODEL_FLAGS as MODEL_FLAGS
 from tests.integration._train_helpers import tiny_argv
+from tests.integration._train_helpers import without_flags as _without
 
 
 def _write_checkpoint(directory: str, model: dict, vocab_size: int, tokenizer: dict | None = None) -> None:
@@ -24,25 +26,6 @@ def _write_checkpoint(directory: str, model: dict, vocab_size: int, tokenizer: d
         json.dump(meta, f)
     with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("0\n")
-
-
-def _without(argv: list[str], *flags: str) -> list[str]:
-    """``argv`` without the given flags (and their values)."""
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a in flags:
-            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            continue
-        out.append(a)
-    return out
-
-
-MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--group-query-attention",
-               "--num-query-groups", "--ffn-hidden-size", "--max-position-embeddings", "--position-embedding-type",
-               "--normalization", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights")
 
 
 def test_model_flags_come_from_the_checkpoint(tmp_path):
