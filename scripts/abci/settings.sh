@@ -24,6 +24,9 @@
 : "${DATA_PATH:=${PROJECT_DIR}/data/corpus_text_document}" "${SPLIT:=949,50,1}"
 : "${TOKENIZER_ARGS=--tokenizer-type GPT2BPETokenizer --vocab-file ${PROJECT_DIR}/data/gpt2-vocab.json --merge-file ${PROJECT_DIR}/data/gpt2-merges.txt}"
 # Checkpoints: resume from SAVE_DIR when it has one, else start from INIT_CHECKPOINT (if set).
+# INIT_CHECKPOINT (e.g. a Hugging Face model imported by tools/convert_checkpoint.py import-hf) fixes the
+# model: its shape flags come from it (--use-checkpoint-args; NUM_LAYERS, HIDDEN_SIZE, NUM_ATTENTION_HEADS,
+# FFN_HIDDEN_SIZE and MAX_POSITION_EMBEDDINGS are not passed) and TOKENIZER_ARGS= (empty) uses its tokenizer.
 : "${SAVE_DIR:=${PROJECT_DIR}/checkpoints/gpt_345m}" "${INIT_CHECKPOINT=}" "${SAVE_INTERVAL:=1000}"
 : "${EXIT_MARGIN_SECONDS:=900}"  # stop training this long before h_rt to save and exit
 # After a SIGTERM reaches mpirun itself, it passes it on and SIGKILLs the ranks this long later

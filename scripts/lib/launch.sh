@@ -64,11 +64,7 @@ build_train_args() {
   TRAIN_ARGS=(
     --tensor-model-parallel-size "${TP}"
     --pipeline-model-parallel-size "${PP}"
-    --num-layers "${NUM_LAYERS}"
-    --hidden-size "${HIDDEN_SIZE}"
-    --num-attention-heads "${NUM_ATTENTION_HEADS}"
     --seq-length "${SEQ_LENGTH}"
-    --max-position-embeddings "${MAX_POSITION_EMBEDDINGS}"
     --micro-batch-size "${MICRO_BATCH_SIZE}"
     --global-batch-size "${GLOBAL_BATCH_SIZE}"
     --train-iters "${TRAIN_ITERS}"
@@ -88,7 +84,15 @@ build_train_args() {
     --save-interval "${SAVE_INTERVAL}"
     --exit-signal-handler
   )
-  if [ -n "${FFN_HIDDEN_SIZE}" ]; then TRAIN_ARGS+=(--ffn-hidden-size "${FFN_HIDDEN_SIZE}"); fi
+  if [ -n "${INIT_CHECKPOINT}" ]; then
+    # the model's shape (and, with TOKENIZER_ARGS empty, its tokenizer) is the initial checkpoint's,
+    # e.g. a Hugging Face model imported by tools/convert_checkpoint.py; also when resuming from SAVE_DIR
+    TRAIN_ARGS+=(--use-checkpoint-args)
+  else
+    TRAIN_ARGS+=(--num-layers "${NUM_LAYERS}" --hidden-size "${HIDDEN_SIZE}"
+                 --num-attention-heads "${NUM_ATTENTION_HEADS}" --max-position-embeddings "${MAX_POSITION_EMBEDDINGS}")
+    if [ -n "${FFN_HIDDEN_SIZE}" ]; then TRAIN_ARGS+=(--ffn-hidden-size "${FFN_HIDDEN_SIZE}"); fi
+  fi
   case "${PRECISION}" in
     bf16) TRAIN_ARGS+=(--bf16) ;;
     fp16) TRAIN_ARGS+=(--fp16) ;;

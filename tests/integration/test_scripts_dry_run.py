@@ -90,12 +90,17 @@ def test_abci_resume_and_initial_checkpoint(tmp_path):
     (init / "latest_checkpointed_iteration.txt").write_text("0\n")
     cmd = shlex.split(run_script("scripts/abci/submit_single_node.sh", env).stdout.splitlines()[-1])
     assert cmd[cmd.index("--load"):cmd.index("--load") + 3] == ["--load", str(init), "--finetune"]
+    # the model's shape comes from the initial checkpoint (an imported HF model), not the settings' defaults
+    assert "--use-checkpoint-args" in cmd and "--num-layers" not in cmd and "--hidden-size" not in cmd
+    no_init = shlex.split(run_script("scripts/abci/submit_single_node.sh", abci_env(tmp_path, ["node1"]))
+                          .stdout.splitlines()[-1])
+    assert "--use-checkpoint-args" not in no_init and flag(no_init, "--num-layers") == "24"
     save = tmp_path / "ckpt"
     save.mkdir()
     (save / "latest_checkpointed_iteration.txt").write_text("1200\n")
     proc = run_script("scripts/abci/submit_single_node.sh", env)
     cmd = shlex.split(proc.stdout.splitlines()[-1])
-    assert flag(cmd, "--load") == str(save) and "--finetune" not in cmd
+    assert flag(cmd, "--load") == str(save) and "--finetune" not in cmd and "--use-checkpoint-args" in cmd
     assert f"resuming from {save} (iteration 1200)" in proc.stderr
 
 
