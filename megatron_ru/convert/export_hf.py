@@ -1,0 +1,234 @@
+"""``convert_checkpoint.py export-hf``: a megatron_ru checkpoint (any TP x PP) -> a Hugging Face
+directory that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load unchanged.
+
+The architecture and the config fields the model does not determine (token ids, ...) come from
+the imported model's ``config.json`` (``<load>/hf_source``, or ``--hf-config``); a checkpoint
+trained from scratch is exported as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with QKV biases,
+``MistralForCausalLM`` with a sliding window). What Llama-family models cannot express (LayerNorm,
+learned positions, GELU, linear biases) is refused before anything is written, naming the flag.
+Weights stream: one canonical tensor is read (its TP shards joined, padding removed), split into
+its Hugging Face tensors and appended to a planned safetensors shard.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megatron_ru.convert.hf_io import ShardedSafetensorsWriter, parse_size
+from megatron_ru.convert.import_hf import DTYPES, HF_SOURCE_DIR
+from megatron_ru.convert.staging import check_output, staged_directory
+from megatron_ru.convert.tokenizer_files import (HF_TYPE, SP_TYPES, TokenizerSource, checkpoint_tokenizer,
+                                                 write_hf_tokenizer)
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+HELP = "megatron_ru checkpoint -> Hugging Face directory (config, safetensors shards, tokenizer)"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load", required=True, metavar="DIR", help="megatron_ru checkpoint directory (--save of a run "
+                   "or of import-hf)")
+    p.add_argument("--save", required=True, metavar="HF_OUT", help="Hugging Face directory to write")
+    p.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="dtype of the written weights (default: as stored in the checkpoint)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (transformers' units: "
+                   "5GB = 5e9 bytes, 2GiB = 2^31)")
+    p.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="config.json (or its directory) of the Hugging Face model the checkpoint came from: "
+                        "architecture and token ids (default: <load>/hf_source/config.json when present)")
+    p.add_argument("--architecture", default=None,
+                   help="Hugging Face architecture to write (default: --hf-config's, else inferred)")
+    p.add_argument("--tokenizer-type", default=None, choices=(HF_TYPE,) + SP_TYPES,
+                   help="tokenizer to export (default: the checkpoint's, or the one its run was given)")
+    p.add_argument("--tokenizer-model", default=None, help="its file (SentencePiece) or directory (Hugging Face)")
+    p.add_argument("--force", action="store_true", help="replace --save if it exists")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tok = None
+    if args.tokenizer_type or args.tokenizer_model:
+        if not (args.tokenizer_type and args.tokenizer_model):
+            raise ValueError("--tokenizer-type and --tokenizer-model go together")
+        tok = TokenizerSource(args.tokenizer_type, args.tokenizer_model)
+    report = export_hf(args.load, args.save, iteration=args.iteration, dtype=args.dtype,
+                       max_shard_size=args.max_shard_size, hf_config=args.hf_config,
+                       architecture=args.architecture, tokenizer=tok, force=args.force)
+    return report.as_dict()
+
+
+@dataclass
+class ExportReport:
+    save: str
+    architecture: str
+    vocab_size: int
+    tied: bool
+    dtype: str
+    files: list[str] = field(default_factory=list)
+    tokenizer: Optional[str] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def inexpressible(cfg: Any) -> list[str]:
+    """What a Llama-family Hugging Face model cannot hold, naming the flag that made it so."""
+    found = []
+    if cfg.normalization != "RMSNorm":
+        found.append(f"--normalization {cfg.normalization} (Llama/Mistral/Qwen2 use RMSNorm, no bias)")
+    if cfg.position_embedding_type != "rope":
+        found.append(f"--position-embedding-type {cfg.position_embedding_type} (they use rotary positions; a "
+                     "learned position table has no place in them)")
+    if not cfg.swiglu:
+        found.append("no --swiglu (their MLP is SwiGLU: gate, up and down projections)")
+    if cfg.add_bias_linear:
+        found.append("no --disable-bias-linear (their linear layers have no biases; Qwen2's Q/K/V biases are "
+                     "--add-qkv-bias)")
+    return found
+
+
+def _source_config(load: str, hf_config: Optional[str]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    path = hf_config or os.path.join(load, HF_SOURCE_DIR, "config.json")
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        if hf_config:
+            raise FileNotFoundError(f"--hf-config {hf_config}: no such config.json")
+        return None, None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f), path
+
+
+def infer_architecture(cfg: Any) -> str:
+    """The architecture of a checkpoint that did not come from Hugging Face."""
+    if getattr(cfg, "add_qkv_bias", False):
+        return "Qwen2ForCausalLM"
+    if getattr(cfg, "sliding_window", None):
+        return "MistralForCausalLM"
+    return "LlamaForCausalLM"
+
+
+def _run_args(meta: Any) -> dict[str, Any]:
+    """The tokenizer flags a checkpoint's run used, from its recorded arguments (flat or grouped)."""
+    args = getattr(meta, "args", None) or {}
+    flat = dict(args.get("tokenizer") or {}) if isinstance(args.get("tokenizer"), dict) else {}
+    for key in ("tokenizer_type", "tokenizer_model"):
+        if key in args and key not in flat:
+            flat[key] = args[key]
+    recorded = getattr(meta, "tokenizer", None)
+    return flat if not recorded else {**flat, **recorded}
+
+
+def _find_tokenizer(load: str, meta: Any) -> Optional[TokenizerSource]:
+    args = _run_args(meta)
+    model = args.get("tokenizer_model")
+    if model and not os.path.isabs(model) and os.path.exists(os.path.join(load, model)):
+        args = {**args, "tokenizer_model": os.path.join(load, model)}
+    return checkpoint_tokenizer(load, args)
+
+
+def export_plan(cfg: Any, vocab_size: int, dtype_of: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(Hugging Face name, shape, dtype) of every tensor written, in writing order."""
+    from megatron_ru.convert.hf_mapping import from_canonical
+    from megatron_ru.model.spec import parameter_specs
+    plan = []
+    for spec in parameter_specs(cfg, vocab_size):
+        fake = torch.empty(spec.shape, dtype=torch.float32, device="meta")
+        for name, t in from_canonical(spec.name, fake, cfg).items():
+            plan.append((name, tuple(t.shape), dtype_of(spec.name)))
+    return plan
+
+
+def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: Optional[str] = None,
+              max_shard_size: str | int = "5GB", hf_config: Optional[str] = None,
+              architecture: Optional[str] = None, tokenizer: Optional[TokenizerSource] = None,
+              force: bool = False) -> ExportReport:
+    from megatron_ru.checkpointing import read_checkpoint
+    from megatron_ru.convert.hf_mapping import SUPPORTED_ARCHITECTURES, from_canonical, hf_config_from_model
+    from megatron_ru.model.spec import parameter_specs
+
+    if not os.path.isdir(load):
+        raise FileNotFoundError(f"--load {load}: no such directory")
+    check_output(save, load, force)
+    shard_bytes = parse_size(max_shard_size)
+    reader = read_checkpoint(load, iteration)
+    cfg, vocab_size = reader.cfg, reader.vocab_size
+    problems = inexpressible(cfg)
+    if problems:
+        raise ValueError(f"--load {load}: this model cannot be expressed as a Hugging Face Llama-family model: "
+                         + "; ".join(problems))
+    source, source_path = _source_config(load, hf_config)
+    arch = architecture or ((source or {}).get("architectures") or [None])[0] or infer_architecture(cfg)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    tok = tokenizer or _find_tokenizer(load, reader.meta)
+
+    specs = parameter_specs(cfg, vocab_size)
+    target = DTYPES[dtype] if dtype else None
+    first = reader.get(specs[0].name)
+    out_dtype = target or first.dtype  # one dtype for the whole export (config.json names it)
+
+    plan = export_plan(cfg, vocab_size, lambda name: out_dtype)
+    extra = _extra_fields(source, out_dtype)
+    with staged_directory(save, force) as tmp:
+        tok_ids: dict[str, Any] = {}
+        if tok is not None:
+            tok_ids = write_hf_tokenizer(tok, tmp)
+        else:
+            log.warning("no tokenizer found for %s (none imported, none recorded by its run): the export has none; "
+                        "pass --tokenizer-type/--tokenizer-model", load)
+        for key, value in tok_ids.items():
+            if value is not None and key not in extra:
+                extra[key] = value
+        writer = ShardedSafetensorsWriter(tmp, plan, shard_bytes)
+        try:
+            for i, spec in enumerate(specs):
+                t = first if i == 0 else reader.get(spec.name)
+                first = None
+                t = t.to(out_dtype)
+                for name, piece in from_canonical(spec.name, t, cfg).items():
+                    writer.write(name, piece)
+                del t
+            files = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        config = hf_config_from_model(cfg, vocab_size, arch, extra)
+        _write_json(os.path.join(tmp, "config.json"), config)
+        _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(load, source_path, extra))
+    log.info("exported %s (%s, %d vocabulary rows, %s) to %s", load, arch, vocab_size, _DTYPE_NAMES[out_dtype], save)
+    return ExportReport(save, arch, vocab_size, cfg.tied_embeddings, _DTYPE_NAMES.get(out_dtype, str(out_dtype)),
+                        files + ["config.json", "generation_config.json"],
+                        None if tok is None else f"{tok.type} {tok.path}")
+
+
+def _extra_fields(source: Optional[dict[str, Any]], dtype: torch.dtype) -> dict[str, Any]:
+    """Fields of config.json the model does not determine: the source's token ids, and the dtype."""
+    extra: dict[str, Any] = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if source and source.get(key) is not None:
+            extra[key] = source[key]
+    extra["dtype"] = _DTYPE_NAMES[dtype]
+    return extra
+
+
+def _generation_config(load: str, source_path: Optional[str], extra: dict[str, Any]) -> dict[str, Any]:
+    if source_path:
+        gen = os.path.join(os.path.dirname(source_path), "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen, encoding="utf-8") as f:
+                return json.load(f)
+    return {k: extra[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if extra.get(k) is not None}
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")

@@ -1,0 +1,201 @@
+"""``convert_checkpoint.py import-hf``: a local Hugging Face Llama / Mistral / Qwen2 directory ->
+a megatron_ru checkpoint at a chosen TP x PP layout.
+
+Everything is checked before anything is written: the architecture, the config (through the
+family mapping, which names a field it cannot express), the layout, and every tensor's name and
+shape against what the config implies (from the safetensors headers alone). Then the checkpoint
+writer asks for one canonical tensor at a time; each is built from its Hugging Face tensors (e.g.
+q, k, v -> ``linear_qkv``) read just then. The output is assembled under a temporary name and
+renamed at the end, with the model's tokenizer files in ``<save>/tokenizer`` and its original
+``config.json`` / ``generation_config.json`` in ``<save>/hf_source`` (export uses them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megatron_ru.convert.hf_io import HFWeights
+from megatron_ru.convert.staging import check_output, staged_directory
+from megatron_ru.convert.tokenizer_files import HF_TYPE, TOKENIZER_DIR, copy_hf_tokenizer, tokenizer_flags
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+HELP = "Hugging Face Llama/Mistral/Qwen2 directory -> megatron_ru checkpoint at a TP x PP layout"
+HF_SOURCE_DIR = "hf_source"
+HF_SIDE_FILES = ("config.json", "generation_config.json")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: model_type of config.json -> architecture, for configs without an ``architectures`` list
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MAX_LISTED = 12
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load", required=True, metavar="HF_DIR",
+                   help="local Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--save", required=True, metavar="DIR", help="megatron_ru checkpoint directory to write")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1, metavar="T")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1, metavar="P")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="dtype of the written weights (default: as stored in the Hugging Face files)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="also read pytorch_model*.bin (pickle: only for files you trust)")
+    p.add_argument("--force", action="store_true", help="replace --save if it exists")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report = import_hf(args.load, args.save, args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                       dtype=args.dtype, allow_pickle=args.allow_pickle, force=args.force)
+    return report.as_dict()
+
+
+@dataclass
+class ImportReport:
+    save: str
+    architecture: str
+    vocab_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    tensors: int
+    tokenizer_files: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__, command_flags=" ".join(self.flags))
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+    if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"--load {hf_dir}: no such directory (a local Hugging Face model directory, "
+                                "as written by save_pretrained)")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--load {hf_dir}: no config.json; a Hugging Face model directory has one "
+                                "(written by save_pretrained)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
+
+
+def architecture_of(config: dict[str, Any], path: str) -> str:
+    """The config's architecture, which must be one we convert (else the error lists those)."""
+    from megatron_ru.convert.hf_mapping import SUPPORTED_ARCHITECTURES
+    archs = config.get("architectures") or []
+    if not archs and config.get("model_type") in _MODEL_TYPES:
+        archs = [_MODEL_TYPES[config["model_type"]]]
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not known:
+        found = ", ".join(map(str, archs)) or f"none (model_type {config.get('model_type')!r})"
+        raise ValueError(f"{path}: architectures = {found} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return known[0]
+
+
+def layout_problems(cfg: Any, tp: int, pp: int) -> list[str]:
+    from megatron_ru.config.model import model_parallel_problems
+    if tp < 1 or pp < 1:
+        return [f"--target-tensor-parallel-size ({tp}) and --target-pipeline-parallel-size ({pp}) must be >= 1"]
+    found = model_parallel_problems(cfg, tp, pp)
+    return [p.replace("--tensor-model-parallel-size", "--target-tensor-parallel-size")
+             .replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size") for p in found]
+
+
+def _shape(s: Any) -> str:
+    return "[" + ", ".join(str(int(x)) for x in s) + "]"
+
+
+def expected_hf_tensors(cfg: Any, vocab_size: int) -> dict[str, dict[str, tuple[int, ...]]]:
+    """canonical name -> {Hugging Face name: shape} as the config implies (computed on meta tensors)."""
+    from megatron_ru.convert.hf_mapping import from_canonical
+    from megatron_ru.model.spec import parameter_specs
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for spec in parameter_specs(cfg, vocab_size):
+        fake = torch.empty(spec.shape, dtype=torch.float32, device="meta")
+        out[spec.name] = {n: tuple(t.shape) for n, t in from_canonical(spec.name, fake, cfg).items()}
+    return out
+
+
+def check_tensors(weights: HFWeights, expected: dict[str, dict[str, tuple[int, ...]]], tied: bool,
+                  hf_dir: str) -> None:
+    """One ValueError naming every missing, unexpected or mis-shaped tensor (expected vs actual)."""
+    want = {n: s for per in expected.values() for n, s in per.items()}
+    problems: list[str] = []
+    for name, shape in want.items():
+        if name not in weights:
+            problems.append(f"missing tensor {name} (expected shape {_shape(shape)})")
+        elif weights.info(name).shape != shape:
+            info = weights.info(name)
+            problems.append(f"tensor {name} in {info.file} has shape {_shape(info.shape)}, expected {_shape(shape)} "
+                            "from config.json")
+    for name in weights.names():
+        if name in want:
+            continue
+        if tied and name == "lm_head.weight":  # a tied model may still store the shared matrix twice
+            emb = weights.info("model.embed_tokens.weight").shape if "model.embed_tokens.weight" in weights else None
+            if weights.info(name).shape != emb:
+                problems.append(f"tensor lm_head.weight has shape {_shape(weights.info(name).shape)}, expected "
+                                f"{_shape(emb or ())} (tie_word_embeddings is true: it must equal the embedding)")
+            continue
+        problems.append(f"unexpected tensor {name} (shape {_shape(weights.info(name).shape)}, in "
+                        f"{weights.info(name).file}): config.json does not describe it")
+    if problems:
+        more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise ValueError(f"--load {hf_dir}: the weights do not match config.json: "
+                         + "; ".join(problems[:_MAX_LISTED]) + more)
+
+
+def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional[str] = None,
+              allow_pickle: bool = False, force: bool = False) -> ImportReport:
+    from megatron_ru.checkpointing import write_checkpoint
+    from megatron_ru.convert.hf_mapping import hf_to_canonical_names, model_config_from_hf, to_canonical
+
+    config = read_hf_config(load)
+    check_output(save, load, force)
+    config_path = os.path.join(load, "config.json")
+    arch = architecture_of(config, config_path)
+    cfg, vocab_size = model_config_from_hf(config)
+    problems = layout_problems(cfg, tp, pp)
+    if problems:
+        raise ValueError(f"{config_path} cannot be split at this layout: " + "; ".join(problems))
+    weights = HFWeights(load, allow_pickle=allow_pickle)
+    expected = expected_hf_tensors(cfg, vocab_size)
+    check_tensors(weights, expected, cfg.tied_embeddings, load)
+    sources = hf_to_canonical_names(cfg)
+    target = DTYPES[dtype] if dtype else None
+
+    def get_tensor(name: str) -> torch.Tensor:
+        hf = {n: weights.get(n) for n in sources[name]}
+        t = to_canonical(name, hf, cfg)
+        return t if target is None else t.to(target)
+
+    tok_meta = {"tokenizer_type": HF_TYPE, "tokenizer_model": TOKENIZER_DIR}
+    from megatron_ru.convert.tokenizer_files import hf_tokenizer_files
+    has_tokenizer = bool(hf_tokenizer_files(load))
+    if not has_tokenizer:
+        log.warning("%s has no tokenizer files (tokenizer.json, tokenizer_config.json, ...): the checkpoint records "
+                    "none; give --tokenizer-type/--tokenizer-model when training", load)
+    with staged_directory(save, force, create=False) as tmp:
+        write_checkpoint(tmp, cfg=cfg, vocab_size=vocab_size, tp=tp, pp=pp, get_tensor=get_tensor, dtype=target,
+                         extra_meta={"tokenizer": tok_meta} if has_tokenizer else None)
+        copied = copy_hf_tokenizer(load, os.path.join(tmp, TOKENIZER_DIR))
+        os.makedirs(os.path.join(tmp, HF_SOURCE_DIR), exist_ok=True)
+        for name in HF_SIDE_FILES:
+            if os.path.isfile(os.path.join(load, name)):
+                shutil.copyfile(os.path.join(load, name), os.path.join(tmp, HF_SOURCE_DIR, name))
+    flags = ["--load", save, "--use-checkpoint-args", "--finetune", "--tensor-model-parallel-size", str(tp),
+             "--pipeline-model-parallel-size", str(pp)]
+    if copied:
+        flags += tokenizer_flags(HF_TYPE, os.path.join(save, TOKENIZER_DIR))
+    log.info("imported %s (%s, %d vocabulary rows) into %s at TP=%d PP=%d", load, arch, vocab_size, save, tp, pp)
+    return ImportReport(save, arch, vocab_size, tp, pp, len(expected), copied, flags)
