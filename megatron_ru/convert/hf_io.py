@@ -181,9 +181,13 @@ class HFWeights:
         info = self.infos[name]
         if self.pickle:
             return self._load_bin(info.file)[name].clone()
-        from safetensors import safe_open
-        with safe_open(os.path.join(self.dir, info.file), framework="pt", device="cpu") as f:
-            t = f.get_tensor(name)
+        from safetensors import SafetensorError, safe_open
+        path = os.path.join(self.dir, info.file)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                t = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path}: cannot read tensor {name} ({e}); the file is damaged or truncated") from None
         # a view of the mapped file would keep its pages (and the mapping) alive: own the memory
         return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 

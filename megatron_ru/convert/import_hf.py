@@ -157,11 +157,11 @@ def check_tensors(weights: HFWeights, expected: dict[str, dict[str, tuple[int, .
 
 def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional[str] = None,
               allow_pickle: bool = False, force: bool = False) -> ImportReport:
+    config = read_hf_config(load)
+    check_output(save, load, force)
     from megatron_ru.checkpointing import write_checkpoint
     from megatron_ru.convert.hf_mapping import hf_to_canonical_names, model_config_from_hf, to_canonical
 
-    config = read_hf_config(load)
-    check_output(save, load, force)
     config_path = os.path.join(load, "config.json")
     arch = architecture_of(config, config_path)
     cfg, vocab_size = model_config_from_hf(config)

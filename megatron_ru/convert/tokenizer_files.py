@@ -134,4 +134,24 @@ def sentencepiece_to_llama_fast(model_file: str, out_dir: str) -> None:
         with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f)
         tok = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
-        tok.save_pretrained(out_dir)
+        # SentencePiece puts its dummy prefix before any text, even text that starts with a space; the
+        # Metaspace pre-tokenizer transformers sets up skips it there: spell out SentencePiece's rule
+        from tokenizers import normalizers
+        steps = [normalizers.Prepend("▁")] if proto.normalizer_spec.add_dummy_prefix else []
+        backend = tok.backend_tokenizer
+        backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+        backend.pre_tokenizer = None
+    # saved as a plain fast tokenizer: transformers' LlamaTokenizer class would rebuild the pipeline
+    # above from its own settings when loading, instead of using tokenizer.json as written
+    from transformers import PreTrainedTokenizerFast
+    specials = {k: v for k, v in config.items() if k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                   model_max_length=config["model_max_length"], **specials)
+    fast.save_pretrained(out_dir)
+    # the class name transformers 4.x also knows (5.x maps it to the same tokenizers backend)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    saved["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(saved, f, indent=2)
