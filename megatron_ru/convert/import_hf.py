@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_ru.convert.hf_io import HFWeights
-from megatron_ru.convert.staging import check_output, staged_directory
+from megatron_ru.convert.staging import check_output
 from megatron_ru.convert.tokenizer_files import HF_TYPE, TOKENIZER_DIR, copy_hf_tokenizer, tokenizer_flags
 from megatron_ru.utils.logging import get_logger
 
@@ -185,14 +185,19 @@ def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional
     if not has_tokenizer:
         log.warning("%s has no tokenizer files (tokenizer.json, tokenizer_config.json, ...): the checkpoint records "
                     "none; give --tokenizer-type/--tokenizer-model when training", load)
-    with staged_directory(save, force, create=False) as tmp:
-        write_checkpoint(tmp, cfg=cfg, vocab_size=vocab_size, tp=tp, pp=pp, get_tensor=get_tensor, dtype=target,
-                         extra_meta={"tokenizer": tok_meta} if has_tokenizer else None)
-        copied = copy_hf_tokenizer(load, os.path.join(tmp, TOKENIZER_DIR))
+    copied: list[str] = []
+
+    def side_files(tmp: str) -> None:  # written into the checkpoint's temporary directory before its rename
+        copied.extend(copy_hf_tokenizer(load, os.path.join(tmp, TOKENIZER_DIR)))
         os.makedirs(os.path.join(tmp, HF_SOURCE_DIR), exist_ok=True)
         for name in HF_SIDE_FILES:
             if os.path.isfile(os.path.join(load, name)):
                 shutil.copyfile(os.path.join(load, name), os.path.join(tmp, HF_SOURCE_DIR, name))
+
+    os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
+    write_checkpoint(save, cfg=cfg, vocab_size=vocab_size, tp=tp, pp=pp, get_tensor=get_tensor, dtype=target,
+                     extra_meta={"tokenizer": tok_meta} if has_tokenizer else None, force=force,
+                     extra_files=side_files)
     flags = ["--load", save, "--use-checkpoint-args", "--finetune", "--tensor-model-parallel-size", str(tp),
              "--pipeline-model-parallel-size", str(pp)]
     if copied:

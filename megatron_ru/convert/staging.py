@@ -31,8 +31,7 @@ def check_output(save: str, load: str, force: bool, flag: str = "--save") -> Non
 
 def temporary_name(save: str) -> str:
     """A sibling of ``save`` (same file system, so the final rename is atomic)."""
-    parent, base = os.path.split(os.path.abspath(save))
-    return os.path.join(parent, f".{base}{TMP_MARK}{os.getpid()}")
+    return f"{os.path.abspath(save)}{TMP_MARK}{os.getpid()}"
 
 
 @contextmanager
@@ -55,7 +54,7 @@ def staged_directory(save: str, force: bool, create: bool = True) -> Iterator[st
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if os.path.lexists(save):
-        old = f"{tmp}.old"
+        old = f"{os.path.abspath(save)}.old-{os.getpid()}"
         os.rename(save, old)
         os.rename(tmp, save)
         shutil.rmtree(old, ignore_errors=True)

@@ -100,7 +100,7 @@ def logits(path: str, ids: torch.Tensor) -> torch.Tensor:
 
 
 def no_leftovers(parent: str, name: str) -> None:
-    left = [n for n in os.listdir(parent) if n == name or n.startswith(f".{name}.tmp-")]
+    left = [n for n in os.listdir(parent) if n == name or n.startswith((f"{name}.tmp-", f"{name}.old-"))]
     assert not left, f"left behind: {left}"
 
 
