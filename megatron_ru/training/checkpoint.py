@@ -128,6 +128,14 @@ class CheckpointMeta:
     #: how to build the tokenizer saved with the checkpoint (import-hf): tokenizer flags, paths relative to
     #: the --load directory; None: the run's own tokenizer flags
     tokenizer: Optional[dict[str, Any]] = None
+    #: None: DeepSpeed's own files at this layout; "megatron_ru.layers": written by
+    #: megatron_ru.checkpointing.write_checkpoint (reshard, import-hf), loadable at its TP/PP and any DP
+    format: Optional[str] = None
+    #: layer format: the state all parameters share (step, lr_scheduler, loss_scaler, ...); None: no optimizer
+    optimizer: Optional[dict[str, Any]] = None
+    #: DeepSpeed files: per model-parallel rank {"pp_rank", "tp_rank", "groups": [[canonical names of
+    #: each optimizer group, in order]]} — how the flat optimizer state maps to parameters
+    optimizer_groups: Optional[dict[str, Any]] = None
 
     @classmethod
     def read(cls, ckpt_dir: str) -> "CheckpointMeta":

@@ -33,6 +33,8 @@ class CheckpointSaveError(RuntimeError):
 RNG_RE = re.compile(r"^rng_rank_(\d+)\.pt$")
 LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_RE = re.compile(r"^(.*)zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+#: optimizer files of the layer format (megatron_ru.checkpointing): per pipeline layer and TP rank
+LAYER_OPTIM_RE = re.compile(r"^layer_(\d+)-model_(\d+)-optim_states\.pt$")
 
 
 def rng_file_name(rank: int) -> str:
@@ -44,7 +46,7 @@ def file_kind(name: str) -> str:
     files, which also hold the optimizer without ZeRO, and the per-layer files of a pipeline)."""
     if RNG_RE.match(name):
         return "rng"
-    if OPTIM_RE.match(name):
+    if OPTIM_RE.match(name) or LAYER_OPTIM_RE.match(name):
         return "optim"
     return "model"
 
@@ -147,9 +149,10 @@ def _first_line(e: BaseException) -> str:
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def safe_load(path: str, map_location: Any = "cpu") -> Any:
+def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` with DeepSpeed's plain data classes allow-listed; a missing,
-    damaged or code-carrying file is a :class:`CheckpointError` naming it."""
+    damaged or code-carrying file is a :class:`CheckpointError` naming it. ``mmap``: tensors stay in the
+    file until touched (offline readers that take slices of large files)."""
     save_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     fix = (f"restore it from a copy of the checkpoint, or resume from an earlier checkpoint by writing its "
            f"iteration into {os.path.join(save_dir, 'latest_checkpointed_iteration.txt')}")
@@ -159,7 +162,7 @@ def safe_load(path: str, map_location: Any = "cpu") -> Any:
     damaged = f"{path} ({size} bytes) is truncated or overwritten"
     try:
         with torch.serialization.safe_globals(_safe_deepspeed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = _GLOBAL_RE.search(str(e))
         if found and found.group(1).startswith(("deepspeed.", "torch.")):

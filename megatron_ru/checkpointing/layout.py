@@ -1,0 +1,75 @@
+"""File names and layout arithmetic shared by the reader, the writer and the loader.
+
+The layer format (``metadata.json`` ``"format": "megatron_ru.layers"``), written by
+:func:`~megatron_ru.checkpointing.writer.write_checkpoint` at any TP and PP::
+
+    iter_XXXXXXX/metadata.json                         CheckpointMeta + format + optimizer (common state)
+    iter_XXXXXXX/layer_{j:02d}-model_{t:02d}-model_states.pt   {local name: TP shard t} of pipeline layer j
+    iter_XXXXXXX/layer_{j:02d}-model_{t:02d}-optim_states.pt   {local name: {fp32, exp_avg, exp_avg_sq}}
+
+Layer ``j`` is the model description's entry ``j`` (0 = embedding, 1..N decoder layers, N + 1 final
+norm, N + 2 output head; a tied head has no file). The files do not depend on PP or DP: a run at any
+PP reads the layers its stage holds, and any DP size sets its ZeRO partitions from the full TP shard.
+The model files are laid out like DeepSpeed's own pipeline layer files (same names, same keys).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.model.spec import ParamSpec, parameter_specs
+from megatron_ru.parallel.utils import pad_vocab_size
+
+LAYERS_FORMAT = "megatron_ru.layers"
+#: the Adam moments a checkpoint carries per parameter, besides the fp32 master weight
+OPTIM_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def layer_file(layer: int, tp_rank: int) -> str:
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def layer_optim_file(layer: int, tp_rank: int) -> str:
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-optim_states.pt"
+
+
+def mp_model_file(mp_rank: int) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def specs_by_name(cfg: ModelConfig, vocab_size: int) -> dict[str, ParamSpec]:
+    return {s.name: s for s in parameter_specs(cfg, vocab_size)}
+
+
+def layout_problems(cfg: ModelConfig, tp: int, pp: int, tp_flag: str = "--target-tensor-parallel-size",
+                    pp_flag: str = "--target-pipeline-parallel-size") -> list[str]:
+    """Why the model cannot be laid out at (tp, pp) (empty: it can)."""
+    out = []
+    if tp < 1 or pp < 1:
+        out.append(f"{tp_flag} {tp} and {pp_flag} {pp} must be >= 1")
+        return out
+    checks = [("attention heads (--num-attention-heads)", cfg.num_attention_heads),
+              ("query groups (--num-query-groups)", cfg.query_groups),
+              ("the MLP width (--ffn-hidden-size)", cfg.resolved_ffn_hidden_size)]
+    for what, n in checks:
+        if n % tp:
+            out.append(f"{tp_flag} {tp} does not divide the model's {n} {what}")
+    if pp > cfg.num_layers:
+        out.append(f"{pp_flag} {pp} exceeds the model's {cfg.num_layers} layers")
+    return out
+
+
+def padded_rows(cfg: ModelConfig, vocab_size: int, tp: int) -> int:
+    return pad_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp)
+
+
+def mp_rank_of(pp_rank: int, tp_rank: int, tp: int) -> int:
+    """DeepSpeed's model-parallel rank of a (stage, TP rank): TP varies fastest."""
+    return pp_rank * tp + tp_rank
+
+
+def stage_of(layer: int, bounds: list[tuple[int, int]]) -> Optional[int]:
+    for s, (start, stop) in enumerate(bounds):
+        if start <= layer < stop:
+            return s
+    return None

@@ -1,0 +1,374 @@
+"""Read any megatron_ru checkpoint as canonical full tensors, offline (CPU, no process group).
+
+Three layouts are read:
+
+* the layer format (:mod:`megatron_ru.checkpointing.layout`), written by :func:`write_checkpoint`;
+* DeepSpeed's PP > 1 files: ``layer_{j:02d}-model_{t:02d}-model_states.pt`` = layer ``j``'s TP shard ``t``
+  (local names);
+* DeepSpeed's PP = 1 files: ``mp_rank_{t:02d}_model_states.pt``, whose ``module`` holds TP shard ``t``
+  of every parameter under its canonical name (memory-mapped: only the tensors asked for are read).
+
+TP shards are joined with each parameter's partition dim and stride and the vocabulary padding is
+cut to the model's ``V`` rows. Files are read one layer at a time (the previous layer's are dropped).
+
+Optimizer state (:meth:`CheckpointReader.optimizer_state`), as full canonical fp32 tensors
+(``fp32`` master weight, ``exp_avg``, ``exp_avg_sq``):
+
+* layer format: its per-layer optimizer files;
+* ZeRO 0, fp32: torch AdamW's state inside the ``mp_rank`` files, matched to parameters by the
+  ordered canonical names of each optimizer group that the save recorded in ``metadata.json``
+  (``optimizer_groups``; for PP = 1 checkpoints saved before that, rebuilt from the module's order);
+* ZeRO 1 (fp32, bf16, fp16): the flat fp32 partitions of ``[bf16_]zero_pp_rank_{d}_mp_rank_{m}``
+  concatenated over the data-parallel ranks ``d`` and walked with the ``param_shapes`` of the model
+  file, like DeepSpeed's ``zero_to_fp32`` (each partition's alignment padding cut first).
+
+Anything else (ZeRO 2/3, ZeRO 0 with bf16/fp16) is refused by name with the flag to change.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
+                                              mp_model_file, mp_rank_of, padded_rows, specs_by_name, stage_of)
+from megatron_ru.model.spec import ParamSpec, canonical_name, model_config_from_dict, stage_bounds
+from megatron_ru.parallel.utils import unshard_tensors
+from megatron_ru.training.checkpoint import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
+                                             read_latest_iteration)
+from megatron_ru.training.checkpoint_files import CheckpointError, check_files, list_files, safe_load
+
+__all__ = ["CheckpointReader", "read_checkpoint"]
+
+
+def read_checkpoint(load_dir: str, iteration: Optional[int] = None) -> "CheckpointReader":
+    """The checkpoint ``latest`` points at in ``load_dir`` (or ``iteration``)."""
+    load_dir = os.path.abspath(load_dir)
+    if iteration is None:
+        if not os.path.isdir(load_dir):
+            raise FileNotFoundError(f"--load {load_dir} does not exist: point it at a megatron_ru checkpoint "
+                                    f"directory (it holds {TRACKER_FILE})")
+        iteration = read_latest_iteration(load_dir)
+        if iteration is None:
+            raise CheckpointError(f"--load {load_dir} holds no {TRACKER_FILE}: point it at a directory written by "
+                                  f"pretrain_gpt.py --save or tools/convert_checkpoint.py")
+    ckpt_dir = os.path.join(load_dir, iteration_dir_name(iteration))
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir} does not exist: the checkpoint of iteration {iteration} is missing; "
+                              f"fix {os.path.join(load_dir, TRACKER_FILE)} or pick an existing iter_* directory")
+    return CheckpointReader(ckpt_dir, CheckpointMeta.read(ckpt_dir))
+
+
+def _precision(meta: CheckpointMeta) -> str:
+    training = (meta.args or {}).get("training", {}) if isinstance(meta.args, dict) else {}
+    return "bf16" if training.get("bf16") else "fp16" if training.get("fp16") else "fp32"
+
+
+class CheckpointReader:
+    """Canonical full tensors of one checkpoint directory (``iter_XXXXXXX``)."""
+
+    def __init__(self, ckpt_dir: str, meta: CheckpointMeta) -> None:
+        self.dir = ckpt_dir
+        self.meta = meta
+        if meta.model_args is None or meta.vocab_size is None:
+            raise CheckpointError(f"{os.path.join(ckpt_dir, 'metadata.json')} records no model arguments "
+                                  f"(model_args, vocab_size): it was saved by an older megatron_ru; resume it "
+                                  f"once with this version and save again to convert or reshard it")
+        self.cfg = model_config_from_dict(meta.model_args)
+        self.vocab_size = int(meta.vocab_size)
+        self.tp = meta.tensor_model_parallel_size
+        self.pp = meta.pipeline_model_parallel_size
+        self.specs = specs_by_name(self.cfg, self.vocab_size)
+        self.rows = padded_rows(self.cfg, self.vocab_size, self.tp)
+        self.kind = "layers" if meta.format == LAYERS_FORMAT else "ds_pipe" if self.pp > 1 else "ds_mp"
+        if meta.format not in (None, LAYERS_FORMAT):
+            raise CheckpointError(f"{ckpt_dir}: unknown checkpoint format {meta.format!r} (this megatron_ru reads "
+                                  f"{LAYERS_FORMAT!r} and DeepSpeed's files)")
+        self._present = sorted(list_files(ckpt_dir))
+        self._check({"model"})
+        self._layer: Optional[tuple[int, list[dict[str, Any]]]] = None
+        self._optim_layer: Optional[tuple[int, list[dict[str, Any]]]] = None
+        self._mp_files: dict[int, dict[str, Any]] = {}
+        self._flat: dict[int, dict[str, Any]] = {}
+        self._optim_checked = False
+
+    # ---- files -----------------------------------------------------------------------------------
+
+    def _check(self, kinds: set[str]) -> None:
+        pointer = os.path.join(os.path.dirname(self.dir), TRACKER_FILE)
+        check_files(self.dir, self.meta.expected_files(self._present), kinds=kinds, pointer=pointer, earlier=[])
+
+    def _load(self, name: str) -> Any:
+        return safe_load(os.path.join(self.dir, name), mmap=True)
+
+    def _mp_file(self, mp_rank: int) -> dict[str, Any]:
+        if mp_rank not in self._mp_files:
+            self._mp_files[mp_rank] = self._load(mp_model_file(mp_rank))
+        return self._mp_files[mp_rank]
+
+    def names(self) -> list[str]:
+        """Canonical parameter names, in model order."""
+        return list(self.specs)
+
+    def spec(self, name: str) -> ParamSpec:
+        if name not in self.specs:
+            raise KeyError(f"{name!r} is not a parameter of this model (its parameters: "
+                           f"{', '.join(list(self.specs)[:4])}, ...)")
+        return self.specs[name]
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def _layer_shards(self, layer: int) -> list[dict[str, Any]]:
+        if self._layer is None or self._layer[0] != layer:
+            self._layer = None  # drop the previous layer's files before reading the next
+            self._layer = (layer, [self._load(layer_file(layer, t)) for t in range(self.tp)])
+        return self._layer[1]
+
+    def _expected_shard_shape(self, spec: ParamSpec) -> tuple[int, ...]:
+        shape = list(spec.shape)
+        if spec.vocab:
+            shape[0] = self.rows
+        if spec.partition_dim is not None:
+            shape[spec.partition_dim] //= self.tp
+        return tuple(shape)
+
+    def _checked(self, spec: ParamSpec, tensor: Any, where: str, key: str) -> torch.Tensor:
+        want = self._expected_shard_shape(spec)
+        if not torch.is_tensor(tensor):
+            raise CheckpointError(f"{os.path.join(self.dir, where)}: {key!r} is not a tensor "
+                                  f"({type(tensor).__name__}); the file is damaged")
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{os.path.join(self.dir, where)}: {key!r} has shape {list(tensor.shape)}, "
+                                  f"expected {list(want)} (TP shard of {spec.name} {list(spec.shape)} at TP "
+                                  f"{self.tp}); the file does not match the checkpoint's model arguments")
+        return tensor
+
+    def _weight_shard(self, spec: ParamSpec, t: int) -> torch.Tensor:
+        if self.kind == "ds_mp":
+            module = self._mp_file(t).get("module") or {}
+            where, key = mp_model_file(t), spec.name
+            if key not in module:
+                raise CheckpointError(f"{os.path.join(self.dir, where)} has no {key!r}: the file is damaged or "
+                                      f"from another model")
+            return self._checked(spec, module[key], where, key)
+        shards = self._layer_shards(spec.layer_index)
+        where, key = layer_file(spec.layer_index, t), spec.local_name
+        if key not in shards[t]:
+            raise CheckpointError(f"{os.path.join(self.dir, where)} has no {key!r} (it holds "
+                                  f"{', '.join(sorted(shards[t]))}): the file is damaged or from another model")
+        return self._checked(spec, shards[t][key], where, key)
+
+    def _join(self, spec: ParamSpec, shards: list[torch.Tensor]) -> torch.Tensor:
+        shards = [s.detach() for s in shards]
+        if spec.partition_dim is None:
+            full = shards[0].clone()
+        else:
+            full = unshard_tensors(shards, spec.partition_dim, spec.partition_stride)
+        if spec.vocab:
+            full = full[: self.vocab_size].clone()
+        return full
+
+    def get(self, name: str) -> torch.Tensor:
+        """The full canonical tensor (``V`` rows for the vocabulary matrices), in the file's dtype."""
+        spec = self.spec(name)
+        return self._join(spec, [self._weight_shard(spec, t) for t in range(self.tp)])
+
+    # ---- optimizer state -------------------------------------------------------------------------
+
+    def optimizer_problem(self) -> Optional[str]:
+        """Why this checkpoint's optimizer state cannot be read (None: it can)."""
+        m = self.meta
+        if self.kind == "layers":
+            return None if m.optimizer is not None else (
+                f"{self.dir} was written without optimizer state (weights only)")
+        precision = _precision(m)
+        if m.zero_stage == 1:
+            return None
+        if m.zero_stage == 0 and precision == "fp32":
+            return None
+        return (f"{self.dir} holds the optimizer state of ZeRO stage {m.zero_stage} with {precision}, which "
+                f"megatron_ru cannot convert (supported: ZeRO stage 0 with fp32, ZeRO stage 1 with fp32, bf16 or "
+                f"fp16): convert the weights only (--no-load-optim), or train with --zero-stage 1 (or 0 with "
+                f"fp32) and save again")
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return self.optimizer_problem() is None
+
+    def _require_optimizer(self) -> None:
+        problem = self.optimizer_problem()
+        if problem:
+            raise CheckpointError(problem)
+        if not self._optim_checked:
+            self._check({"optim"})
+            self._optim_checked = True
+
+    def _mp_of(self, spec: ParamSpec, t: int) -> int:
+        if self.pp == 1:
+            return t
+        stage = stage_of(spec.layer_index, stage_bounds(self.cfg, self.pp))
+        recorded = self.meta.optimizer_groups or {}
+        for key, rec in recorded.items():
+            if rec.get("pp_rank") == stage and rec.get("tp_rank") == t:
+                return int(key)
+        return mp_rank_of(stage, t, self.tp)
+
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor]:
+        """``{"fp32", "exp_avg", "exp_avg_sq"}``: full canonical fp32 tensors of parameter ``name``."""
+        spec = self.spec(name)
+        self._require_optimizer()
+        per_rank = [self._optim_shard(spec, t) for t in range(self.tp)]
+        return {k: self._join(spec, [s[k] for s in per_rank]).float() for k in OPTIM_KEYS}
+
+    def _optim_shard(self, spec: ParamSpec, t: int) -> dict[str, torch.Tensor]:
+        if self.kind == "layers":
+            layer = spec.layer_index
+            if self._optim_layer is None or self._optim_layer[0] != layer:
+                self._optim_layer = None
+                self._optim_layer = (layer, [self._load(layer_optim_file(layer, r)) for r in range(self.tp)])
+            where = layer_optim_file(layer, t)
+            state = self._optim_layer[1][t].get(spec.local_name)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{os.path.join(self.dir, where)} has no optimizer state for "
+                                      f"{spec.local_name!r}: the file is damaged")
+            return {k: self._checked(spec, state.get(k), where, f"{spec.local_name}.{k}") for k in OPTIM_KEYS}
+        mp = self._mp_of(spec, t)
+        if self.meta.zero_stage == 0:
+            return self._zero0_shard(spec, t, mp)
+        return self._zero1_shard(spec, mp)
+
+    def _group_names(self, mp: int) -> list[list[str]]:
+        """Ordered canonical names of each optimizer group of model-parallel rank ``mp`` (ZeRO 0)."""
+        rec = (self.meta.optimizer_groups or {}).get(str(mp))
+        if rec is not None:
+            return [list(g) for g in rec["groups"]]
+        if self.pp > 1:
+            raise CheckpointError(f"{self.dir}: the save did not record the order of the optimizer's parameters "
+                                  f"(saved by an older megatron_ru); convert the weights only (--no-load-optim), "
+                                  f"or resume once at the checkpoint's layout and save again")
+        module = self._mp_file(mp).get("module") or {}
+        names = [k for k in module if k in self.specs]
+        # engine.optimizer_param_groups: weight-decayed (matrices) first, then the rest
+        return [g for g in ([n for n in names if module[n].ndim >= 2], [n for n in names if module[n].ndim < 2]) if g]
+
+    def _zero0_shard(self, spec: ParamSpec, t: int, mp: int) -> dict[str, torch.Tensor]:
+        where = mp_model_file(mp)
+        optim = self._mp_file(mp).get("optimizer")
+        if not isinstance(optim, dict) or "state" not in optim:
+            raise CheckpointError(f"{os.path.join(self.dir, where)} holds no optimizer state (ZeRO stage 0): the "
+                                  f"file is damaged; convert the weights only with --no-load-optim")
+        index = None
+        for g, (names, group) in enumerate(zip(self._group_names(mp), optim["param_groups"])):
+            if len(names) != len(group["params"]):
+                raise CheckpointError(f"{os.path.join(self.dir, where)}: optimizer group {g} has "
+                                      f"{len(group['params'])} parameters, the recorded order {len(names)}")
+            for n, idx in zip(names, group["params"]):
+                if canonical_name(n, self.cfg) == spec.name:
+                    index = idx
+        if index is None:
+            raise CheckpointError(f"{os.path.join(self.dir, where)}: no optimizer state for {spec.name} (frozen "
+                                  f"while training?): convert the weights only with --no-load-optim")
+        state = optim["state"].get(index, {})
+        out = {"fp32": self._weight_shard(spec, t).float()}
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[k] = self._checked(spec, state.get(k), where, f"optimizer state {index}.{k}")
+        return out
+
+    def _optim_files(self, mp: int) -> list[dict[str, Any]]:
+        dp = self.meta.data_parallel_size
+        prefixes = sorted({n.split("zero_pp_rank_")[0] for n in self._present if "zero_pp_rank_" in n
+                           and n.endswith("_optim_states.pt")})
+        if not prefixes:
+            raise CheckpointError(f"{self.dir} holds no *zero_pp_rank_*_optim_states.pt files although saved with "
+                                  f"ZeRO stage 1: the checkpoint is incomplete; convert the weights only with "
+                                  f"--no-load-optim")
+        return [self._load(f"{prefixes[0]}zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")["optimizer_state_dict"]
+                for d in range(dp)]
+
+    def _flat_index(self, mp: int) -> dict[str, Any]:
+        """Where each parameter of model-parallel rank ``mp`` lies in its group's flat fp32 vector."""
+        if mp in self._flat:
+            return self._flat[mp]
+        self._flat.clear()  # one model-parallel rank's (memory-mapped) files at a time
+        where = mp_model_file(mp)
+        shapes = self._mp_file(mp).get("param_shapes")
+        if not shapes:
+            rec = (self.meta.optimizer_groups or {}).get(str(mp))
+            if rec is None:
+                raise CheckpointError(f"{os.path.join(self.dir, where)} has no param_shapes: the optimizer state "
+                                      f"cannot be matched to parameters; convert the weights only "
+                                      f"(--no-load-optim)")
+            shapes = [{n: self.specs[canonical_name(n, self.cfg)].shape for n in g} for g in rec["groups"]]
+        parts = self._optim_files(mp)
+        bounds = stage_bounds(self.cfg, self.pp)
+        stage = mp // self.tp if self.pp > 1 else 0
+        index: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        for g, group in enumerate(shapes):
+            offset = 0
+            for n, shape in group.items():
+                numel = int(torch.Size(shape).numel())
+                cname = canonical_name(n, self.cfg)
+                spec = self.specs.get(cname)
+                # a tied weight is in both end stages' groups: read it from the stage that holds layer 0
+                if spec is not None and (self.pp == 1 or stage_of(spec.layer_index, bounds) == stage):
+                    index[cname] = (g, offset, tuple(shape))
+                offset += numel
+            total = sum(int(p["single_partition_of_fp32_groups"][g].numel()) for p in parts)
+            if total < offset:
+                raise CheckpointError(f"{self.dir}: the ZeRO partitions of model-parallel rank {mp}, group {g} hold "
+                                      f"{total} values, its parameters need {offset}: the optimizer files are "
+                                      f"damaged or from another model")
+        self._flat[mp] = {"index": index, "parts": parts}
+        return self._flat[mp]
+
+    def _zero1_shard(self, spec: ParamSpec, mp: int) -> dict[str, torch.Tensor]:
+        flat = self._flat_index(mp)
+        if spec.name not in flat["index"]:
+            raise CheckpointError(f"{self.dir}: no optimizer state for {spec.name} in model-parallel rank {mp}'s "
+                                  f"ZeRO files (frozen while training?): convert the weights only "
+                                  f"with --no-load-optim")
+        g, offset, shape = flat["index"][spec.name]
+        numel = int(torch.Size(shape).numel())
+        out = {}
+        for key in OPTIM_KEYS:
+            pieces, start = [], 0
+            for p in flat["parts"]:
+                fp32 = p["single_partition_of_fp32_groups"][g]
+                if key == "fp32":
+                    vec = fp32
+                else:
+                    base = p["base_optimizer_state"]["state"]
+                    vec = base[g][key][: fp32.numel()]  # cut this partition's alignment padding
+                stop = start + vec.numel()
+                lo, hi = max(start, offset), min(stop, offset + numel)
+                if lo < hi:
+                    pieces.append(vec[lo - start: hi - start])
+                start = stop
+            value = torch.cat(pieces).float().view(shape)
+            out[key] = self._checked(spec, value, f"*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt", spec.name)
+        return out
+
+    def common_state(self) -> dict[str, Any]:
+        """What every parameter shares: ``step`` (optimizer steps), ``lr_scheduler``, ``loss_scaler``
+        (cur_scale and friends; None without loss scaling), ``skipped_steps``, ``global_steps``."""
+        if self.kind == "layers":
+            return dict(self.meta.optimizer or {})
+        self._require_optimizer()
+        head = self._mp_file(0)
+        out: dict[str, Any] = {"lr_scheduler": head.get("lr_scheduler"),
+                               "skipped_steps": int(head.get("skipped_steps") or 0),
+                               "global_steps": int(head.get("global_steps") or self.meta.iteration),
+                               "global_samples": int(head.get("global_samples") or self.meta.consumed_train_samples),
+                               "loss_scaler": None}
+        if self.meta.zero_stage == 0:
+            state = (head.get("optimizer") or {}).get("state") or {}
+        else:
+            part = self._optim_files(0)[0]
+            state = part["base_optimizer_state"]["state"]
+            scaler = part.get("loss_scaler")
+            if scaler is not None:
+                out["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+        steps = [s["step"] for s in state.values() if isinstance(s, dict) and "step" in s]
+        out["step"] = int(float(steps[0])) if steps else 0
+        return out
