@@ -103,6 +103,7 @@ class HFWeights:
         if safe:
             for fname in safe:
                 self._add_safetensors(fname)
+            self._check_index()
             return
         bins = _bin_files(hf_dir)
         if not bins:
@@ -136,6 +137,22 @@ class HFWeights:
         if os.path.isfile(os.path.join(self.dir, SAFE_SINGLE)):
             return [SAFE_SINGLE]
         return sorted(n for n in os.listdir(self.dir) if n.endswith(".safetensors"))
+
+    def _check_index(self) -> None:
+        """The index and the shards' headers must agree on where every tensor is."""
+        index = os.path.join(self.dir, SAFE_INDEX)
+        if not os.path.isfile(index):
+            return
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        for name, fname in weight_map.items():
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name not in self.infos:
+                raise ValueError(f"{index} puts tensor {name} in {fname}, whose header does not have it; the "
+                                 "index and the shards are from different saves")
+            if self.infos[name].file != fname:
+                raise ValueError(f"{index} puts tensor {name} in {fname}, but it is in {self.infos[name].file}")
 
     def _add(self, info: TensorInfo) -> None:
         if info.name.endswith(IGNORED_SUFFIXES):
