@@ -140,10 +140,13 @@ def test_greedy_equals_transformers_generate(setup: dict[str, Any], layout: str)
 
 
 def test_seeded_sampling_is_identical_across_layouts(setup: dict[str, Any]) -> None:
+    """TP = 2 with all prompts in one batch, and DP = 2 (prompts split between two replicas, one
+    prompt per micro-batch): the same seed gives the same tokens."""
     flags = ("--seed", "11", "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95")
     tp2 = _generate(setup, "sample_tp2", 2, "--tensor-model-parallel-size", "2", *flags)
-    single = _generate(setup, "sample_single", 1, *flags)
-    assert [r["token_ids"] for r in tp2] == [r["token_ids"] for r in single]
+    dp2 = _generate(setup, "sample_dp2", 2, "--micro-batch-size", "1", *flags)
+    assert [r["token_ids"] for r in tp2] == [r["token_ids"] for r in dp2]
+    assert [r["prompt"] for r in dp2] == [r["prompt"] for r in tp2]   # input order kept
     assert [r["token_ids"] for r in tp2] != setup["expected"]   # it really sampled
 
 
