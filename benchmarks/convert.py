@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Hugging Face import / export throughput and peak memory against safetensors alone.
 
-    .venv/bin/python benchmarks/convert.py [--workdir DIR] [--layers 32] [--tp 2 --pp 2]
+    .venv/bin/python benchmarks/convert.py [--workdir DIR] [--layers 34] [--tp 2 --pp 2]
 
 1. Generates a Llama-shaped bf16 model of >= 3 GB (default: hidden 2048, FFN 5632, 32 layers,
    32 heads / 4 KV groups, vocabulary 32,000, untied: 1.57 B parameters, 3.15 GB) as sharded
@@ -129,6 +129,7 @@ def run_child(cmd: list[str]) -> tuple[float, float]:
     """(wall seconds, peak RSS in GB) of a child process."""
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MEGATRON_RU_LOG_LEVEL": "WARNING"}
+    os.sync()  # every step starts with no dirty pages of an earlier step still to write back
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -153,7 +154,7 @@ def _du(path: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=None, help="scratch directory (default: a new one under /tmp)")
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=34)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=5632)
     ap.add_argument("--heads", type=int, default=32)
