@@ -3,8 +3,8 @@
 
     .venv/bin/python benchmarks/convert.py [--workdir DIR] [--layers 34] [--tp 2 --pp 2]
 
-1. Generates a Llama-shaped bf16 model of >= 3 GB (default: hidden 2048, FFN 5632, 32 layers,
-   32 heads / 4 KV groups, vocabulary 32,000, untied: 1.57 B parameters, 3.15 GB) as sharded
+1. Generates a Llama-shaped bf16 model of >= 3 GiB (default: hidden 2048, FFN 5632, 34 layers,
+   32 heads / 4 KV groups, vocabulary 32,000, untied: 1.63 B parameters, 3.26 GB = 3.04 GiB) as sharded
    safetensors (1 GB shards + index, random weights written with safetensors' save_file).
 2. The I/O limit: every shard read with ``safetensors.torch.load_file`` and written again with
    ``save_file`` (+ fsync, as the tools do), i.e. the same tensors read and written once by
