@@ -162,22 +162,28 @@ class CheckpointMeta:
                                self.data_parallel_size, self.zero_stage, present)
 
 
+def reshard_command(load_dir: str, tp: int, pp: int) -> str:
+    return (f"python tools/convert_checkpoint.py reshard --load {load_dir} --save NEW_DIR "
+            f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp} (then --load NEW_DIR)")
+
+
 def layout_problems(meta: CheckpointMeta, tp: int, pp: int, dp: int, zero_stage: int,
-                    load_optim: bool) -> list[str]:
+                    load_optim: bool, load_dir: str = "DIR") -> list[str]:
     """Why a checkpoint cannot be loaded at the current layout (empty list: it can)."""
     out = []
     if meta.tensor_model_parallel_size != tp or meta.pipeline_model_parallel_size != pp:
         out.append(
             f"the checkpoint was saved with --tensor-model-parallel-size {meta.tensor_model_parallel_size} "
-            f"--pipeline-model-parallel-size {meta.pipeline_model_parallel_size}, this run uses {tp} and {pp}; "
-            f"resharding is not supported yet: run with the checkpoint's TP/PP")
+            f"--pipeline-model-parallel-size {meta.pipeline_model_parallel_size}, this run uses {tp} and {pp}: "
+            f"run with the checkpoint's TP/PP, or reshard it first: {reshard_command(load_dir, tp, pp)}")
     elif load_optim and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and \
             max(meta.zero_stage, zero_stage) > 0:
         out.append(
             f"the checkpoint's optimizer state is partitioned for ZeRO stage {meta.zero_stage} over "
             f"{meta.data_parallel_size} data-parallel ranks, this run uses stage {zero_stage} over {dp}: "
-            f"keep the data-parallel size and --zero-stage, or load weights only with --no-load-optim "
-            f"or --finetune")
+            f"keep the data-parallel size and --zero-stage, or rewrite it without the data-parallel split "
+            f"(ZeRO stage 0 or 1 checkpoints; then any DP size and stage 0 or 1 loads it): "
+            f"{reshard_command(load_dir, tp, pp)}, or load weights only with --no-load-optim or --finetune")
     return out
 
 
@@ -213,6 +219,34 @@ def _abandon(errors: list[str], ckpt_dir: str, save_dir: str, iteration: int, ra
         f"system with room")
 
 
+def optimizer_groups_record(engine: Any, meta: CheckpointMeta) -> Optional[tuple[int, dict[str, Any]]]:
+    """(DeepSpeed's model-parallel rank, {"pp_rank", "tp_rank", "groups": [[canonical names]]}) of this
+    rank: the order in which the optimizer holds the parameters, so that an offline reader
+    (megatron_ru.checkpointing) maps the saved optimizer state to parameters without guessing."""
+    try:
+        from megatron_ru.model.spec import canonical_name, model_config_from_dict
+        cfg = model_config_from_dict(meta.model_args) if meta.model_args else None
+        opt = getattr(engine, "optimizer", None)
+        if opt is None:
+            return None
+        if any(hasattr(opt, a) for a in ("bit16_groups", "bf16_groups", "fp16_groups", "round_robin_bit16_groups")):
+            groups = [list(g.keys()) for g in engine._get_zero_param_shapes()]
+        else:
+            names = {id(p): n for n, p in engine.module.named_parameters()}
+            groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+        if cfg is not None:
+            groups = [[canonical_name(n, cfg) for n in g] for g in groups]
+        mpu = getattr(engine, "mpu", None)
+        pp_rank = mpu.get_pipe_parallel_rank() if mpu is not None else 0
+        tp_rank = mpu.get_slice_parallel_rank() if mpu is not None else 0
+        return int(getattr(engine, "checkpoint_mp_rank", 0)), {"pp_rank": pp_rank, "tp_rank": tp_rank,
+                                                                "groups": groups}
+    except Exception as e:  # noqa: BLE001 - a record the save can do without; never fail a save over it
+        log.warning(f"could not record the optimizer's parameter order ({type(e).__name__}: {e}); resharding "
+                    f"this checkpoint's optimizer state may be refused")
+        return None
+
+
 def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: CheckpointMeta,
                     rank: int, rng_state: dict[str, Any], keep_last: Optional[int] = None,
                     before_commit: Optional[Callable[[], None]] = None) -> str:
@@ -246,13 +280,18 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     if before_commit is not None:  # test hook: simulate a crash between the files and the pointer
         before_commit()
     _barrier()  # every rank has finished its files: each lists what it sees (node-local disks too)
-    gathered = _all_gather((_save_error(recorder), list_files(ckpt_dir) if recorder.failure is None else {}))
-    errors = [e for e, _ in gathered if e]
+    gathered = _all_gather((_save_error(recorder), list_files(ckpt_dir) if recorder.failure is None else {},
+                            optimizer_groups_record(engine, meta)))
+    errors = [e for e, _, _ in gathered if e]
     if not errors and rank == 0:
         files: dict[str, int] = {}
-        for _, seen in gathered:
+        groups: dict[str, Any] = {}
+        for _, seen, record in gathered:
             files.update(seen)
+            if record is not None:
+                groups.setdefault(str(record[0]), record[1])
         meta.files = dict(sorted(files.items()))
+        meta.optimizer_groups = dict(sorted(groups.items(), key=lambda kv: int(kv[0]))) or None
         path = os.path.join(ckpt_dir, METADATA_FILE)
         recorder.run(path, lambda: write_text_atomic(path, json.dumps(meta.__dict__, indent=1, default=str)))
     errors += [e for e in _all_gather(_save_error(recorder) if not errors else None) if e]
@@ -308,7 +347,10 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
                               f"iteration of an existing iter_* directory into {pointer}, or point --load elsewhere")
     meta = CheckpointMeta.read(ckpt_dir)
     weights_only = finetune or not load_optim
-    problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only)
+    if meta.format is not None:
+        return _load_layers(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, zero_stage=zero_stage,
+                            weights_only=weights_only, finetune=finetune, pointer=pointer)
+    problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only, load_dir=load_dir)
     if weights_only and 3 in (meta.zero_stage, zero_stage):
         problems.append(
             f"loading weights only (--finetune or --no-load-optim) with ZeRO stage 3 (the checkpoint's stage "
@@ -347,3 +389,27 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     log_rank0(log, f"loaded checkpoint {ckpt_dir} (iteration {meta.iteration}, "
                    f"{'weights only' if weights_only else 'full state'})")
     return meta, rng
+
+
+def _load_layers(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,
+                 zero_stage: int, weights_only: bool, finetune: bool, pointer: str
+                 ) -> tuple[CheckpointMeta, Optional[dict]]:
+    """A checkpoint written by megatron_ru.checkpointing (reshard, import-hf): loaded by canonical
+    names at the run's TP/PP, any DP size (megatron_ru/checkpointing/loader.py)."""
+    from megatron_ru.checkpointing.layout import LAYERS_FORMAT
+    from megatron_ru.checkpointing.loader import layers_layout_problem, load_layers_checkpoint
+    if meta.format != LAYERS_FORMAT:
+        raise CheckpointError(f"{ckpt_dir}: unknown checkpoint format {meta.format!r} in metadata.json (this "
+                              f"megatron_ru reads {LAYERS_FORMAT!r} and DeepSpeed's files): a newer megatron_ru "
+                              f"wrote it, or the file is damaged")
+    problem = layers_layout_problem(meta, tp, pp, zero_stage, load_dir)
+    if problem:
+        raise CheckpointError(f"cannot load {ckpt_dir}: {problem}")
+    load_optim = not weights_only and meta.optimizer is not None
+    if not weights_only and meta.optimizer is None and not finetune:
+        log_rank0(log, f"{ckpt_dir} holds weights only (no optimizer state): the optimizer starts fresh", level=30)
+    present = sorted(list_files(ckpt_dir))
+    check_files(ckpt_dir, meta.expected_files(present), kinds={"model"} | ({"optim"} if load_optim else set()),
+                pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
+    load_layers_checkpoint(engine, ckpt_dir, meta, rank=rank, tp=tp, load_optim=load_optim)
+    return meta, None

@@ -1,0 +1,163 @@
+"""Load a layer-format checkpoint (written by :func:`write_checkpoint`) into a running DeepSpeed engine.
+
+The checkpoint's TP and PP must be the run's; the DP size and ZeRO stage (0 or 1) are free. Every
+parameter of this rank is copied from its layer file by canonical name (no DeepSpeed loading is
+involved). With optimizer state:
+
+* ZeRO 1 and bf16/fp16 (DeepSpeed keeps fp32 master partitions): the torch optimizer's state of each
+  flat partition is created, linked to the parameters, and every parameter's fp32 master weight and
+  Adam moments are set through DeepSpeed's ``safe_set_full_fp32_param`` /
+  ``safe_set_full_optimizer_state`` (each DP rank keeps its own slice: any DP size works);
+* ZeRO 0, fp32: the torch optimizer's state per parameter.
+
+Then the step count, the LR scheduler, the loss scaler and DeepSpeed's step counters. Without
+optimizer state (--finetune / --no-load-optim) the fp32 master weights are set from the loaded
+weights. RNG states are not carried by this format: the run keeps the fresh states it seeded from
+--seed (identical for every resume of the same checkpoint; dropout streams differ from an
+uninterrupted run).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from megatron_ru.checkpointing.layout import OPTIM_KEYS, layer_file, layer_optim_file, specs_by_name
+from megatron_ru.model.spec import canonical_named_parameters, model_config_from_dict
+from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+log = get_logger(__name__)
+
+
+class _LayerFiles:
+    """This rank's layer files, one layer (model and optimizer file) in memory at a time."""
+
+    def __init__(self, ckpt_dir: str, tp_rank: int) -> None:
+        self.dir, self.tp_rank = ckpt_dir, tp_rank
+        self._cache: dict[str, Any] = {}
+
+    def get(self, name: str) -> Any:
+        if name not in self._cache:
+            self._cache.clear()
+            self._cache[name] = safe_load(os.path.join(self.dir, name))
+        return self._cache[name]
+
+
+def _shape_error(path: str, key: str, got: Any, want: Any) -> CheckpointError:
+    return CheckpointError(f"{path}: {key!r} has shape {list(got)}, this run's parameter has {list(want)}: the "
+                           f"checkpoint was written for another model; check the model flags (or use "
+                           f"--use-checkpoint-args)")
+
+
+def _hp_optimizer(engine: Any) -> bool:
+    """True when DeepSpeed keeps fp32 master partitions linked to the parameters (ZeRO 1/2, bf16)."""
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+
+
+def _create_flat_state(opt: Any, step: int) -> None:
+    """Give the torch optimizer inside a ZeRO/bf16 optimizer state for each flat fp32 partition (torch
+    creates it lazily at the first step) and link every parameter's fragment to it."""
+    base = opt.optimizer
+    for group in base.param_groups:
+        for flat in group["params"]:
+            base.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
+                                "exp_avg_sq": torch.zeros_like(flat)}
+    if not hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        from megatron_ru.training.deepspeed_compat import _missing
+        raise _missing(f"{type(opt).__name__}._lazy_init_hp_params_optimizer_state")
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
+
+
+def load_layers_checkpoint(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int,
+                           load_optim: bool) -> None:
+    """Copy this rank's weights (and, with ``load_optim``, optimizer state) from ``ckpt_dir``."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    cfg = model_config_from_dict(meta.model_args)
+    specs = specs_by_name(cfg, int(meta.vocab_size))
+    tp_rank = rank % tp
+    files = _LayerFiles(ckpt_dir, tp_rank)
+    params = list(canonical_named_parameters(engine.module, cfg))
+    hp = _hp_optimizer(engine)
+    common = meta.optimizer or {}
+    step = int(common.get("step", 0))
+    with torch.no_grad():
+        for name, p in params:  # weights
+            spec = specs.get(name)
+            if spec is None:
+                raise CheckpointError(f"{ckpt_dir}: this run's parameter {name} is not in the checkpoint's model "
+                                      f"(model_args in metadata.json): check the model flags")
+            fname = layer_file(spec.layer_index, tp_rank)
+            shard = files.get(fname).get(spec.local_name)
+            if shard is None:
+                raise CheckpointError(f"{os.path.join(ckpt_dir, fname)} has no {spec.local_name!r}: the file is "
+                                      f"damaged; restore it or write the checkpoint again")
+            if tuple(shard.shape) != tuple(p.shape):
+                raise _shape_error(os.path.join(ckpt_dir, fname), spec.local_name, shard.shape, p.shape)
+            p.data.copy_(shard)
+        if load_optim:
+            opt = engine.optimizer
+            if hp:
+                _create_flat_state(opt, step)
+            for name, p in params:
+                if not p.requires_grad:
+                    continue
+                spec = specs[name]
+                fname = layer_optim_file(spec.layer_index, tp_rank)
+                state = files.get(fname).get(spec.local_name)
+                if not isinstance(state, dict) or any(k not in state for k in OPTIM_KEYS):
+                    raise CheckpointError(f"{os.path.join(ckpt_dir, fname)} has no optimizer state for "
+                                          f"{spec.local_name!r}: the file is damaged; restore it, or load the "
+                                          f"weights only with --no-load-optim")
+                for k in OPTIM_KEYS:
+                    if tuple(state[k].shape) != tuple(p.shape):
+                        raise _shape_error(os.path.join(ckpt_dir, fname), f"{spec.local_name}.{k}",
+                                           state[k].shape, p.shape)
+                if hp:
+                    safe_set_full_fp32_param(p, state["fp32"].to(p.device))
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        safe_set_full_optimizer_state(p, state[k].to(p.device), k)
+                else:
+                    p.data.copy_(state["fp32"])
+                    opt.state[p] = {"step": torch.tensor(float(step)),
+                                    "exp_avg": state["exp_avg"].to(p.device, torch.float32).clone(),
+                                    "exp_avg_sq": state["exp_avg_sq"].to(p.device, torch.float32).clone()}
+            _load_common(engine, common, meta)
+        elif hp:
+            for _, p in params:  # the fp32 masters were made from the initial weights: refresh them
+                if p.requires_grad:
+                    safe_set_full_fp32_param(p, p.data.float())
+    log_rank0(log, f"loaded {ckpt_dir} by canonical names (TP {tp}; "
+                   f"{'weights and optimizer state' if load_optim else 'weights only'})")
+
+
+def _load_common(engine: Any, common: dict[str, Any], meta: Any) -> None:
+    sched = common.get("lr_scheduler")
+    if sched is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(sched)
+    scaler: Optional[dict[str, Any]] = common.get("loss_scaler")
+    target = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler and target is not None:
+        for k, v in scaler.items():
+            if hasattr(target, k):
+                setattr(target, k, v)
+    engine.global_steps = int(common.get("global_steps", meta.iteration))
+    engine.global_samples = int(common.get("global_samples", meta.consumed_train_samples))
+    engine.skipped_steps = int(common.get("skipped_steps", 0))
+
+
+def layers_layout_problem(meta: Any, tp: int, pp: int, zero_stage: int, load_dir: str) -> Optional[str]:
+    if meta.tensor_model_parallel_size != tp or meta.pipeline_model_parallel_size != pp:
+        return (f"the checkpoint was written for --tensor-model-parallel-size {meta.tensor_model_parallel_size} "
+                f"--pipeline-model-parallel-size {meta.pipeline_model_parallel_size}, this run uses {tp} and {pp}: "
+                f"run with the checkpoint's TP/PP, or reshard it: python tools/convert_checkpoint.py reshard "
+                f"--load {load_dir} --save NEW_DIR --target-tensor-parallel-size {tp} "
+                f"--target-pipeline-parallel-size {pp}")
+    if zero_stage > 1:
+        return (f"--zero-stage {zero_stage}: a checkpoint written by megatron_ru's checkpoint writer (reshard, "
+                f"import-hf) loads with ZeRO stage 0 or 1; train with --zero-stage 1 (or 0)")
+    if meta.model_args is None or meta.vocab_size is None:
+        return "its metadata.json has no model_args/vocab_size: it is damaged; write it again"
+    return None

@@ -1,0 +1,100 @@
+"""``convert_checkpoint.py reshard``: a megatron_ru checkpoint at another (TP, PP), optimizer state included.
+
+Reads any megatron_ru checkpoint (DeepSpeed's files at any layout, ZeRO 0 fp32 or ZeRO 1; or the
+layer format) as canonical full tensors, one layer at a time, and writes the layer format at the
+target layout (:func:`write_checkpoint`: temporary directory renamed at the end, ``--force`` to
+replace). The result loads at the target TP/PP with any data-parallel size and ZeRO stage 0 or 1, so
+resharding to the *same* TP/PP is how a ZeRO-1 run moves to another DP size. Carried: weights, fp32
+master weights, Adam moments, step count, LR schedule, consumed samples, iteration, loss scale.
+Not carried: RNG states (the resumed run seeds fresh ones from --seed; with dropout on, its random
+streams differ from an uninterrupted run). We wrote this instead of using DeepSpeed's universal
+checkpoint (``ds_to_universal``): that tool does not know our TP split rules (SwiGLU stride, packed
+QKV groups, vocabulary padding) and its loader needs DeepSpeed's own TP-aware modules.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Any
+
+from megatron_ru.checkpointing.reader import read_checkpoint
+from megatron_ru.checkpointing.writer import write_checkpoint
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+HELP = "rewrite a megatron_ru checkpoint at another tensor/pipeline-parallel size, with its optimizer state"
+
+_TOKENIZER_PATH_KEYS = ("tokenizer_model", "vocab_file", "merge_file")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load", required=True, help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
+    parser.add_argument("--save", required=True, help="output directory (must not exist unless --force)")
+    parser.add_argument("--target-tensor-parallel-size", type=int, required=True, help="TP of the output")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, required=True, help="PP of the output")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="which iter_* directory to read (default: the one 'latest' names)")
+    parser.add_argument("--no-load-optim", action="store_true",
+                        help="write the weights only (the run then starts a fresh optimizer)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --save directory")
+
+
+def _copy_tokenizer(meta_tokenizer: Any, load_dir: str):
+    """The tokenizer files a checkpoint names relative to its directory (import-hf), copied along."""
+    if not isinstance(meta_tokenizer, dict):
+        return None
+    rel = [meta_tokenizer[k] for k in _TOKENIZER_PATH_KEYS
+           if isinstance(meta_tokenizer.get(k), str) and not os.path.isabs(meta_tokenizer[k])]
+
+    def copy(tmp: str) -> None:
+        for path in rel:
+            src, dst = os.path.join(load_dir, path), os.path.join(tmp, path)
+            if not os.path.exists(src):
+                raise FileNotFoundError(f"{src} is missing: the checkpoint's metadata.json names it as its "
+                                        f"tokenizer; restore it, or reshard a checkpoint that has it")
+            os.makedirs(os.path.dirname(dst) or tmp, exist_ok=True)
+            if os.path.isdir(src):
+                shutil.copytree(src, dst)
+            else:
+                shutil.copy2(src, dst)
+    return copy if rel else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Reshard; returns the report (printed as one JSON line)."""
+    load, save = os.path.abspath(args.load), os.path.abspath(args.save)
+    if load == save or save.startswith(load + os.sep):
+        raise ValueError(f"--save {save} must be outside --load {load}: write the resharded checkpoint elsewhere")
+    reader = read_checkpoint(load, args.iteration)
+    meta = reader.meta
+    optimizer = None
+    if not args.no_load_optim:
+        problem = reader.optimizer_problem()
+        if problem is None:
+            optimizer = reader
+        elif reader.kind == "layers":  # weights only already (import-hf, or resharded with --no-load-optim)
+            log.info(f"{problem}: the output holds weights only as well")
+        else:
+            raise ValueError(problem)
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    extra = {"consumed_train_samples": meta.consumed_train_samples,
+             "consumed_valid_samples": meta.consumed_valid_samples,
+             "args": meta.args, "tokenizer": meta.tokenizer}
+    out = write_checkpoint(save, cfg=reader.cfg, vocab_size=reader.vocab_size, tp=tp, pp=pp, get_tensor=reader.get,
+                           iteration=meta.iteration, optimizer=optimizer, extra_meta=extra, force=args.force,
+                           extra_files=_copy_tokenizer(meta.tokenizer, load))
+    return {"load": reader.dir, "save": out, "iteration": meta.iteration,
+            "source": {"tensor_model_parallel_size": reader.tp, "pipeline_model_parallel_size": reader.pp,
+                       "data_parallel_size": meta.data_parallel_size, "zero_stage": meta.zero_stage,
+                       "format": meta.format or "deepspeed"},
+            "target": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+            "optimizer_state": optimizer is not None,
+            "command_flags": f"--load {save} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"}
+
+
+def main(argv: Any = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="reshard", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

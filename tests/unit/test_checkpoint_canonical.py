@@ -1,0 +1,279 @@
+"""The checkpoint reader/writer in canonical names (megatron_ru/checkpointing): write at (TP, PP) and read
+back bit-identical, reshard A -> B -> A bit-identical, the TP split of SwiGLU's [gate; up] and of the QKV
+groups checked against a known construction, vocabulary padding added/stripped, and every bad input
+refused with its message and nothing left behind."""
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_ru.checkpointing import read_checkpoint, write_checkpoint
+from megatron_ru.checkpointing import reshard
+from megatron_ru.checkpointing.layout import layer_file, layer_optim_file
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.model.spec import parameter_specs
+from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
+
+V = 75  # odd: padded to 128 (divisible-by 64 x TP 2) rows, stripped back to 75
+
+
+def tiny_cfg(**kw):
+    base = dict(num_layers=3, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, group_query_attention=True,
+                num_query_groups=2, max_position_embeddings=16, position_embedding_type="rope",
+                normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+                untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+                make_vocab_size_divisible_by=64)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def canonical_tensors(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g) for s in parameter_specs(cfg, V)}
+
+
+class Optim:
+    """Optimizer state of known values for the writer."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def optimizer_state(self, name):
+        t = self.tensors[name]
+        return {"fp32": t * 1.0, "exp_avg": t * 0.5, "exp_avg_sq": t * t}
+
+    def common_state(self):
+        return {"step": 7, "lr_scheduler": {"num_steps": 7}, "loss_scaler": None, "skipped_steps": 0,
+                "global_steps": 7, "global_samples": 28}
+
+
+def write(path, cfg, tensors, tp, pp, **kw):
+    return write_checkpoint(str(path), cfg=cfg, vocab_size=V, tp=tp, pp=pp, get_tensor=tensors.__getitem__,
+                            iteration=7, optimizer=Optim(tensors), **kw)
+
+
+def assert_same(reader, tensors):
+    assert reader.names() == list(tensors)
+    opt = Optim(tensors)
+    for name, full in tensors.items():
+        assert torch.equal(reader.get(name), full), name
+        got, want = reader.optimizer_state(name), opt.optimizer_state(name)
+        for key in want:
+            assert torch.equal(got[key], want[key]), (name, key)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 3), (2, 2)])
+def test_write_then_read_is_bit_identical(tmp_path, tp, pp):
+    cfg = tiny_cfg(untie_embeddings_and_output_weights=pp != 3)  # tied at PP 3: word embeddings on both ends
+    tensors = canonical_tensors(cfg)
+    write(tmp_path / "ck", cfg, tensors, tp, pp)
+    reader = read_checkpoint(str(tmp_path / "ck"))
+    assert (reader.tp, reader.pp, reader.vocab_size, reader.meta.iteration) == (tp, pp, V, 7)
+    assert_same(reader, tensors)
+    assert reader.common_state()["step"] == 7
+    # the padded vocabulary rows are zero in the files, and cut on reading
+    emb = safe_load(str(tmp_path / "ck" / "iter_0000007" / layer_file(0, tp - 1)))["word_embeddings.weight"]
+    assert emb.shape[0] == 128 // tp and torch.count_nonzero(emb[V - (128 - 128 // tp):]) == 0
+    assert [os.path.basename(p) for p in tmp_path.iterdir()] == ["ck"]  # no temporary directory left
+
+
+def _all_file_tensors(ckpt):
+    out = {}
+    for name in sorted(os.listdir(ckpt)):
+        if name.endswith(".pt"):
+            out[name] = safe_load(os.path.join(ckpt, name))
+    return out
+
+
+def _equal_nested(a, b, where=""):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+        return
+    assert isinstance(a, dict) and isinstance(b, dict) and sorted(a) == sorted(b), where
+    for k in a:
+        _equal_nested(a[k], b[k], f"{where}/{k}")
+
+
+def test_reshard_a_b_a_is_bit_identical(tmp_path):
+    cfg = tiny_cfg(disable_bias_linear=False, normalization="LayerNorm")  # biases (fc1's with stride 2) too
+    tensors = {k: v.to(torch.bfloat16) for k, v in canonical_tensors(cfg).items()}
+    write(tmp_path / "a", cfg, tensors, 2, 2)
+    for src, dst, tp, pp in (("a", "b", 1, 3), ("b", "a2", 2, 2)):
+        reshard.main(["--load", str(tmp_path / src), "--save", str(tmp_path / dst),
+                      "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)])
+    a, a2 = _all_file_tensors(tmp_path / "a" / "iter_0000007"), _all_file_tensors(tmp_path / "a2" / "iter_0000007")
+    assert sorted(a) == sorted(a2)
+    _equal_nested(a, a2)
+    meta_a, meta_a2 = (json.load(open(tmp_path / d / "iter_0000007" / "metadata.json")) for d in ("a", "a2"))
+    assert meta_a["optimizer"] == meta_a2["optimizer"] and meta_a["files"] == meta_a2["files"]
+    assert read_checkpoint(str(tmp_path / "b")).get("embedding.word_embeddings.weight").dtype == torch.bfloat16
+
+
+def test_tp_split_keeps_swiglu_halves_and_qkv_groups_together(tmp_path):
+    """A known construction: every row of fc1 and QKV is labelled with what it is; rank t's file must
+    hold gate rows t and up rows t (not a contiguous slice of [gate; up]), and whole query groups.
+    Fails if a reshard permutes the halves or the groups."""
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+    d, nq, ng, ffn, h = cfg.head_dim, 4, 2, 48, 32
+    r = nq // ng
+    gate = torch.arange(ffn).float()[:, None].expand(ffn, h) + 1000
+    up = torch.arange(ffn).float()[:, None].expand(ffn, h) + 2000
+    tensors["decoder.layers.1.mlp.linear_fc1.weight"] = torch.cat([gate, up]).clone()
+    # QKV rows: group g, then within it q heads, k, v; label = 100 * g + 10 * kind + row within the kind
+    rows = []
+    for gi in range(ng):
+        rows += [100 * gi + 0 + i for i in range(r * d)] + [100 * gi + 30 + i for i in range(d)] + \
+                [100 * gi + 60 + i for i in range(d)]
+    tensors["decoder.layers.1.self_attention.linear_qkv.weight"] = torch.tensor(rows).float()[:, None].repeat(1, h)
+    write(tmp_path / "tp1", cfg, tensors, 1, 1)
+    reshard.main(["--load", str(tmp_path / "tp1"), "--save", str(tmp_path / "tp2"),
+                  "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"])
+    for t in range(2):
+        shard = safe_load(str(tmp_path / "tp2" / "iter_0000007" / layer_file(2, t)))
+        fc1 = shard["mlp.linear_fc1.weight"][:, 0]
+        half = ffn // 2
+        expect = torch.cat([torch.arange(t * half, (t + 1) * half) + 1000, torch.arange(t * half, (t + 1) * half) + 2000])
+        assert torch.equal(fc1, expect.float()), t
+        qkv = shard["self_attention.linear_qkv.weight"][:, 0]
+        assert torch.equal(qkv, torch.tensor(rows[t * (r + 2) * d:(t + 1) * (r + 2) * d]).float()), t
+        opt = safe_load(str(tmp_path / "tp2" / "iter_0000007" / layer_optim_file(2, t)))
+        assert torch.equal(opt["mlp.linear_fc1.weight"]["exp_avg"][:, 0], expect.float() * 0.5)
+    # and back: TP 2 -> TP 1 restores the canonical order exactly
+    reshard.main(["--load", str(tmp_path / "tp2"), "--save", str(tmp_path / "back"),
+                  "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
+    assert_same(read_checkpoint(str(tmp_path / "back")), tensors)
+
+
+def test_logits_survive_a_reshard(tmp_path):
+    """A GPTModel built from a TP 2 -> TP 1 resharded checkpoint computes the source model's logits."""
+    from megatron_ru.model.gpt import GPTModel
+    cfg = tiny_cfg()
+    model = GPTModel(cfg, V, None, False, seed=3, device=torch.device("cpu"))
+    with torch.no_grad():  # the two halves of fc1 differ (init draws them independently)
+        # the model holds the padded vocabulary rows (zeros past V); canonical tensors hold V
+        tensors = {n: p.detach()[:V].clone() if "word_embeddings" in n or n.startswith("output_layer") else
+                   p.detach().clone() for n, p in model.named_parameters()}
+    write(tmp_path / "src", cfg, tensors, 1, 2)
+    for src, dst, tp in (("src", "tp2", 2), ("tp2", "tp1", 1)):
+        reshard.main(["--load", str(tmp_path / src), "--save", str(tmp_path / dst), "--target-tensor-parallel-size",
+                      str(tp), "--target-pipeline-parallel-size", "1"])
+    reader = read_checkpoint(str(tmp_path / "tp1"))
+    other = GPTModel(cfg, V, None, False, seed=99, device=torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in other.named_parameters():
+            p.zero_()
+            p[: reader.get(n).shape[0]].copy_(reader.get(n))
+    tokens = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.eval(), other.eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), other(tokens))
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+
+def _leftovers(parent, keep):
+    return sorted(n for n in os.listdir(parent) if n not in keep)
+
+
+def test_writer_refuses_a_mis_shaped_tensor_and_leaves_nothing(tmp_path):
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+    tensors["decoder.layers.2.mlp.linear_fc2.weight"] = torch.zeros(32, 47)
+    with pytest.raises(ValueError, match=r"'decoder.layers.2.mlp.linear_fc2.weight' has shape \[32, 47\], "
+                                         r"expected \[32, 48\]"):
+        write(tmp_path / "out", cfg, tensors, 2, 2)
+    assert os.listdir(tmp_path) == []
+
+
+def test_writer_refuses_existing_output_unless_force(tmp_path):
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="already exists: choose a new directory, or pass --force"):
+        write(tmp_path / "out", cfg, tensors, 1, 1)
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    write(tmp_path / "out", cfg, tensors, 1, 1, force=True)
+    assert sorted(os.listdir(tmp_path / "out")) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
+    assert _leftovers(tmp_path, {"out"}) == []
+
+
+def test_writer_refuses_a_layout_the_model_cannot_take(tmp_path):
+    cfg = tiny_cfg()
+    with pytest.raises(ValueError, match=r"--target-tensor-parallel-size 4 does not divide the model's 2 query "
+                                         r"groups.*--target-pipeline-parallel-size 5 exceeds the model's 3 layers"):
+        write(tmp_path / "out", cfg, canonical_tensors(cfg), 4, 5)
+    assert os.listdir(tmp_path) == []
+
+
+def _source(tmp_path):
+    cfg = tiny_cfg()
+    write(tmp_path / "src", cfg, canonical_tensors(cfg), 2, 2)
+    return tmp_path / "src" / "iter_0000007"
+
+
+def _reshard_fails(tmp_path, match, *extra, keep=("src",)):
+    with pytest.raises((ValueError, FileNotFoundError, FileExistsError), match=match):
+        reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"),
+                      "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1", *extra])
+    assert _leftovers(tmp_path, set(keep)) == []
+
+
+def test_reshard_refuses_missing_and_truncated_files(tmp_path):
+    ckpt = _source(tmp_path)
+    victim = ckpt / layer_file(3, 1)
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    _reshard_fails(tmp_path, r"damaged, nothing was loaded: 1 file\(s\) truncated or overwritten: "
+                             r"layer_03-model_01-model_states.pt")
+    victim.unlink()
+    _reshard_fails(tmp_path, r"1 file\(s\) missing: layer_03-model_01-model_states.pt")
+    victim.write_bytes(data)
+    (ckpt / layer_optim_file(1, 0)).unlink()
+    _reshard_fails(tmp_path, r"missing: layer_01-model_00-optim_states.pt")
+
+
+def test_reshard_refuses_a_mis_shaped_tensor_in_a_file(tmp_path):
+    ckpt = _source(tmp_path)
+    path = ckpt / layer_file(2, 0)
+    state = safe_load(str(path))
+    state["self_attention.linear_proj.weight"] = torch.zeros(32, 8)
+    torch.save(state, path)
+    meta = json.load(open(ckpt / "metadata.json"))
+    meta["files"][path.name] = path.stat().st_size
+    json.dump(meta, open(ckpt / "metadata.json", "w"))
+    _reshard_fails(tmp_path, r"layer_02-model_00-model_states.pt: 'self_attention.linear_proj.weight' has shape "
+                             r"\[32, 8\], expected \[32, 16\]")
+
+
+def test_reshard_refuses_bad_arguments(tmp_path):
+    _source(tmp_path)
+    (tmp_path / "dst").mkdir()
+    _reshard_fails(tmp_path, "already exists: choose a new directory, or pass --force", keep=("src", "dst"))
+    assert os.listdir(tmp_path / "dst") == []
+    (tmp_path / "dst").rmdir()
+    with pytest.raises(ValueError, match="must be outside --load"):
+        reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "src" / "x"),
+                      "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        reshard.main(["--load", str(tmp_path / "nope"), "--save", str(tmp_path / "dst"),
+                      "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no latest_checkpointed_iteration.txt"):
+        reshard.main(["--load", str(tmp_path / "empty"), "--save", str(tmp_path / "dst"),
+                      "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
+    assert _leftovers(tmp_path, {"src", "empty"}) == []
+
+
+def test_weights_only_checkpoint_has_no_optimizer_state(tmp_path):
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+    write_checkpoint(str(tmp_path / "src"), cfg=cfg, vocab_size=V, tp=1, pp=1, get_tensor=tensors.__getitem__)
+    report = reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"),
+                           "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"])
+    assert report["optimizer_state"] is False
+    reader = read_checkpoint(str(tmp_path / "dst"))
+    assert not reader.has_optimizer_state
+    assert all(torch.equal(reader.get(n), t) for n, t in tensors.items())
