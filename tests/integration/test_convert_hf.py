@@ -319,6 +319,32 @@ def test_bad_hf_inputs_are_refused_and_leave_nothing(tmp_path, capsys):
 
     err = _refused(capsys, tmp_path, "nope", "import-hf", "--load", tmp_path / "nope", "--save", tmp_path / "x")
     assert "no such directory" in err
+    os.rename(os.path.join(hf, "config.json"), os.path.join(hf, "config.old"))
+    err = _refused(capsys, tmp_path, "ck", *imp)
+    assert "no config.json" in err
+
+
+def test_sharded_index_problems_are_named(tmp_path, capsys):
+    hf = str(tmp_path / "hf")
+    save_model(hf, "llama", max_shard_size="20KB")
+    imp = ("import-hf", "--load", hf, "--save", tmp_path / "ck")
+    index = os.path.join(hf, "model.safetensors.index.json")
+    with open(index) as f:
+        good = json.load(f)
+    first = sorted(set(good["weight_map"].values()))[0]
+    moved = dict(good, weight_map={n: ("model-00002-of-09999.safetensors" if f == first else f)
+                                   for n, f in good["weight_map"].items()})
+    with open(index, "w") as f:
+        json.dump(moved, f)
+    err = _refused(capsys, tmp_path, "ck", *imp)
+    assert "model-00002-of-09999.safetensors, which is not in" in err
+    wrong = dict(good["weight_map"])
+    name = next(n for n, f in wrong.items() if f == first)
+    wrong[name] = next(f for f in sorted(set(wrong.values())) if f != first)
+    with open(index, "w") as f:
+        json.dump(dict(good, weight_map=wrong), f)
+    err = _refused(capsys, tmp_path, "ck", *imp)
+    assert f"puts tensor {name} in {wrong[name]}" in err
 
 
 def test_existing_output_needs_force_and_survives_a_failed_replace(tmp_path, capsys):
