@@ -38,6 +38,9 @@ from megatron_ru.parallel.utils import unshard_tensors
 from megatron_ru.training.checkpoint import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
                                              read_latest_iteration)
 from megatron_ru.training.checkpoint_files import CheckpointError, check_files, list_files, safe_load
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 __all__ = ["CheckpointReader", "read_checkpoint"]
 
@@ -92,6 +95,7 @@ class CheckpointReader:
         self._mp_files: dict[int, dict[str, Any]] = {}
         self._flat: dict[int, dict[str, Any]] = {}
         self._optim_checked = False
+        self._frozen_logged: set[str] = set()
 
     # ---- files -----------------------------------------------------------------------------------
 
@@ -236,7 +240,7 @@ class CheckpointReader:
         mp = self._mp_of(spec, t)
         if self.meta.zero_stage == 0:
             return self._zero0_shard(spec, t, mp)
-        return self._zero1_shard(spec, mp)
+        return self._zero1_shard(spec, mp, t)
 
     def _group_names(self, mp: int) -> list[list[str]]:
         """Ordered canonical names of each optimizer group of model-parallel rank ``mp`` (ZeRO 0)."""
@@ -266,10 +270,9 @@ class CheckpointReader:
             for n, idx in zip(names, group["params"]):
                 if canonical_name(n, self.cfg) == spec.name:
                     index = idx
-        if index is None:
-            raise CheckpointError(f"{os.path.join(self.dir, where)}: no optimizer state for {spec.name} (frozen "
-                                  f"while training?): convert the weights only with --no-load-optim")
-        state = optim["state"].get(index, {})
+        if index is None or index not in optim["state"]:
+            return self._untrained(spec, t)
+        state = optim["state"][index]
         out = {"fp32": self._weight_shard(spec, t).float()}
         for k in ("exp_avg", "exp_avg_sq"):
             out[k] = self._checked(spec, state.get(k), where, f"optimizer state {index}.{k}")
@@ -322,12 +325,20 @@ class CheckpointReader:
         self._flat[mp] = {"index": index, "parts": parts}
         return self._flat[mp]
 
-    def _zero1_shard(self, spec: ParamSpec, mp: int) -> dict[str, torch.Tensor]:
+    def _untrained(self, spec: ParamSpec, t: int) -> dict[str, torch.Tensor]:
+        """A parameter the optimizer did not hold (frozen with --freeze / --train-only-embeddings): its
+        weight as the master and zero moments, i.e. the state a fresh optimizer would give it."""
+        if spec.name not in self._frozen_logged:
+            self._frozen_logged.add(spec.name)
+            log.info(f"{spec.name}: no optimizer state in {self.dir} (frozen while training): written with zero "
+                     f"Adam moments")
+        weight = self._weight_shard(spec, t).detach().float()
+        return {"fp32": weight, "exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight)}
+
+    def _zero1_shard(self, spec: ParamSpec, mp: int, t: int) -> dict[str, torch.Tensor]:
         flat = self._flat_index(mp)
         if spec.name not in flat["index"]:
-            raise CheckpointError(f"{self.dir}: no optimizer state for {spec.name} in model-parallel rank {mp}'s "
-                                  f"ZeRO files (frozen while training?): convert the weights only "
-                                  f"with --no-load-optim")
+            return self._untrained(spec, t)
         g, offset, shape = flat["index"][spec.name]
         numel = int(torch.Size(shape).numel())
         out = {}

@@ -53,13 +53,19 @@ def _body(rank, world_size, tmp):
         out[layout] = _train(argv(layout, 12, *z1, "--load", dst), world_size).losses
     # one round each of ZeRO 0 fp32 (PP 1 -> 2) and ZeRO 1 bf16 (TP 2 x PP 2 -> DP 4): load the resharded
     # checkpoint, save it again at once (no step) through DeepSpeed, compare with the source offline
+    # (bf16 also with a frozen layer: no optimizer state for it, zero moments after the reshard)
     rounds = {"z0": ((2, 1, 2), (1, 2, 2), ["--zero-stage", "0"]),
-              "bf16": ((2, 2, 1), (1, 1, 4), ["--zero-stage", "1", "--bf16"])}
+              "bf16": ((2, 2, 1), (1, 1, 4), ["--zero-stage", "1", "--bf16", "--freeze", "decoder.layers.1.*"])}
     for name, (a, b, flags) in rounds.items():
         src, mid, back = (os.path.join(tmp, name + s) for s in ("_src", "_mid", "_back"))
         _train(argv(a, 3, *flags, "--save", src), world_size)
         _reshard(rank, src, mid, b[0], b[1])
         _train(argv(b, 3, *flags, "--load", mid, "--save", back), world_size)
+    # a resharded checkpoint at another layout than its own: the error names the reshard command
+    try:
+        _train(argv((2, 2, 1), 12, *z1, "--load", os.path.join(tmp, "z1_122")), world_size)
+    except ValueError as e:
+        out["mismatch"] = str(e)
     return out
 
 
@@ -87,6 +93,10 @@ def test_reshard_resumes_training_exactly(tmp_path):
     for layout in ((1, 2, 2), (2, 1, 2)):
         assert sorted(out[layout]) == list(range(7, 13)), layout
         assert relative_diff(out[layout], {k: full[k] for k in range(7, 13)}) <= 1e-5, layout
+    assert ("written for --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2, this run uses 2 and 2: "
+            "run with the checkpoint's TP/PP, or reshard it: python tools/convert_checkpoint.py reshard --load "
+            f"{tmp_path / 'z1_122'} --save NEW_DIR --target-tensor-parallel-size 2 "
+            "--target-pipeline-parallel-size 2") in out["mismatch"]
     for name in ("z0", "bf16"):
         # the DeepSpeed-native save at the new layout holds exactly the state of the source layout
         _same_checkpoints(str(tmp_path / f"{name}_src"), str(tmp_path / f"{name}_back"))
