@@ -293,7 +293,8 @@ class CheckpointReader:
         """Where each parameter of model-parallel rank ``mp`` lies in its group's flat fp32 vector."""
         if mp in self._flat:
             return self._flat[mp]
-        self._flat.clear()  # one model-parallel rank's (memory-mapped) files at a time
+        if len(self._flat) >= self.tp:
+            self._flat.clear()  # one stage's TP ranks' (memory-mapped) files at a time
         where = mp_model_file(mp)
         shapes = self._mp_file(mp).get("param_shapes")
         if not shapes:

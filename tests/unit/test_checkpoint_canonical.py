@@ -277,3 +277,85 @@ def test_weights_only_checkpoint_has_no_optimizer_state(tmp_path):
     reader = read_checkpoint(str(tmp_path / "dst"))
     assert not reader.has_optimizer_state
     assert all(torch.equal(reader.get(n), t) for n, t in tensors.items())
+
+
+def _fake_deepspeed_pp1(path, cfg, tensors, tp, zero_stage, precision="fp32"):
+    """DeepSpeed's PP = 1 layout: ``mp_rank_{t}_model_states.pt`` whose ``module`` holds TP shard t of
+    every parameter under its canonical name (vocabulary rows padded)."""
+    from megatron_ru.checkpointing.writer import tp_shards
+    from megatron_ru.model.spec import model_args_dict
+    from megatron_ru.parallel.utils import pad_vocab_size
+    ckpt = path / "iter_0000005"
+    ckpt.mkdir(parents=True)
+    rows = pad_vocab_size(V, cfg.make_vocab_size_divisible_by, tp)
+    modules = [{} for _ in range(tp)]
+    for spec in parameter_specs(cfg, V):
+        for t, shard in enumerate(tp_shards(spec, tensors[spec.name], tp, rows)):
+            modules[t][spec.name] = shard.clone()
+    files = {}
+    for t in range(tp):
+        torch.save({"module": modules[t], "lr_scheduler": {"num_steps": 5}}, ckpt / f"mp_rank_{t:02d}_model_states.pt")
+        files[f"mp_rank_{t:02d}_model_states.pt"] = (ckpt / f"mp_rank_{t:02d}_model_states.pt").stat().st_size
+    meta = dict(iteration=5, consumed_train_samples=20, consumed_valid_samples=0, tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=1, data_parallel_size=2, zero_stage=zero_stage,
+                args={"training": {"bf16": precision == "bf16"}}, files=files, model_args=model_args_dict(cfg),
+                vocab_size=V)
+    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    (path / "latest_checkpointed_iteration.txt").write_text("5\n")
+
+
+def test_deepspeed_pp1_files_are_read_and_unsupported_optimizer_state_is_named(tmp_path):
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+    _fake_deepspeed_pp1(tmp_path / "src", cfg, tensors, tp=2, zero_stage=2, precision="bf16")
+    reader = read_checkpoint(str(tmp_path / "src"))
+    assert reader.kind == "ds_mp" and all(torch.equal(reader.get(n), t) for n, t in tensors.items())
+    _reshard_fails(tmp_path, r"holds the optimizer state of ZeRO stage 2 with bf16, which megatron_ru cannot "
+                             r"convert \(supported: ZeRO stage 0 with fp32, ZeRO stage 1 with fp32, bf16 or fp16\): "
+                             r"convert the weights only \(--no-load-optim\), or train with --zero-stage 1")
+    reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"), "--no-load-optim",
+                  "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"])
+    out = read_checkpoint(str(tmp_path / "dst"))
+    assert out.meta.consumed_train_samples == 20 and out.meta.iteration == 5
+    assert all(torch.equal(out.get(n), t) for n, t in tensors.items())
+
+
+def test_tokenizer_files_named_relative_to_the_checkpoint_come_along(tmp_path):
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+
+    def add_tokenizer(tmp):
+        os.makedirs(os.path.join(tmp, "tokenizer"))
+        open(os.path.join(tmp, "tokenizer", "tokenizer.json"), "w").write("{}")
+    tok = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "tokenizer"}
+    write(tmp_path / "src", cfg, tensors, 1, 1, extra_meta={"tokenizer": tok}, extra_files=add_tokenizer)
+    reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"),
+                  "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"])
+    assert open(tmp_path / "dst" / "tokenizer" / "tokenizer.json").read() == "{}"
+    assert read_checkpoint(str(tmp_path / "dst")).meta.tokenizer == tok
+    import shutil
+    shutil.rmtree(tmp_path / "src" / "tokenizer")
+    with pytest.raises(FileNotFoundError, match=r"tokenizer is missing: the checkpoint's metadata.json names it"):
+        reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst2"),
+                      "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"])
+    assert _leftovers(tmp_path, {"src", "dst"}) == []
+
+
+def test_convert_checkpoint_cli_reshard(tmp_path, capsys):
+    import importlib.util
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "tools", "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = tiny_cfg()
+    write(tmp_path / "src", cfg, canonical_tensors(cfg), 2, 1)
+    argv = ["reshard", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"),
+            "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]
+    assert mod.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["target"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
+    assert report["optimizer_state"] is True and report["iteration"] == 7
+    assert mod.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: --save {tmp_path / 'dst'} already exists" in err
