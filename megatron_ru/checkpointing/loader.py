@@ -97,6 +97,10 @@ def load_layers_checkpoint(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
             if tuple(shard.shape) != tuple(p.shape):
                 raise _shape_error(os.path.join(ckpt_dir, fname), spec.local_name, shard.shape, p.shape)
             p.data.copy_(shard)
+            if hp and not load_optim and p.requires_grad:
+                # the fp32 masters were made from the initial weights: set them from the file's values
+                # (not from the possibly bf16-rounded parameter)
+                safe_set_full_fp32_param(p, shard.to(p.device, torch.float32))
         if load_optim:
             opt = engine.optimizer
             if hp:
@@ -125,10 +129,6 @@ def load_layers_checkpoint(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
                                     "exp_avg": state["exp_avg"].to(p.device, torch.float32).clone(),
                                     "exp_avg_sq": state["exp_avg_sq"].to(p.device, torch.float32).clone()}
             _load_common(engine, common, meta)
-        elif hp:
-            for _, p in params:  # the fp32 masters were made from the initial weights: refresh them
-                if p.requires_grad:
-                    safe_set_full_fp32_param(p, p.data.float())
     log_rank0(log, f"loaded {ckpt_dir} by canonical names (TP {tp}; "
                    f"{'weights and optimizer state' if load_optim else 'weights only'})")
 

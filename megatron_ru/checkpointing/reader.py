@@ -350,8 +350,9 @@ class CheckpointReader:
                 if key == "fp32":
                     vec = fp32
                 else:
-                    base = p["base_optimizer_state"]["state"]
-                    vec = base[g][key][: fp32.numel()]  # cut this partition's alignment padding
+                    moments = p["base_optimizer_state"]["state"].get(g, {})
+                    # no state: saved before the optimizer's first step (weights-only load, no update yet)
+                    vec = moments[key][: fp32.numel()] if key in moments else torch.zeros(fp32.numel())
                 stop = start + vec.numel()
                 lo, hi = max(start, offset), min(stop, offset + numel)
                 if lo < hi:
@@ -381,6 +382,7 @@ class CheckpointReader:
             scaler = part.get("loss_scaler")
             if scaler is not None:
                 out["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
-        steps = [s["step"] for s in state.values() if isinstance(s, dict) and "step" in s]
+        steps = [s["step"] for s in (state.values() if isinstance(state, dict) else state)
+                 if isinstance(s, dict) and "step" in s]
         out["step"] = int(float(steps[0])) if steps else 0
         return out

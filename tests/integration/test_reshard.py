@@ -51,6 +51,10 @@ def _body(rank, world_size, tmp):
         dst = os.path.join(tmp, "z1_%d%d%d" % layout)
         _reshard(rank, src, dst, layout[0], layout[1])
         out[layout] = _train(argv(layout, 12, *z1, "--load", dst), world_size).losses
+    # weights only (--no-load-optim) under ZeRO 1: the fp32 masters must be the loaded weights; saved at
+    # once (no step) to be compared offline
+    _train(argv((2, 1, 2), 6, *z1, "--load", os.path.join(tmp, "z1_212"), "--no-load-optim", "--save",
+                os.path.join(tmp, "weights_only")), world_size)
     # one round each of ZeRO 0 fp32 (PP 1 -> 2) and ZeRO 1 bf16 (TP 2 x PP 2 -> DP 4): load the resharded
     # checkpoint, save it again at once (no step) through DeepSpeed, compare with the source offline
     # (bf16 also with a frozen layer: no optimizer state for it, zero moments after the reshard)
@@ -97,6 +101,12 @@ def test_reshard_resumes_training_exactly(tmp_path):
             "run with the checkpoint's TP/PP, or reshard it: python tools/convert_checkpoint.py reshard --load "
             f"{tmp_path / 'z1_122'} --save NEW_DIR --target-tensor-parallel-size 2 "
             "--target-pipeline-parallel-size 2") in out["mismatch"]
+    from megatron_ru.checkpointing import read_checkpoint
+    src, wo = read_checkpoint(str(tmp_path / "z1")), read_checkpoint(str(tmp_path / "weights_only"))
+    assert wo.meta.iteration == 6 and wo.meta.data_parallel_size == 2
+    for name in src.names():
+        assert torch.equal(wo.optimizer_state(name)["fp32"], src.get(name)), name
+        assert torch.equal(wo.get(name), src.get(name)), name
     for name in ("z0", "bf16"):
         # the DeepSpeed-native save at the new layout holds exactly the state of the source layout
         _same_checkpoints(str(tmp_path / f"{name}_src"), str(tmp_path / f"{name}_back"))
