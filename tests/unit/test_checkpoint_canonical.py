@@ -359,3 +359,73 @@ def test_convert_checkpoint_cli_reshard(tmp_path, capsys):
     assert mod.main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: --save {tmp_path / 'dst'} already exists" in err
+
+
+# ---- loading the layer format into a (DeepSpeed-less) engine: ZeRO 0 fp32 path, and its refusals --------
+
+class _Sched:
+    def __init__(self):
+        self.state = None
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _engine(cfg):
+    from types import SimpleNamespace
+
+    from megatron_ru.model.gpt import GPTModel
+    from megatron_ru.training.engine import optimizer_param_groups
+    model = GPTModel(cfg, V, None, False, seed=1, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(optimizer_param_groups(model, 0.1), lr=1e-3, foreach=False)
+    return SimpleNamespace(module=model, optimizer=opt, lr_scheduler=_Sched(), global_steps=0, global_samples=0,
+                           skipped_steps=0)
+
+
+def _load(engine, path, **kw):
+    from megatron_ru.training.checkpoint import load_checkpoint
+    args = dict(rank=0, tp=1, pp=1, dp=1, zero_stage=0, load_optim=True, finetune=False)
+    args.update(kw)
+    return load_checkpoint(engine, str(path), **args)
+
+
+def test_layer_format_loads_weights_and_zero0_optimizer_state_by_canonical_name(tmp_path):
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+    write(tmp_path / "ck", cfg, tensors, 1, 1)
+    engine = _engine(cfg)
+    meta, rng = _load(engine, tmp_path / "ck")
+    assert meta.iteration == 7 and rng is None
+    assert engine.lr_scheduler.state == {"num_steps": 7} and engine.global_steps == 7
+    for name, p in engine.module.named_parameters():
+        full = tensors[name]
+        assert torch.equal(p[: full.shape[0]], full) and torch.count_nonzero(p[full.shape[0]:]) == 0, name
+        state = engine.optimizer.state[p]
+        assert float(state["step"]) == 7
+        assert torch.equal(state["exp_avg"][: full.shape[0]], full * 0.5), name
+        assert torch.equal(state["exp_avg_sq"][: full.shape[0]], full * full), name
+    engine.optimizer.step()  # the state has the shapes and types torch's AdamW expects
+
+
+def test_layer_format_load_refusals(tmp_path):
+    cfg = tiny_cfg()
+    write(tmp_path / "ck", cfg, canonical_tensors(cfg), 2, 1)
+    engine = _engine(cfg)
+    with pytest.raises(CheckpointError, match=r"written for --tensor-model-parallel-size 2 "
+                                              r"--pipeline-model-parallel-size 1, this run uses 1 and 1: run with the "
+                                              r"checkpoint's TP/PP, or reshard it: python tools/convert_checkpoint.py "
+                                              r"reshard --load .*ck --save NEW_DIR --target-tensor-parallel-size 1 "
+                                              r"--target-pipeline-parallel-size 1"):
+        _load(engine, tmp_path / "ck")
+    write(tmp_path / "ck1", cfg, canonical_tensors(cfg), 1, 1)
+    with pytest.raises(CheckpointError, match="--zero-stage 3: a checkpoint written by megatron_ru's checkpoint "
+                                              "writer .* loads with ZeRO stage 0 or 1"):
+        _load(engine, tmp_path / "ck1", zero_stage=3)
+    other = _engine(tiny_cfg(ffn_hidden_size=32))  # another model than the checkpoint's
+    with pytest.raises(CheckpointError, match=r"layer_01-model_00-model_states.pt: 'mlp.linear_fc1.weight' has "
+                                              r"shape \[96, 32\], this run's parameter has \[64, 32\]"):
+        _load(other, tmp_path / "ck1")
+    (tmp_path / "ck1" / "iter_0000007" / layer_optim_file(2, 0)).unlink()
+    with pytest.raises(CheckpointError, match=r"missing: layer_02-model_00-optim_states.pt.*--no-load-optim"):
+        _load(engine, tmp_path / "ck1")
+    _load(engine, tmp_path / "ck1", load_optim=False)  # weights only need no optimizer file
