@@ -27,6 +27,7 @@ Anything else (ZeRO 2/3, ZeRO 0 with bf16/fp16) is refused by name with the flag
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -44,10 +45,15 @@ log = get_logger(__name__)
 
 __all__ = ["CheckpointReader", "read_checkpoint"]
 
+_ITER_DIR = re.compile(r"^iter_\d{7,}$")
+
 
 def read_checkpoint(load_dir: str, iteration: Optional[int] = None) -> "CheckpointReader":
     """The checkpoint ``latest`` points at in ``load_dir`` (or ``iteration``)."""
     load_dir = os.path.abspath(load_dir)
+    if iteration is None and _ITER_DIR.match(os.path.basename(load_dir)) and \
+            os.path.isfile(os.path.join(load_dir, "metadata.json")):  # an iter_* directory itself
+        return CheckpointReader(load_dir, CheckpointMeta.read(load_dir))
     if iteration is None:
         if not os.path.isdir(load_dir):
             raise FileNotFoundError(f"--load {load_dir} does not exist: point it at a megatron_ru checkpoint "
@@ -88,6 +94,11 @@ class CheckpointReader:
         if meta.format not in (None, LAYERS_FORMAT):
             raise CheckpointError(f"{ckpt_dir}: unknown checkpoint format {meta.format!r} (this megatron_ru reads "
                                   f"{LAYERS_FORMAT!r} and DeepSpeed's files)")
+        if meta.format is None and meta.zero_stage == 3:
+            raise CheckpointError(f"{ckpt_dir} was saved with ZeRO stage 3 (the weights themselves are partitioned "
+                                  f"over the data-parallel ranks), which megatron_ru cannot read offline: resume it "
+                                  f"at its own layout with --zero-stage 3, or train with --zero-stage 0 or 1 to get "
+                                  f"checkpoints that convert and reshard")
         self._present = sorted(list_files(ckpt_dir))
         self._check({"model"})
         self._layer: Optional[tuple[int, list[dict[str, Any]]]] = None
@@ -263,7 +274,11 @@ class CheckpointReader:
             raise CheckpointError(f"{os.path.join(self.dir, where)} holds no optimizer state (ZeRO stage 0): the "
                                   f"file is damaged; convert the weights only with --no-load-optim")
         index = None
-        for g, (names, group) in enumerate(zip(self._group_names(mp), optim["param_groups"])):
+        groups = self._group_names(mp)
+        if len(groups) != len(optim["param_groups"]):
+            raise CheckpointError(f"{os.path.join(self.dir, where)}: the optimizer has {len(optim['param_groups'])} "
+                                  f"parameter groups, metadata.json records {len(groups)}: the checkpoint is damaged")
+        for g, (names, group) in enumerate(zip(groups, optim["param_groups"])):
             if len(names) != len(group["params"]):
                 raise CheckpointError(f"{os.path.join(self.dir, where)}: optimizer group {g} has "
                                       f"{len(group['params'])} parameters, the recorded order {len(names)}")
@@ -350,7 +365,9 @@ class CheckpointReader:
                 if key == "fp32":
                     vec = fp32
                 else:
-                    moments = p["base_optimizer_state"]["state"].get(g, {})
+                    base = p["base_optimizer_state"]
+                    # elastic_checkpoint: one state per group; otherwise torch's state_dict
+                    moments = base[g] if isinstance(base, list) else base["state"].get(g, {})
                     # no state: saved before the optimizer's first step (weights-only load, no update yet)
                     vec = moments[key][: fp32.numel()] if key in moments else torch.zeros(fp32.numel())
                 stop = start + vec.numel()
@@ -378,7 +395,8 @@ class CheckpointReader:
             state = (head.get("optimizer") or {}).get("state") or {}
         else:
             part = self._optim_files(0)[0]
-            state = part["base_optimizer_state"]["state"]
+            base = part["base_optimizer_state"]
+            state = base if isinstance(base, list) else base["state"]
             scaler = part.get("loss_scaler")
             if scaler is not None:
                 out["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}

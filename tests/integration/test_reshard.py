@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.integration._train_helpers import make_corpus, relative_diff, tiny_argv
+from tests.integration._train_helpers import make_corpus, relative_diff, tiny_argv, without_flags
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,8 @@ def _body(rank, world_size, tmp):
     prefix, cache = make_corpus(tmp), os.path.join(tmp, "cache")
 
     def argv(layout, iters, *extra):
-        return tiny_argv(prefix, cache, iters=iters, extra=[*LAYOUTS[layout], "--eval-iters", "0", *extra])
+        out = tiny_argv(prefix, cache, iters=iters, extra=[*LAYOUTS[layout], "--eval-iters", "0", *extra])
+        return without_flags(out, "--untie-embeddings-and-output-weights", "--tied") if "--tied" in extra else out
 
     out = {}
     # acceptance 4 (ZeRO 1, fp32)
@@ -57,8 +58,9 @@ def _body(rank, world_size, tmp):
                 os.path.join(tmp, "weights_only")), world_size)
     # one round each of ZeRO 0 fp32 (PP 1 -> 2) and ZeRO 1 bf16 (TP 2 x PP 2 -> DP 4): load the resharded
     # checkpoint, save it again at once (no step) through DeepSpeed, compare with the source offline
-    # (bf16 also with a frozen layer: no optimizer state for it, zero moments after the reshard)
-    rounds = {"z0": ((2, 1, 2), (1, 2, 2), ["--zero-stage", "0"]),
+    # (ZeRO 0 with tied embeddings: at PP 2 both end stages hold the word embeddings; bf16 with a frozen
+    # layer: no optimizer state for it, zero moments after the reshard)
+    rounds = {"z0": ((2, 1, 2), (1, 2, 2), ["--zero-stage", "0", "--tied"]),
               "bf16": ((2, 2, 1), (1, 1, 4), ["--zero-stage", "1", "--bf16", "--freeze", "decoder.layers.1.*"])}
     for name, (a, b, flags) in rounds.items():
         src, mid, back = (os.path.join(tmp, name + s) for s in ("_src", "_mid", "_back"))

@@ -429,3 +429,15 @@ def test_layer_format_load_refusals(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing: layer_02-model_00-optim_states.pt.*--no-load-optim"):
         _load(engine, tmp_path / "ck1")
     _load(engine, tmp_path / "ck1", load_optim=False)  # weights only need no optimizer file
+
+
+def test_reader_takes_an_iteration_directory_and_refuses_zero3(tmp_path):
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+    write(tmp_path / "ck", cfg, tensors, 2, 1)
+    reader = read_checkpoint(str(tmp_path / "ck" / "iter_0000007"))
+    assert torch.equal(reader.get("output_layer.weight"), tensors["output_layer.weight"])
+    _fake_deepspeed_pp1(tmp_path / "z3", cfg, tensors, tp=1, zero_stage=3)
+    with pytest.raises(CheckpointError, match="saved with ZeRO stage 3 .* cannot read offline: resume it at its own "
+                                              "layout with --zero-stage 3, or train with --zero-stage 0 or 1"):
+        read_checkpoint(str(tmp_path / "z3"))
