@@ -105,6 +105,12 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
     (consumed_train_samples, args, tokenizer, ...). ``extra_files(tmp_dir)`` may add files (tokenizer)
     before the rename. Raises ValueError naming the tensor on a wrong shape; nothing is left behind."""
     problems = layout_problems(cfg, tp, pp)
+    import dataclasses
+
+    from megatron_ru.training.checkpoint import CheckpointMeta
+    unknown = sorted(set(extra_meta or {}) - {f.name for f in dataclasses.fields(CheckpointMeta)})
+    if unknown:  # CheckpointMeta.read would refuse the file later
+        problems.append(f"extra_meta has fields metadata.json does not hold: {', '.join(unknown)}")
     if problems:
         raise ValueError("cannot write the checkpoint: " + "; ".join(problems))
     tmp = _prepare_output(save_dir, force)
