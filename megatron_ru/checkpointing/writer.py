@@ -58,6 +58,13 @@ def tp_shards(spec: ParamSpec, full: torch.Tensor, tp: int, rows: int) -> list[t
     return [shard_tensor(full, spec.partition_dim, t, tp, spec.partition_stride) for t in range(tp)]
 
 
+def _own(shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` with a storage of its own (torch.save writes a view's whole storage)."""
+    if shard.untyped_storage().nbytes() == shard.numel() * shard.element_size():
+        return shard
+    return shard.clone()
+
+
 def _save(obj: Any, path: str, files: dict[str, int]) -> None:
     torch.save(obj, path)
     files[os.path.basename(path)] = os.path.getsize(path)
@@ -130,20 +137,25 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
                 if dtype is not None:
                     full = full.to(dtype)
                 for t, shard in enumerate(tp_shards(spec, full, tp, rows)):
-                    weights[t][spec.local_name] = shard.clone()
+                    weights[t][spec.local_name] = _own(shard)
+                del full
                 if optimizer is not None:
-                    state = optimizer.optimizer_state(spec.name)
+                    state = dict(optimizer.optimizer_state(spec.name))
                     for key in OPTIM_KEYS:
                         if key not in state:
                             raise ValueError(f"optimizer state of {spec.name!r} has no {key!r} "
                                              f"(found {sorted(state)})")
-                        value = _check_tensor(spec, state[key], f"optimizer state {key!r} of").float()
+                        value = _check_tensor(spec, state.pop(key), f"optimizer state {key!r} of").detach().float()
                         for t, shard in enumerate(tp_shards(spec, value, tp, rows)):
-                            states[t].setdefault(spec.local_name, {})[key] = shard.clone()
+                            states[t].setdefault(spec.local_name, {})[key] = _own(shard)
+                        del value
+                    del state
             for t in range(tp):
                 _save(weights[t], os.path.join(ckpt, layer_file(desc.index, t)), files)
+                weights[t] = {}
                 if optimizer is not None:
                     _save(states[t], os.path.join(ckpt, layer_optim_file(desc.index, t)), files)
+                    states[t] = {}
         meta: dict[str, Any] = dict(iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
                                     tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                     data_parallel_size=1, zero_stage=0, args={})
