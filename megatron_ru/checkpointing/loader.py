@@ -71,66 +71,112 @@ def _create_flat_state(opt: Any, step: int) -> None:
     opt._lazy_init_hp_params_optimizer_state()
 
 
+class _LayerSource:
+    """This rank's shards from the layer format's files."""
+
+    def __init__(self, ckpt_dir: str, tp_rank: int) -> None:
+        self.dir, self.tp_rank = ckpt_dir, tp_rank
+        self.files = _LayerFiles(ckpt_dir, tp_rank)
+
+    def weight(self, spec: Any) -> tuple[Any, str]:
+        fname = layer_file(spec.layer_index, self.tp_rank)
+        shard = self.files.get(fname).get(spec.local_name)
+        if shard is None:
+            raise CheckpointError(f"{os.path.join(self.dir, fname)} has no {spec.local_name!r}: the file is "
+                                  f"damaged; restore it or write the checkpoint again")
+        return shard, os.path.join(self.dir, fname)
+
+    def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
+        fname = layer_optim_file(spec.layer_index, self.tp_rank)
+        state = self.files.get(fname).get(spec.local_name)
+        if not isinstance(state, dict) or any(k not in state for k in OPTIM_KEYS):
+            raise CheckpointError(f"{os.path.join(self.dir, fname)} has no optimizer state for "
+                                  f"{spec.local_name!r}: the file is damaged; restore it, or load the "
+                                  f"weights only with --no-load-optim")
+        return state, os.path.join(self.dir, fname)
+
+
+class _ReaderSource:
+    """This rank's shards of a DeepSpeed checkpoint at the run's TP/PP (another DP size or ZeRO stage),
+    through the offline reader (memory-mapped: only this rank's slices are read)."""
+
+    def __init__(self, reader: Any, tp_rank: int) -> None:
+        self.reader, self.tp_rank = reader, tp_rank
+
+    def weight(self, spec: Any) -> tuple[Any, str]:
+        return self.reader.shard(spec.name, self.tp_rank), self.reader.dir
+
+    def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
+        return self.reader.optimizer_shard(spec.name, self.tp_rank), self.reader.dir
+
+
 def load_layers_checkpoint(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int,
                            load_optim: bool) -> None:
-    """Copy this rank's weights (and, with ``load_optim``, optimizer state) from ``ckpt_dir``."""
+    """Copy this rank's weights (and, with ``load_optim``, optimizer state) from a layer-format
+    checkpoint ``ckpt_dir``."""
+    _load_by_name(engine, _LayerSource(ckpt_dir, rank % tp), meta, meta.optimizer or {}, load_optim)
+    log_rank0(log, f"loaded {ckpt_dir} by canonical names (TP {tp}; "
+                   f"{'weights and optimizer state' if load_optim else 'weights only'})")
+
+
+def load_deepspeed_by_name(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int) -> None:
+    """Weights and optimizer state of a DeepSpeed checkpoint (ZeRO 0 fp32 or ZeRO 1) saved at this
+    run's TP/PP but another data-parallel size or ZeRO stage (0/1): each parameter's full TP shard is
+    read offline and set through DeepSpeed's fragment mapping, so any DP size works."""
+    from megatron_ru.checkpointing.reader import CheckpointReader
+    reader = CheckpointReader(ckpt_dir, meta)
+    problem = reader.optimizer_problem()
+    if problem:
+        raise CheckpointError(f"cannot load {ckpt_dir} at another data-parallel size or ZeRO stage: {problem}")
+    _load_by_name(engine, _ReaderSource(reader, rank % tp), meta, reader.common_state(), True)
+    log_rank0(log, f"loaded {ckpt_dir} by canonical names (saved over {meta.data_parallel_size} data-parallel "
+                   f"ranks with ZeRO stage {meta.zero_stage}; weights and optimizer state)")
+
+
+def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], load_optim: bool) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     cfg = model_config_from_dict(meta.model_args)
     specs = specs_by_name(cfg, int(meta.vocab_size))
-    tp_rank = rank % tp
-    files = _LayerFiles(ckpt_dir, tp_rank)
     params = list(canonical_named_parameters(engine.module, cfg))
     hp = _hp_optimizer(engine)
-    common = meta.optimizer or {}
     step = int(common.get("step", 0))
     with torch.no_grad():
         for name, p in params:  # weights
             spec = specs.get(name)
             if spec is None:
-                raise CheckpointError(f"{ckpt_dir}: this run's parameter {name} is not in the checkpoint's model "
-                                      f"(model_args in metadata.json): check the model flags")
-            fname = layer_file(spec.layer_index, tp_rank)
-            shard = files.get(fname).get(spec.local_name)
-            if shard is None:
-                raise CheckpointError(f"{os.path.join(ckpt_dir, fname)} has no {spec.local_name!r}: the file is "
-                                      f"damaged; restore it or write the checkpoint again")
+                raise CheckpointError(f"this run's parameter {name} is not in the checkpoint's model (model_args "
+                                      f"in metadata.json): check the model flags")
+            shard, where = source.weight(spec)
             if tuple(shard.shape) != tuple(p.shape):
-                raise _shape_error(os.path.join(ckpt_dir, fname), spec.local_name, shard.shape, p.shape)
+                raise _shape_error(where, spec.local_name, shard.shape, p.shape)
             p.data.copy_(shard)
             if hp and not load_optim and p.requires_grad:
                 # the fp32 masters were made from the initial weights: set them from the file's values
                 # (not from the possibly bf16-rounded parameter)
                 safe_set_full_fp32_param(p, shard.to(p.device, torch.float32))
-        if load_optim:
-            opt = engine.optimizer
+        if not load_optim:
+            return
+        opt = engine.optimizer
+        if hp:
+            _create_flat_state(opt, step)
+        for name, p in params:
+            if not p.requires_grad:
+                continue
+            spec = specs[name]
+            state, where = source.optim(spec)
+            for k in OPTIM_KEYS:
+                if tuple(state[k].shape) != tuple(p.shape):
+                    raise _shape_error(where, f"{spec.local_name}.{k}", state[k].shape, p.shape)
             if hp:
-                _create_flat_state(opt, step)
-            for name, p in params:
-                if not p.requires_grad:
-                    continue
-                spec = specs[name]
-                fname = layer_optim_file(spec.layer_index, tp_rank)
-                state = files.get(fname).get(spec.local_name)
-                if not isinstance(state, dict) or any(k not in state for k in OPTIM_KEYS):
-                    raise CheckpointError(f"{os.path.join(ckpt_dir, fname)} has no optimizer state for "
-                                          f"{spec.local_name!r}: the file is damaged; restore it, or load the "
-                                          f"weights only with --no-load-optim")
-                for k in OPTIM_KEYS:
-                    if tuple(state[k].shape) != tuple(p.shape):
-                        raise _shape_error(os.path.join(ckpt_dir, fname), f"{spec.local_name}.{k}",
-                                           state[k].shape, p.shape)
-                if hp:
-                    safe_set_full_fp32_param(p, state["fp32"].to(p.device))
-                    for k in ("exp_avg", "exp_avg_sq"):
-                        safe_set_full_optimizer_state(p, state[k].to(p.device), k)
-                else:
-                    p.data.copy_(state["fp32"])
-                    opt.state[p] = {"step": torch.tensor(float(step)),
-                                    "exp_avg": state["exp_avg"].to(p.device, torch.float32).clone(),
-                                    "exp_avg_sq": state["exp_avg_sq"].to(p.device, torch.float32).clone()}
-            _load_common(engine, common, meta)
-    log_rank0(log, f"loaded {ckpt_dir} by canonical names (TP {tp}; "
-                   f"{'weights and optimizer state' if load_optim else 'weights only'})")
+                safe_set_full_fp32_param(p, state["fp32"].to(p.device, torch.float32))
+                for k in ("exp_avg", "exp_avg_sq"):
+                    safe_set_full_optimizer_state(p, state[k].to(p.device, torch.float32), k)
+            else:
+                p.data.copy_(state["fp32"])
+                opt.state[p] = {"step": torch.tensor(float(step)),
+                                "exp_avg": state["exp_avg"].to(p.device, torch.float32).clone(),
+                                "exp_avg_sq": state["exp_avg_sq"].to(p.device, torch.float32).clone()}
+        _load_common(engine, common, meta)
 
 
 def _load_common(engine: Any, common: dict[str, Any], meta: Any) -> None:

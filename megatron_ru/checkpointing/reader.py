@@ -184,6 +184,10 @@ class CheckpointReader:
             full = full[: self.vocab_size].clone()
         return full
 
+    def shard(self, name: str, tp_rank: int) -> torch.Tensor:
+        """TP shard ``tp_rank`` of parameter ``name`` at the checkpoint's own TP (vocabulary padding kept)."""
+        return self._weight_shard(self.spec(name), tp_rank).detach()
+
     def get(self, name: str) -> torch.Tensor:
         """The full canonical tensor (``V`` rows for the vocabulary matrices), in the file's dtype."""
         spec = self.spec(name)
@@ -235,6 +239,11 @@ class CheckpointReader:
         self._require_optimizer()
         per_rank = [self._optim_shard(spec, t) for t in range(self.tp)]
         return {k: self._join(spec, [s[k] for s in per_rank]).float() for k in OPTIM_KEYS}
+
+    def optimizer_shard(self, name: str, tp_rank: int) -> dict[str, torch.Tensor]:
+        """Like :meth:`optimizer_state`, TP shard ``tp_rank`` at the checkpoint's own TP (padding kept)."""
+        self._require_optimizer()
+        return {k: v.detach().float() for k, v in self._optim_shard(self.spec(name), tp_rank).items()}
 
     def _optim_shard(self, spec: ParamSpec, t: int) -> dict[str, torch.Tensor]:
         if self.kind == "layers":

@@ -350,6 +350,11 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     if meta.format is not None:
         return _load_layers(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, zero_stage=zero_stage,
                             weights_only=weights_only, finetune=finetune, pointer=pointer)
+    if not weights_only and meta.tensor_model_parallel_size == tp and meta.pipeline_model_parallel_size == pp \
+            and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and meta.model_args is not None \
+            and max(meta.zero_stage, zero_stage) == 1:
+        return _load_other_dp(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, dp=dp, load_rng=load_rng,
+                              pointer=pointer)
     problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only, load_dir=load_dir)
     if weights_only and 3 in (meta.zero_stage, zero_stage):
         problems.append(
@@ -413,3 +418,23 @@ def _load_layers(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta
                 pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
     load_layers_checkpoint(engine, ckpt_dir, meta, rank=rank, tp=tp, load_optim=load_optim)
     return meta, None
+
+
+def _load_other_dp(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, dp: int,
+                   load_rng: bool, pointer: str) -> tuple[CheckpointMeta, Optional[dict]]:
+    """A DeepSpeed checkpoint of this run's TP/PP saved over another DP size or with the other ZeRO stage
+    (0 <-> 1): the optimizer state is read by canonical names and re-partitioned for this run
+    (megatron_ru/checkpointing/loader.py). RNG states are restored only when the DP size is the same
+    (one file per rank); otherwise the run keeps the fresh ones seeded from --seed."""
+    from megatron_ru.checkpointing.loader import load_deepspeed_by_name
+    same_ranks = meta.data_parallel_size == dp
+    want_rng = load_rng and same_ranks
+    present = sorted(list_files(ckpt_dir))
+    check_files(ckpt_dir, meta.expected_files(present), kinds={"model", "optim"} | ({"rng"} if want_rng else set()),
+                pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
+    load_deepspeed_by_name(engine, ckpt_dir, meta, rank=rank, tp=tp)
+    if not same_ranks:
+        log_rank0(log, f"{ckpt_dir} was saved over {meta.data_parallel_size} data-parallel ranks, this run has {dp}: "
+                       f"random states start fresh from --seed (with dropout on, the resume is not exact)", level=30)
+    rng = safe_load(os.path.join(ckpt_dir, rng_file_name(rank))) if want_rng else None
+    return meta, rng

@@ -52,6 +52,10 @@ def _body(rank, world_size, tmp):
         dst = os.path.join(tmp, "z1_%d%d%d" % layout)
         _reshard(rank, src, dst, layout[0], layout[1])
         out[layout] = _train(argv(layout, 12, *z1, "--load", dst), world_size).losses
+    # no reshard needed for another ZeRO stage (1 -> 0) or DP size (4 here -> 2 in _dp2_body) at the same TP/PP
+    out["zero0"] = _train(argv((2, 2, 1), 12, "--zero-stage", "0", "--load", os.path.join(tmp, "z1")),
+                          world_size).losses
+    _train(argv((1, 1, 4), 12, *z1, "--save", os.path.join(tmp, "dp4"), "--exit-interval", "6"), world_size)
     # weights only (--no-load-optim) under ZeRO 1: the fp32 masters must be the loaded weights; saved at
     # once (no step) to be compared offline
     _train(argv((2, 1, 2), 6, *z1, "--load", os.path.join(tmp, "z1_212"), "--no-load-optim", "--save",
@@ -73,6 +77,13 @@ def _body(rank, world_size, tmp):
     except ValueError as e:
         out["mismatch"] = str(e)
     return out
+
+
+def _dp2_body(rank, world_size, tmp):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    prefix, cache = make_corpus(tmp), os.path.join(tmp, "cache")
+    return _train(tiny_argv(prefix, cache, iters=12, extra=["--zero-stage", "1", "--eval-iters", "0", "--load",
+                                                            os.path.join(tmp, "dp4")]), world_size).losses
 
 
 def _same_checkpoints(a, b):
@@ -103,6 +114,9 @@ def test_reshard_resumes_training_exactly(tmp_path):
             "run with the checkpoint's TP/PP, or reshard it: python tools/convert_checkpoint.py reshard --load "
             f"{tmp_path / 'z1_122'} --save NEW_DIR --target-tensor-parallel-size 2 "
             "--target-pipeline-parallel-size 2") in out["mismatch"]
+    assert relative_diff(out["zero0"], {k: full[k] for k in range(7, 13)}) <= 1e-5
+    dp2 = run_distributed(_dp2_body, 2, args=(str(tmp_path),), timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
+    assert relative_diff(dp2, {k: full[k] for k in range(7, 13)}) <= 1e-5
     from megatron_ru.checkpointing import read_checkpoint
     src, wo = read_checkpoint(str(tmp_path / "z1")), read_checkpoint(str(tmp_path / "weights_only"))
     assert wo.meta.iteration == 6 and wo.meta.data_parallel_size == 2
