@@ -1,6 +1,9 @@
-"""Load a layer-format checkpoint (written by :func:`write_checkpoint`) into a running DeepSpeed engine.
+"""Load a checkpoint into a running DeepSpeed engine by canonical parameter names.
 
-The checkpoint's TP and PP must be the run's; the DP size and ZeRO stage (0 or 1) are free. Every
+Two sources: a layer-format checkpoint (written by :func:`write_checkpoint`), and a DeepSpeed
+checkpoint of the run's TP/PP saved over another DP size or ZeRO stage (read through the offline
+:class:`CheckpointReader`, memory-mapped). The checkpoint's TP and PP must be the run's; the DP size
+and ZeRO stage (0 or 1) are free. Every
 parameter of this rank is copied from its layer file by canonical name (no DeepSpeed loading is
 involved). With optimizer state:
 

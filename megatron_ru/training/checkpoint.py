@@ -24,6 +24,13 @@ merges or splits our TP shards. Nothing is unpickled as code: every file is read
 ``torch.load(weights_only=True)`` (DeepSpeed's optimizer files need four of its plain data
 classes, allow-listed explicitly). Every problem with a checkpoint is a :class:`CheckpointError`
 (a ``ValueError``) naming the file and the fix.
+
+Two cases are loaded by canonical parameter names instead of through DeepSpeed
+(:mod:`megatron_ru.checkpointing.loader`): checkpoints in the layer format (``"format":
+"megatron_ru.layers"`` in metadata.json, written by ``tools/convert_checkpoint.py reshard`` and
+``import-hf``), at their TP/PP with any DP size; and DeepSpeed checkpoints of this run's TP/PP saved
+over another DP size or ZeRO stage (0 <-> 1). Every save records, per model-parallel rank, the order
+of the optimizer's parameters (``optimizer_groups``) so offline readers never guess it.
 """
 from __future__ import annotations
 
