@@ -23,6 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ru.training.checkpoint_files import CheckpointSaveError  # noqa: E402
 from megatron_ru.utils import cli  # noqa: E402
 
 #: subcommand -> module providing HELP, add_arguments(parser) and run(args)
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         cli.error(str(e))
         return 2
+    except CheckpointSaveError as e:  # the output could not be written (a full disk); nothing was left
+        cli.error(str(e))
+        return 1
     except KeyboardInterrupt:
         cli.error("interrupted; nothing was written under the output name")
         return 130

@@ -20,6 +20,7 @@ from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_f
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import ParamSpec, layer_parameter_specs, model_args_dict, model_description
 from megatron_ru.parallel.utils import shard_tensor
+from megatron_ru.training.checkpoint_files import CheckpointSaveError, describe_write_failure
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -66,7 +67,11 @@ def _own(shard: torch.Tensor) -> torch.Tensor:
 
 
 def _save(obj: Any, path: str, files: dict[str, int]) -> None:
-    torch.save(obj, path)
+    try:
+        torch.save(obj, path)
+    except (OSError, RuntimeError) as e:  # a full disk: ENOSPC, or torch's zip writer noticing a short write
+        raise CheckpointSaveError(f"{describe_write_failure(path, e)}: nothing was written under the output name; "
+                                  f"free space or write elsewhere") from None
     files[os.path.basename(path)] = os.path.getsize(path)
 
 

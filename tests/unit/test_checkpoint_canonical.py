@@ -441,3 +441,24 @@ def test_reader_takes_an_iteration_directory_and_refuses_zero3(tmp_path):
     with pytest.raises(CheckpointError, match="saved with ZeRO stage 3 .* cannot read offline: resume it at its own "
                                               "layout with --zero-stage 3, or train with --zero-stage 0 or 1"):
         read_checkpoint(str(tmp_path / "z3"))
+
+
+def test_interrupted_or_full_disk_write_leaves_nothing(tmp_path):
+    from megatron_ru.training.checkpoint_files import CheckpointSaveError
+    from tests.fixtures.filesystems import small_tmpfs
+    cfg = tiny_cfg()
+    tensors = canonical_tensors(cfg)
+
+    def interrupted(name):
+        if name.startswith("decoder.layers.2"):
+            raise KeyboardInterrupt
+        return tensors[name]
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(str(tmp_path / "out"), cfg=cfg, vocab_size=V, tp=1, pp=1, get_tensor=interrupted)
+    assert os.listdir(tmp_path) == []
+    with small_tmpfs(tmp_path / "small_fs", "200k") as mnt:
+        with pytest.raises(CheckpointSaveError, match=r"no space left on tmpfs \(mounted at .*small_fs.*\) while "
+                                                      r"writing .*out.tmp-\d+/iter_0000007/layer_.*: nothing was "
+                                                      r"written under the output name"):
+            write(os.path.join(mnt, "out"), cfg, tensors, 2, 2)
+        assert os.listdir(mnt) == []
