@@ -59,21 +59,6 @@ def _hp_optimizer(engine: Any) -> bool:
     return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
 
 
-def _create_flat_state(opt: Any, step: int) -> None:
-    """Give the torch optimizer inside a ZeRO/bf16 optimizer state for each flat fp32 partition (torch
-    creates it lazily at the first step) and link every parameter's fragment to it."""
-    base = opt.optimizer
-    for group in base.param_groups:
-        for flat in group["params"]:
-            base.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
-                                "exp_avg_sq": torch.zeros_like(flat)}
-    if not hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        from megatron_ru.training.deepspeed_compat import _missing
-        raise _missing(f"{type(opt).__name__}._lazy_init_hp_params_optimizer_state")
-    opt._hp_optimizer_states_linked = False
-    opt._lazy_init_hp_params_optimizer_state()
-
-
 class _LayerSource:
     """This rank's shards from the layer format's files."""
 
@@ -138,6 +123,8 @@ def load_deepspeed_by_name(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
 
 def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], load_optim: bool) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from megatron_ru.training.deepspeed_compat import create_flat_optimizer_state
     cfg = model_config_from_dict(meta.model_args)
     specs = specs_by_name(cfg, int(meta.vocab_size))
     params = list(canonical_named_parameters(engine.module, cfg))
@@ -161,7 +148,7 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
             return
         opt = engine.optimizer
         if hp:
-            _create_flat_state(opt, step)
+            create_flat_optimizer_state(opt, step)
         for name, p in params:
             if not p.requires_grad:
                 continue

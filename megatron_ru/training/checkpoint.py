@@ -233,21 +233,15 @@ def optimizer_groups_record(engine: Any, meta: CheckpointMeta) -> Optional[tuple
     try:
         from megatron_ru.model.spec import canonical_name, model_config_from_dict
         cfg = model_config_from_dict(meta.model_args) if meta.model_args else None
-        opt = getattr(engine, "optimizer", None)
-        if opt is None:
+        if getattr(engine, "optimizer", None) is None:
             return None
-        if any(hasattr(opt, a) for a in ("bit16_groups", "bf16_groups", "fp16_groups", "round_robin_bit16_groups")):
-            groups = [list(g.keys()) for g in engine._get_zero_param_shapes()]
-        else:
-            names = {id(p): n for n, p in engine.module.named_parameters()}
-            groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+        mp_rank, groups = dsc.optimizer_param_names(engine)
         if cfg is not None:
             groups = [[canonical_name(n, cfg) for n in g] for g in groups]
         mpu = getattr(engine, "mpu", None)
         pp_rank = mpu.get_pipe_parallel_rank() if mpu is not None else 0
         tp_rank = mpu.get_slice_parallel_rank() if mpu is not None else 0
-        return int(getattr(engine, "checkpoint_mp_rank", 0)), {"pp_rank": pp_rank, "tp_rank": tp_rank,
-                                                                "groups": groups}
+        return mp_rank, {"pp_rank": pp_rank, "tp_rank": tp_rank, "groups": groups}
     except Exception as e:  # noqa: BLE001 - a record the save can do without; never fail a save over it
         log.warning(f"could not record the optimizer's parameter order ({type(e).__name__}: {e}); resharding "
                     f"this checkpoint's optimizer state may be refused")

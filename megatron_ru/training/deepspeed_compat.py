@@ -17,6 +17,13 @@ takes effect on the installed DeepSpeed:
   exactly this rank's file (``layer_XX-model_YY-model_states.pt``) or fail.
 * :func:`install_numeric_model_file_order` — ``engine._get_all_ckpt_names``: DeepSpeed sorts the
   ``mp_rank_XX`` files as strings and picks the one at index ``mp_rank`` (wrong from 101 ranks on).
+* :func:`create_flat_optimizer_state`, :func:`optimizer_param_names` — loading optimizer state by
+  parameter name (``megatron_ru/checkpointing/loader.py``): the torch optimizer inside ZeRO 1/2 and
+  bf16 optimizers creates its state at the first step and DeepSpeed links each parameter's fragment to
+  it then (``_lazy_init_hp_params_optimizer_state``); we create it and link it at load time. The save
+  records the optimizer's parameter order from ``engine._get_zero_param_shapes`` (what
+  ``zero_to_fp32`` walks) and ``engine.checkpoint_mp_rank`` (which ``mp_rank_XX`` file is whose).
+  Tested by ``tests/integration/test_reshard.py`` (state saved again equals the state loaded).
 * :class:`DeepSpeedMpu` — the ``get_*`` interface DeepSpeed calls on ``mpu=`` (PP = 1); a mixin of
   :class:`~megatron_ru.parallel.state.ParallelState`, which passes itself as ``mpu``.
 """
@@ -192,7 +199,43 @@ def install_numeric_model_file_order(engine: Any) -> None:
     engine._get_all_ckpt_names = types.MethodType(_get_all_ckpt_names, engine)
 
 
-# ---- 5. the mpu interface --------------------------------------------------------------------------
+# ---- 5. optimizer state by parameter name ---------------------------------------------------------------
+
+def create_flat_optimizer_state(opt: Any, step: int) -> None:
+    """Give the torch optimizer inside a ZeRO 1/2 or bf16 optimizer ``opt`` zero Adam state (``step``
+    steps) for each flat fp32 partition, and link every parameter's fragment to it, so that
+    ``deepspeed.utils.safe_set_full_optimizer_state`` can set it before the first step."""
+    import torch
+    for attr in ("optimizer", "_lazy_init_hp_params_optimizer_state", "_hp_optimizer_states_linked"):
+        if not hasattr(opt, attr):
+            raise _missing(f"{type(opt).__name__}.{attr}")
+    base = opt.optimizer
+    for group in base.param_groups:
+        for flat in group["params"]:
+            base.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
+                                "exp_avg_sq": torch.zeros_like(flat)}
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
+
+
+_FLAT_GROUP_ATTRS = ("bit16_groups", "bf16_groups", "fp16_groups", "round_robin_bit16_groups")
+
+
+def optimizer_param_names(engine: Any) -> tuple[int, list[list[str]]]:
+    """(DeepSpeed's model-parallel rank of this rank's ``mp_rank_XX`` file, the module names of each
+    optimizer group's parameters in the order the optimizer holds them)."""
+    opt = engine.optimizer
+    if any(hasattr(opt, a) for a in _FLAT_GROUP_ATTRS):
+        if not callable(getattr(engine, "_get_zero_param_shapes", None)):
+            raise _missing("DeepSpeedEngine._get_zero_param_shapes")
+        groups = [list(g.keys()) for g in engine._get_zero_param_shapes()]
+    else:  # the torch optimizer itself (ZeRO 0, fp32)
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        groups = [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+    return int(getattr(engine, "checkpoint_mp_rank", 0)), groups
+
+
+# ---- 6. the mpu interface --------------------------------------------------------------------------
 
 class DeepSpeedMpu:
     """Mixin of :class:`~megatron_ru.parallel.state.ParallelState`: every ``get_*`` method DeepSpeed

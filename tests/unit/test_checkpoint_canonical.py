@@ -134,7 +134,8 @@ def test_tp_split_keeps_swiglu_halves_and_qkv_groups_together(tmp_path):
         shard = safe_load(str(tmp_path / "tp2" / "iter_0000007" / layer_file(2, t)))
         fc1 = shard["mlp.linear_fc1.weight"][:, 0]
         half = ffn // 2
-        expect = torch.cat([torch.arange(t * half, (t + 1) * half) + 1000, torch.arange(t * half, (t + 1) * half) + 2000])
+        mine = torch.arange(t * half, (t + 1) * half)
+        expect = torch.cat([mine + 1000, mine + 2000])  # gate rows t, then up rows t
         assert torch.equal(fc1, expect.float()), t
         qkv = shard["self_attention.linear_qkv.weight"][:, 0]
         assert torch.equal(qkv, torch.tensor(rows[t * (r + 2) * d:(t + 1) * (r + 2) * d]).float()), t
