@@ -261,6 +261,10 @@ def test_reshard_refuses_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         reshard.main(["--load", str(tmp_path / "nope"), "--save", str(tmp_path / "dst"),
                       "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
+    with pytest.raises(CheckpointError, match=r"iter_0000003 does not exist: the checkpoint of iteration 3 is "
+                                              r"missing"):
+        reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"), "--iteration", "3",
+                      "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="holds no latest_checkpointed_iteration.txt"):
         reshard.main(["--load", str(tmp_path / "empty"), "--save", str(tmp_path / "dst"),
