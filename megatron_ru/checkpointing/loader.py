@@ -3,11 +3,11 @@
 Two sources: a layer-format checkpoint (written by :func:`write_checkpoint`), and a DeepSpeed
 checkpoint of the run's TP/PP saved over another DP size or ZeRO stage (read through the offline
 :class:`CheckpointReader`, memory-mapped). The checkpoint's TP and PP must be the run's; the DP size
-and ZeRO stage (0 or 1) are free. Every
+and ZeRO stage (0, 1 or 2) are free. Every
 parameter of this rank is copied from its layer file by canonical name (no DeepSpeed loading is
 involved). With optimizer state:
 
-* ZeRO 1 and bf16/fp16 (DeepSpeed keeps fp32 master partitions): the torch optimizer's state of each
+* ZeRO 1/2 and bf16/fp16 (DeepSpeed keeps fp32 master partitions): the torch optimizer's state of each
   flat partition is created, linked to the parameters, and every parameter's fp32 master weight and
   Adam moments are set through DeepSpeed's ``safe_set_full_fp32_param`` /
   ``safe_set_full_optimizer_state`` (each DP rank keeps its own slice: any DP size works);
@@ -191,9 +191,10 @@ def layers_layout_problem(meta: Any, tp: int, pp: int, zero_stage: int, load_dir
                 f"run with the checkpoint's TP/PP, or reshard it: python tools/convert_checkpoint.py reshard "
                 f"--load {load_dir} --save NEW_DIR --target-tensor-parallel-size {tp} "
                 f"--target-pipeline-parallel-size {pp}")
-    if zero_stage > 1:
+    if zero_stage > 2:
         return (f"--zero-stage {zero_stage}: a checkpoint written by megatron_ru's checkpoint writer (reshard, "
-                f"import-hf) loads with ZeRO stage 0 or 1; train with --zero-stage 1 (or 0)")
+                f"import-hf) loads with ZeRO stage 0, 1 or 2 (stage 3 partitions the parameters themselves); train "
+                f"with --zero-stage 2 or lower")
     if meta.model_args is None or meta.vocab_size is None:
         return "its metadata.json has no model_args/vocab_size: it is damaged; write it again"
     return None

@@ -29,7 +29,7 @@ Two cases are loaded by canonical parameter names instead of through DeepSpeed
 (:mod:`megatron_ru.checkpointing.loader`): checkpoints in the layer format (``"format":
 "megatron_ru.layers"`` in metadata.json, written by ``tools/convert_checkpoint.py reshard`` and
 ``import-hf``), at their TP/PP with any DP size; and DeepSpeed checkpoints of this run's TP/PP saved
-over another DP size or ZeRO stage (0 <-> 1). Every save records, per model-parallel rank, the order
+over another DP size or ZeRO stage (from 0 or 1, to 0, 1 or 2). Every save records, per model-parallel rank, the order
 of the optimizer's parameters (``optimizer_groups``) so offline readers never guess it.
 """
 from __future__ import annotations
@@ -353,7 +353,7 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
                             weights_only=weights_only, finetune=finetune, pointer=pointer)
     if not weights_only and meta.tensor_model_parallel_size == tp and meta.pipeline_model_parallel_size == pp \
             and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and meta.model_args is not None \
-            and max(meta.zero_stage, zero_stage) == 1:
+            and meta.zero_stage <= 1 and zero_stage <= 2 and max(meta.zero_stage, zero_stage) >= 1:
         return _load_other_dp(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, dp=dp, load_rng=load_rng,
                               pointer=pointer)
     problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only, load_dir=load_dir)
@@ -423,8 +423,8 @@ def _load_layers(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta
 
 def _load_other_dp(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, dp: int,
                    load_rng: bool, pointer: str) -> tuple[CheckpointMeta, Optional[dict]]:
-    """A DeepSpeed checkpoint of this run's TP/PP saved over another DP size or with the other ZeRO stage
-    (0 <-> 1): the optimizer state is read by canonical names and re-partitioned for this run
+    """A DeepSpeed checkpoint of this run's TP/PP saved over another DP size or with another ZeRO stage
+    (from 0 or 1, to 0, 1 or 2): the optimizer state is read by canonical names and re-partitioned for this run
     (megatron_ru/checkpointing/loader.py). RNG states are restored only when the DP size is the same
     (one file per rank); otherwise the run keeps the fresh ones seeded from --seed."""
     from megatron_ru.checkpointing.loader import load_deepspeed_by_name

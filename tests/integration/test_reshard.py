@@ -52,6 +52,9 @@ def _body(rank, world_size, tmp):
         dst = os.path.join(tmp, "z1_%d%d%d" % layout)
         _reshard(rank, src, dst, layout[0], layout[1])
         out[layout] = _train(argv(layout, 12, *z1, "--load", dst), world_size).losses
+    # the resharded checkpoint continues under ZeRO 2 as well (DeepSpeed's same fragment mapping)
+    out["zero2"] = _train(argv((2, 1, 2), 12, "--zero-stage", "2", "--load", os.path.join(tmp, "z1_212")),
+                          world_size).losses
     # no reshard needed for another ZeRO stage (1 -> 0) or DP size (4 here -> 2 in _dp2_body) at the same TP/PP
     out["zero0"] = _train(argv((2, 2, 1), 12, "--zero-stage", "0", "--load", os.path.join(tmp, "z1")),
                           world_size).losses
@@ -115,6 +118,7 @@ def test_reshard_resumes_training_exactly(tmp_path):
             f"{tmp_path / 'z1_122'} --save NEW_DIR --target-tensor-parallel-size 2 "
             "--target-pipeline-parallel-size 2") in out["mismatch"]
     assert relative_diff(out["zero0"], {k: full[k] for k in range(7, 13)}) <= 1e-5
+    assert relative_diff(out["zero2"], {k: full[k] for k in range(7, 13)}) <= 1e-5
     dp2 = run_distributed(_dp2_body, 2, args=(str(tmp_path),), timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
     assert relative_diff(dp2, {k: full[k] for k in range(7, 13)}) <= 1e-5
     from megatron_ru.checkpointing import read_checkpoint
