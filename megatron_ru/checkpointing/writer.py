@@ -133,34 +133,8 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
         rows = padded_rows(cfg, vocab_size, tp)
         for desc in model_description(cfg):
             specs = layer_parameter_specs(desc, cfg, vocab_size)
-            if not specs:
-                continue
-            weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-            states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
-            for spec in specs:
-                full = _check_tensor(spec, get_tensor(spec.name), "tensor").detach()
-                if dtype is not None:
-                    full = full.to(dtype)
-                for t, shard in enumerate(tp_shards(spec, full, tp, rows)):
-                    weights[t][spec.local_name] = _own(shard)
-                del full
-                if optimizer is not None:
-                    state = dict(optimizer.optimizer_state(spec.name))
-                    for key in OPTIM_KEYS:
-                        if key not in state:
-                            raise ValueError(f"optimizer state of {spec.name!r} has no {key!r} "
-                                             f"(found {sorted(state)})")
-                        value = _check_tensor(spec, state.pop(key), f"optimizer state {key!r} of").detach().float()
-                        for t, shard in enumerate(tp_shards(spec, value, tp, rows)):
-                            states[t].setdefault(spec.local_name, {})[key] = _own(shard)
-                        del value
-                    del state
-            for t in range(tp):
-                _save(weights[t], os.path.join(ckpt, layer_file(desc.index, t)), files)
-                weights[t] = {}
-                if optimizer is not None:
-                    _save(states[t], os.path.join(ckpt, layer_optim_file(desc.index, t)), files)
-                    states[t] = {}
+            if specs:  # (a tied output head has nothing of its own)
+                _write_layer(ckpt, desc.index, specs, tp, rows, get_tensor, dtype, optimizer, files)
         meta: dict[str, Any] = dict(iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
                                     tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                     data_parallel_size=1, zero_stage=0, args={})
@@ -182,6 +156,40 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
     out = os.path.join(os.path.abspath(save_dir), f"iter_{iteration:07d}")
     log.info(f"wrote {out} (TP {tp}, PP {pp}{', with optimizer state' if optimizer is not None else ''})")
     return out
+
+
+def _write_layer(ckpt: str, index: int, specs: list[ParamSpec], tp: int, rows: int,
+                 get_tensor: Callable[[str], torch.Tensor], dtype: Optional[torch.dtype],
+                 optimizer: Optional[OptimizerSource], files: dict[str, int]) -> None:
+    """Pipeline layer ``index``: its model files (one per TP rank), then its optimizer files; only this
+    layer's tensors are held, and the weights are dropped before the optimizer state is fetched."""
+    weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for spec in specs:
+        full = _check_tensor(spec, get_tensor(spec.name), "tensor").detach()
+        if dtype is not None:
+            full = full.to(dtype)
+        for t, shard in enumerate(tp_shards(spec, full, tp, rows)):
+            weights[t][spec.local_name] = _own(shard)
+        del full
+    for t in range(tp):
+        _save(weights[t], os.path.join(ckpt, layer_file(index, t)), files)
+        weights[t] = {}
+    if optimizer is None:
+        return
+    states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
+    for spec in specs:
+        state = dict(optimizer.optimizer_state(spec.name))
+        for key in OPTIM_KEYS:
+            if key not in state:
+                raise ValueError(f"optimizer state of {spec.name!r} has no {key!r} (found {sorted(state)})")
+            value = _check_tensor(spec, state.pop(key), f"optimizer state {key!r} of").detach().float()
+            for t, shard in enumerate(tp_shards(spec, value, tp, rows)):
+                states[t].setdefault(spec.local_name, {})[key] = _own(shard)
+            del value
+        del state
+    for t in range(tp):
+        _save(states[t], os.path.join(ckpt, layer_optim_file(index, t)), files)
+        states[t] = {}
 
 
 def _jsonable(obj: Any) -> Any:
