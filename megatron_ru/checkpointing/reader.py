@@ -104,6 +104,7 @@ class CheckpointReader:
         self._layer: Optional[tuple[int, list[dict[str, Any]]]] = None
         self._optim_layer: Optional[tuple[int, list[dict[str, Any]]]] = None
         self._mp_files: dict[int, dict[str, Any]] = {}
+        self._mp_layer: Optional[int] = None
         self._flat: dict[int, dict[str, Any]] = {}
         self._optim_checked = False
         self._frozen_logged: set[str] = set()
@@ -161,6 +162,10 @@ class CheckpointReader:
 
     def _weight_shard(self, spec: ParamSpec, t: int) -> torch.Tensor:
         if self.kind == "ds_mp":
+            if self._mp_layer != spec.layer_index:
+                # re-map the files per layer: pages read for earlier layers leave this process's RSS
+                self._mp_files.clear()
+                self._mp_layer = spec.layer_index
             module = self._mp_file(t).get("module") or {}
             where, key = mp_model_file(t), spec.name
             if key not in module:
