@@ -39,7 +39,8 @@ def _body(rank, world_size, tmp):
     prefix, cache = make_corpus(tmp), os.path.join(tmp, "cache")
 
     def argv(layout, iters, *extra):
-        out = tiny_argv(prefix, cache, iters=iters, extra=[*LAYOUTS[layout], "--eval-iters", "0", *extra])
+        out = tiny_argv(prefix, cache, iters=iters, extra=[*LAYOUTS[layout], "--eval-iters", "0"])
+        out = without_flags(out, *[f for f in extra if f.startswith("--")]) + list(extra)  # extra overrides
         return without_flags(out, "--untie-embeddings-and-output-weights", "--tied") if "--tied" in extra else out
 
     out = {}
@@ -67,7 +68,12 @@ def _body(rank, world_size, tmp):
     # checkpoint, save it again at once (no step) through DeepSpeed, compare with the source offline
     # (ZeRO 0 with tied embeddings: at PP 2 both end stages hold the word embeddings; bf16 with a frozen
     # layer: no optimizer state for it, zero moments after the reshard)
+    # and ZeRO 1 over 4 ranks with a group that needs alignment padding (9 norms x 52 values = 468, not a
+    # multiple of 8): the partitions are cut and joined where DeepSpeed put them
+    padded = ["--zero-stage", "1", "--hidden-size", "52", "--num-attention-heads", "2", "--num-query-groups", "2",
+              "--ffn-hidden-size", "44"]
     rounds = {"z0": ((2, 1, 2), (1, 2, 2), ["--zero-stage", "0", "--tied"]),
+              "pad": ((1, 1, 4), (1, 1, 4), padded),
               "bf16": ((2, 2, 1), (1, 1, 4), ["--zero-stage", "1", "--bf16", "--freeze", "decoder.layers.1.*"])}
     for name, (a, b, flags) in rounds.items():
         src, mid, back = (os.path.join(tmp, name + s) for s in ("_src", "_mid", "_back"))
@@ -127,10 +133,16 @@ def test_reshard_resumes_training_exactly(tmp_path):
     for name in src.names():
         assert torch.equal(wo.optimizer_state(name)["fp32"], src.get(name)), name
         assert torch.equal(wo.get(name), src.get(name)), name
-    for name in ("z0", "bf16"):
+    for name in ("z0", "bf16", "pad"):
         # the DeepSpeed-native save at the new layout holds exactly the state of the source layout
         _same_checkpoints(str(tmp_path / f"{name}_src"), str(tmp_path / f"{name}_back"))
         assert read_meta(tmp_path / f"{name}_back").data_parallel_size > 1
+    from megatron_ru.training.checkpoint_files import safe_load
+    last = safe_load(str(tmp_path / "pad_src" / "iter_0000003" / "zero_pp_rank_3_mp_rank_00_optim_states.pt"))
+    assert last["optimizer_state_dict"]["group_paddings"][1] > 0
+    pad = read_checkpoint(str(tmp_path / "pad_src"))
+    for name in pad.names():  # fp32 run: the masters are the weights, wherever the partitions split them
+        assert torch.equal(pad.optimizer_state(name)["fp32"], pad.get(name)), name
 
 
 def read_meta(path):
