@@ -166,6 +166,13 @@ def _sequence_rule(a: Arguments) -> list[str]:
         # declared for (checkpoints, conversion to HF's max_position_embeddings): refuse both
         return [f"--seq-length ({seq}) exceeds --max-position-embeddings ({mpe}) with --position-embedding-type "
                 f"{a.model.position_embedding_type}: raise --max-position-embeddings or shorten --seq-length"]
+    window = a.model.sliding_window
+    if seq is not None and window is not None and seq > window:
+        # megatron_ru's attention is full causal attention: beyond the window it would attend to tokens
+        # the model never saw together, silently changing the model
+        return [f"--seq-length ({seq}) exceeds the model's --sliding-window ({window}): megatron_ru attends over "
+                f"the whole sequence, which would attend beyond the window this model was trained with; use "
+                f"--seq-length {window} or less"]
     return []
 
 

@@ -24,7 +24,25 @@ class ModelConfig:
         None, "Maximum sequence length; the size of the learned position table.")
     position_embedding_type: str = arg("learned_absolute", "Position embedding type.",
                                        choices=("learned_absolute", "rope"))
-    rotary_base: int = arg(10000, "Base of the rotary position embedding frequencies.")
+    rotary_base: float = arg(10000, "Base (theta) of the rotary position embedding frequencies, e.g. 500000 "
+                                    "(LLaMA-3) or 1e6 (Qwen2).")
+    rope_scaling_type: str = arg("none", "RoPE frequency scaling as transformers computes it: 'linear' divides "
+                                         "every frequency by --rope-scaling-factor; 'llama3' (Llama 3.1/3.2) "
+                                         "scales low frequencies and smooths the middle band.",
+                                 choices=("none", "linear", "llama3"))
+    rope_scaling_factor: float = arg(8.0, "RoPE scaling factor (linear and llama3).")
+    rope_scaling_low_freq_factor: float = arg(1.0, "llama3 RoPE scaling: low-frequency factor.")
+    rope_scaling_high_freq_factor: float = arg(4.0, "llama3 RoPE scaling: high-frequency factor.")
+    rope_scaling_original_max_position_embeddings: Optional[int] = arg(
+        None, "llama3 RoPE scaling: the context length of the original pretraining (8192 for Llama 3.1).")
+    kv_channels: Optional[int] = arg(
+        None, "Size of each attention head (default --hidden-size / --num-attention-heads); Mistral-Nemo and "
+              "Qwen3-style models use a different head size.")
+    add_qkv_bias: bool = arg(False, "Biases on the query, key and value projections only (Qwen2), also with "
+                                    "--disable-bias-linear.")
+    sliding_window: Optional[int] = arg(
+        None, "Sliding-window attention size of the model (Mistral's config.json sliding_window): training "
+              "with --seq-length above it is refused (full causal attention would attend beyond the window).")
     normalization: str = arg("LayerNorm", "Normalization layer.", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = arg(1e-5, "Epsilon of LayerNorm/RMSNorm.")
     swiglu: bool = arg(False, "Use SwiGLU instead of GELU in the MLP.")
@@ -58,8 +76,15 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        if self.kv_channels is not None:
+            return self.kv_channels
         assert self.hidden_size is not None and self.num_attention_heads is not None
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def add_qkv_bias_effective(self) -> bool:
+        """Whether linear_qkv has a bias (every linear layer has one unless --disable-bias-linear)."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def recompute(self) -> bool:
@@ -85,11 +110,32 @@ class ModelConfig:
         if found:
             return found
         heads, hidden = self.num_attention_heads, self.hidden_size
-        if hidden % heads:
-            found.append(f"--hidden-size ({hidden}) must be divisible by --num-attention-heads ({heads})")
+        if self.kv_channels is not None:
+            if self.kv_channels < 1:
+                found.append(f"--kv-channels must be >= 1, got {self.kv_channels}")
+            elif self.position_embedding_type == "rope" and self.kv_channels % 2:
+                found.append(f"rotary embeddings need an even head size; --kv-channels is {self.kv_channels}")
+        elif hidden % heads:
+            found.append(f"--hidden-size ({hidden}) must be divisible by --num-attention-heads ({heads}), or give "
+                         f"the head size with --kv-channels")
         elif self.position_embedding_type == "rope" and (hidden // heads) % 2:
             found.append(f"rotary embeddings need an even head size; --hidden-size/--num-attention-heads "
                          f"= {hidden // heads}")
+        if self.rope_scaling_type != "none":
+            if self.position_embedding_type != "rope":
+                found.append(f"--rope-scaling-type {self.rope_scaling_type} needs --position-embedding-type rope")
+            if self.rope_scaling_factor <= 0:
+                found.append(f"--rope-scaling-factor must be > 0, got {self.rope_scaling_factor}")
+        if self.rope_scaling_type == "llama3":
+            if self.rope_scaling_original_max_position_embeddings is None:
+                found.append("--rope-scaling-type llama3 needs --rope-scaling-original-max-position-embeddings "
+                             "(the original context length, 8192 for Llama 3.1)")
+            if not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor:
+                found.append(f"llama3 RoPE scaling needs 0 < --rope-scaling-low-freq-factor "
+                             f"({self.rope_scaling_low_freq_factor}) < --rope-scaling-high-freq-factor "
+                             f"({self.rope_scaling_high_freq_factor})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            found.append(f"--sliding-window must be >= 1, got {self.sliding_window}")
         if self.group_query_attention:
             groups = self.num_query_groups
             if groups < 1 or heads % groups:

@@ -142,7 +142,7 @@ def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tu
     fc1_rows = 2 * ffn if cfg.swiglu else ffn
     stride = 2 if cfg.swiglu else 1
     bias = cfg.add_bias_linear
-    qkv_bias = bias or getattr(cfg, "add_qkv_bias", False)
+    qkv_bias = cfg.add_qkv_bias_effective
     out = [("input_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
     out.append(("self_attention.linear_qkv.weight", ((nq + 2 * ng) * d, h), 0, 1, False))
     if qkv_bias:

@@ -14,6 +14,8 @@ from torch import nn
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init, scaled_std
+from megatron_ru.model.kv_cache import LayerKVCache
+from megatron_ru.model.rope import RopeSpec, apply_rotary, rotary_cos_sin
 from megatron_ru.model.spec import layer_prefix
 from megatron_ru.parallel import random as tp_random
 from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -67,29 +69,6 @@ class Norm(nn.Module):
         return F.layer_norm(x, self.shape, weight, bias, self.eps)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables broadcastable to [s, b, heads, d] for positions [s] or [b, s]
-    (LLaMA's non-interleaved "rotate half" convention; computed in fp32)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                .float() / head_dim))
-    pos = positions.float()
-    freqs = pos.unsqueeze(-1) * inv_freq                  # [s, d/2] or [b, s, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    emb = emb.unsqueeze(1) if emb.dim() == 2 else emb.transpose(0, 1)   # [s, 1|b, d]
-    emb = emb.unsqueeze(2)                                # [s, 1|b, 1, d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
 def split_region_rng(active: bool) -> contextlib.AbstractContextManager:
     """Dropout on activations that differ between TP ranks draws from the TP stream."""
     return tp_random.get_rng_tracker().fork() if active else contextlib.nullcontext()
@@ -112,8 +91,7 @@ class Attention(nn.Module):
         self.groups_per_rank = divide(cfg.query_groups, tp, "--num-query-groups over tensor-parallel size")
         self.heads_per_group = divide(cfg.num_attention_heads, cfg.query_groups,
                                       "--num-attention-heads over --num-query-groups")
-        self.rope = cfg.position_embedding_type == "rope"
-        self.rotary_base = cfg.rotary_base
+        self.rope = RopeSpec.from_config(cfg) if cfg.position_embedding_type == "rope" else None
         self.dropout = cfg.attention_dropout
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.head_dim
         std = cfg.init_method_std
@@ -121,24 +99,36 @@ class Attention(nn.Module):
                       device=device, dtype=dtype)
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size,
                                                init_method=normal_init(std, seed, prefix + "linear_qkv.weight"),
-                                               **common)
+                                               **{**common, "bias": cfg.add_qkv_bias_effective})
         self.linear_proj = RowParallelLinear(
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size, input_is_parallel=True,
             init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_proj.weight"),
             **common)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` [s] or [b, s] (default 0..s-1); ``kv_cache``: this layer's cache for
+        incremental decoding (this step's keys/values are appended, attention covers all cached);
+        ``attention_mask`` bool, broadcastable to [b, heads, s, s_k], True = may attend (replaces
+        the causal rule; needed for left-padded batches)."""
         qkv = self.linear_qkv(x)                           # [s, b, groups/tp * (r + 2) * d]
         s, b = qkv.shape[:2]
         r, d = self.heads_per_group, self.head_dim
         qkv = qkv.view(s, b, self.groups_per_rank, r + 2, d)
         q = qkv[:, :, :, :r].reshape(s, b, self.groups_per_rank * r, d)
         k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]      # [s, b, groups/tp, d]
-        if self.rope:
+        if self.rope is not None:
             positions = position_ids if position_ids is not None else torch.arange(s, device=x.device)
-            cos, sin = rotary_cos_sin(positions, d, self.rotary_base, q.dtype)
+            cos, sin = rotary_cos_sin(positions, self.rope.inv_freq(x.device), q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))   # [b, heads, s, d]
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)                   # [b, groups/tp, s_k, d]
+        s_k = k.shape[2]
+        mask, causal = attention_mask, attention_mask is None
+        if mask is None and s_k != s:  # cached keys before these queries: query i sees keys <= s_k - s + i
+            mask = torch.ones(s, s_k, dtype=torch.bool, device=x.device).tril(diagonal=s_k - s)
+            causal = False
         dropout = self.dropout if self.training else 0.0
         gqa = {}
         if r > 1 and _SDPA_HAS_GQA:
@@ -146,7 +136,7 @@ class Attention(nn.Module):
         elif r > 1:
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         with split_region_rng(dropout > 0):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, **gqa)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         return self.linear_proj(out)
 
@@ -210,11 +200,16 @@ class TransformerLayer(nn.Module):
         with split_region_rng(self.sequence_parallel):
             return F.dropout(x, self.hidden_dropout, training=True)
 
-    def _forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), position_ids))
+    def _forward(self, x: torch.Tensor, position_ids: torch.Tensor | None,
+                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(x), position_ids, kv_cache=kv_cache,
+                                   attention_mask=attention_mask)
+        x = x + self._dropout(attn)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv_cache``/``attention_mask``: incremental decoding (see :meth:`Attention.forward`)."""
         if self.recompute and self.training and torch.is_grad_enabled():
             return tp_random.checkpoint(self._forward, x, position_ids)
-        return self._forward(x, position_ids)
+        return self._forward(x, position_ids, kv_cache, attention_mask)

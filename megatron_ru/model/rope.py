@@ -1,0 +1,69 @@
+"""Rotary position embeddings: the inverse frequencies (with transformers' ``linear`` and ``llama3``
+scaling) and the cos/sin tables in LLaMA's non-interleaved "rotate half" convention, always in fp32.
+
+The frequencies are recomputed from plain numbers on every call (d/2 values) rather than kept in
+a buffer: a buffer would be cast to bf16/fp16 with the module and lose the digits large positions
+need.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_ru.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    head_dim: int
+    base: float
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "RopeSpec":
+        return cls(cfg.head_dim, float(cfg.rotary_base), cfg.rope_scaling_type, cfg.rope_scaling_factor,
+                   cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
+                   cfg.rope_scaling_original_max_position_embeddings)
+
+    def inv_freq(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """[head_dim / 2] fp32 inverse frequencies, as transformers' rope init functions compute them."""
+        d = self.head_dim
+        inv = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        if self.scaling == "linear":
+            return inv / self.factor
+        if self.scaling == "llama3":
+            old = self.original_max_positions
+            low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables broadcastable to [s, b, heads, d] for positions [s] or [b, s] (fp32 math)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq   # [s, d/2] or [b, s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = emb.unsqueeze(1) if emb.dim() == 2 else emb.transpose(0, 1)   # [s, 1|b, d]
+    emb = emb.unsqueeze(2)                                # [s, 1|b, 1, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
