@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_ru.convert.hf_io import ShardedSafetensorsWriter, parse_size
-from megatron_ru.convert.import_hf import DTYPES, HF_SOURCE_DIR
+from megatron_ru.convert.import_hf import DTYPES, HF_SOURCE_DIR, split_shapes
 from megatron_ru.convert.staging import check_output, staged_directory
 from megatron_ru.convert.tokenizer_files import (HF_TYPE, SP_TYPES, TokenizerSource, checkpoint_tokenizer,
                                                  write_hf_tokenizer)
@@ -136,12 +136,10 @@ def _find_tokenizer(load: str, meta: Any) -> Optional[TokenizerSource]:
 
 def export_plan(cfg: Any, vocab_size: int, dtype_of: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(Hugging Face name, shape, dtype) of every tensor written, in writing order."""
-    from megatron_ru.convert.hf_mapping import from_canonical
     from megatron_ru.model.spec import parameter_specs
     plan = []
     for spec in parameter_specs(cfg, vocab_size):
-        fake = torch.empty(spec.shape, dtype=torch.float32, device="meta")
-        for name, t in from_canonical(spec.name, fake, cfg).items():
+        for name, t in split_shapes(spec, cfg).items():
             plan.append((name, tuple(t.shape), dtype_of(spec.name)))
     return plan
 
