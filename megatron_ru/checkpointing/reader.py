@@ -106,6 +106,7 @@ class CheckpointReader:
         self._mp_files: dict[int, dict[str, Any]] = {}
         self._mp_layer: Optional[int] = None
         self._flat: dict[int, dict[str, Any]] = {}
+        self._zero0: dict[int, dict[str, int]] = {}
         self._optim_checked = False
         self._frozen_logged: set[str] = set()
 
@@ -281,24 +282,31 @@ class CheckpointReader:
         # engine.optimizer_param_groups: weight-decayed (matrices) first, then the rest
         return [g for g in ([n for n in names if module[n].ndim >= 2], [n for n in names if module[n].ndim < 2]) if g]
 
+    def _zero0_index(self, mp: int, optim: dict[str, Any], where: str) -> dict[str, int]:
+        """{canonical name: index in torch's optimizer state} of model-parallel rank ``mp`` (ZeRO 0)."""
+        if mp in self._zero0:
+            return self._zero0[mp]
+        groups = self._group_names(mp)
+        if len(groups) != len(optim["param_groups"]):
+            raise CheckpointError(f"{os.path.join(self.dir, where)}: the optimizer has {len(optim['param_groups'])} "
+                                  f"parameter groups, metadata.json records {len(groups)}: the checkpoint is damaged")
+        index: dict[str, int] = {}
+        for g, (names, group) in enumerate(zip(groups, optim["param_groups"])):
+            if len(names) != len(group["params"]):
+                raise CheckpointError(f"{os.path.join(self.dir, where)}: optimizer group {g} has "
+                                      f"{len(group['params'])} parameters, the recorded order {len(names)}")
+            for n, idx in zip(names, group["params"]):
+                index[canonical_name(n, self.cfg)] = idx
+        self._zero0[mp] = index
+        return index
+
     def _zero0_shard(self, spec: ParamSpec, t: int, mp: int) -> dict[str, torch.Tensor]:
         where = mp_model_file(mp)
         optim = self._mp_file(mp).get("optimizer")
         if not isinstance(optim, dict) or "state" not in optim:
             raise CheckpointError(f"{os.path.join(self.dir, where)} holds no optimizer state (ZeRO stage 0): the "
                                   f"file is damaged; convert the weights only with --no-load-optim")
-        index = None
-        groups = self._group_names(mp)
-        if len(groups) != len(optim["param_groups"]):
-            raise CheckpointError(f"{os.path.join(self.dir, where)}: the optimizer has {len(optim['param_groups'])} "
-                                  f"parameter groups, metadata.json records {len(groups)}: the checkpoint is damaged")
-        for g, (names, group) in enumerate(zip(groups, optim["param_groups"])):
-            if len(names) != len(group["params"]):
-                raise CheckpointError(f"{os.path.join(self.dir, where)}: optimizer group {g} has "
-                                      f"{len(group['params'])} parameters, the recorded order {len(names)}")
-            for n, idx in zip(names, group["params"]):
-                if canonical_name(n, self.cfg) == spec.name:
-                    index = idx
+        index = self._zero0_index(mp, optim, where).get(spec.name)
         if index is None or index not in optim["state"]:
             return self._untrained(spec, t)
         state = optim["state"][index]
