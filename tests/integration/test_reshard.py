@@ -1,7 +1,9 @@
 """Acceptance 4: train 6 iterations at (TP, PP, DP) = (2, 2, 1), reshard to (1, 2, 2) and (2, 1, 2), train 6
-more: the losses equal 12 uninterrupted iterations (fp32, ZeRO 1) — the optimizer state came along. And
-one reshard round each of ZeRO 0 fp32 and ZeRO 1 bf16 whose loaded state, saved again by DeepSpeed at
-the new layout, equals the source tensor by tensor."""
+more: the losses equal 12 uninterrupted iterations (fp32, ZeRO 1) — the optimizer state came along. Also
+continuing under ZeRO 2 and ZeRO 0, and a DP 4 checkpoint at DP 2 without a reshard; a weights-only load
+sets the fp32 masters; and reshard rounds of ZeRO 0 fp32 (tied, PP 1 -> 2), ZeRO 1 bf16 (a frozen layer,
+TP 2 x PP 2 -> DP 4) and ZeRO 1 with alignment padding whose loaded state, saved again by DeepSpeed at
+the new layout, equals the source tensor by tensor. One 4-rank spawn (plus a 2-rank one) for all."""
 import os
 
 import pytest
