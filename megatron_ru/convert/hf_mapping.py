@@ -1,0 +1,280 @@
+"""Hugging Face Llama / Mistral / Qwen2 <-> megatron_ru: the model configuration and every tensor.
+
+Pure functions, no I/O: :mod:`megatron_ru.convert.import_hf` and ``export_hf`` stream the files.
+
+* ``model_config_from_hf(config.json dict)`` -> (ModelConfig, V); reads both RoPE forms (transformers 5
+  ``rope_parameters``; transformers 4 top-level ``rope_theta`` / ``rope_scaling``). A setting the model
+  cannot express is a ValueError naming the config.json field and its value.
+* ``hf_config_from_model(cfg, V, architecture, extra)`` -> config.json (transformers 5 form).
+* Tensors: ``hf_to_canonical_names(cfg)`` says which HF tensors make each canonical one;
+  ``to_canonical`` packs them (q, k, v -> ``linear_qkv`` rows per query group ``[q_0..q_{r-1}, k, v]``;
+  gate, up -> ``linear_fc1`` = ``[gate; up]``), ``from_canonical`` unpacks; both exact (bit-identical
+  round trip). transformers uses the same "rotate half" RoPE as megatron_ru: q/k rows are NOT permuted.
+  Vocabulary matrices hold exactly V rows here (no layout padding). A tied model has no ``lm_head``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.model.spec import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, WORD_EMBEDDINGS, layer_prefix, parameter_specs
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_LAYER_MAP = {  # canonical local name -> HF names under model.layers.{i}.
+    "input_layernorm.weight": ("input_layernorm.weight",),
+    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                         "self_attn.v_proj.weight"),
+    "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+}
+_TOP_MAP = {
+    f"{EMBEDDING}.{WORD_EMBEDDINGS}": ("model.embed_tokens.weight",),
+    f"{FINAL_NORM}.weight": ("model.norm.weight",),
+    f"{OUTPUT_LAYER}.weight": ("lm_head.weight",),
+}
+
+
+def _field_error(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"config.json: {field} = {value!r} {why}")
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise _field_error("architectures", archs, f"is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a config.json in either form, as one dict with ``rope_type`` and
+    ``rope_theta`` (transformers 5 ``rope_parameters``; transformers 4 ``rope_theta`` + ``rope_scaling``)."""
+    params = hf.get("rope_parameters")
+    field = "rope_parameters"
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        raise _field_error(field, params, "holds per-layer-type RoPE settings, which megatron_ru cannot express")
+    if not params:
+        field = "rope_scaling"
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    params = dict(params)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _field_error(f"{field}.rope_type", rope_type,
+                           f"cannot be expressed; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    params["rope_type"] = rope_type
+    params["_field"] = field
+    if "rope_theta" not in params:
+        params["rope_theta"] = hf.get("rope_theta", 10000.0)
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _field_error("partial_rotary_factor", partial, "cannot be expressed (megatron_ru rotates every channel)")
+    return params
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
+    """(ModelConfig, V) of a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM config.json."""
+    arch = architecture_of(hf)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(hf.get(key), int) or hf[key] < 1:
+            raise _field_error(key, hf.get(key), "must be a positive integer")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise _field_error("hidden_act", act, "cannot be expressed (megatron_ru's gated MLP is SwiGLU: 'silu')")
+    if hf.get("mlp_bias", False):
+        raise _field_error("mlp_bias", True, "cannot be expressed (no MLP biases in this model family)")
+    qkv_bias = arch == "Qwen2ForCausalLM"
+    if hf.get("attention_bias", False):
+        raise _field_error("attention_bias", True, "cannot be expressed: it puts a bias on o_proj too; megatron_ru "
+                                                   "supports biases on q/k/v only (Qwen2)")
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    if heads % groups:
+        raise _field_error("num_key_value_heads", groups, f"must divide num_attention_heads ({heads})")
+    head_dim = hf.get("head_dim")
+    kv_channels = head_dim if head_dim and head_dim * heads != hf["hidden_size"] else None
+    rope = rope_settings(hf)
+    scaling = {"default": "none"}.get(rope["rope_type"], rope["rope_type"])
+    extra: dict[str, Any] = {}
+    if scaling in ("linear", "llama3"):
+        if "factor" not in rope:
+            raise _field_error(f"{rope['_field']}.factor", None, f"is required for rope_type {scaling}")
+        extra["rope_scaling_factor"] = float(rope["factor"])
+    if scaling == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in rope:
+                raise _field_error(f"{rope['_field']}.{key}", None, "is required for rope_type llama3")
+        extra.update(rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
+                     rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
+                     rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    window = hf.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+        window = None
+    tied = bool(hf.get("tie_word_embeddings", False))
+    cfg = ModelConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=kv_channels, max_position_embeddings=hf.get("max_position_embeddings"),
+        position_embedding_type="rope", rotary_base=float(rope["rope_theta"]), rope_scaling_type=scaling,
+        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
+        disable_bias_linear=True, add_qkv_bias=qkv_bias, untie_embeddings_and_output_weights=not tied,
+        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        init_method_std=float(hf.get("initializer_range", 0.02)), sliding_window=window, **extra)
+    problems = cfg.problems()
+    if problems:
+        raise ValueError("config.json describes a model megatron_ru cannot build: " + "; ".join(problems))
+    return cfg, hf["vocab_size"]
+
+
+def export_problems(cfg: ModelConfig) -> list[str]:
+    """Why ``cfg`` has no Hugging Face Llama/Qwen2 equivalent (empty: it has one)."""
+    out = []
+    if cfg.position_embedding_type != "rope":
+        out.append("learned absolute position embeddings (--position-embedding-type learned_absolute)")
+    if cfg.normalization != "RMSNorm":
+        out.append(f"{cfg.normalization} (Llama/Qwen2 use RMSNorm: --normalization RMSNorm)")
+    if not cfg.swiglu:
+        out.append("a GELU MLP (Llama/Qwen2 use SwiGLU: --swiglu)")
+    if cfg.add_bias_linear:
+        out.append("biases on every linear layer (Llama/Qwen2 have none: --disable-bias-linear)")
+    return out
+
+
+def architecture_for(cfg: ModelConfig) -> str:
+    """The HF architecture that expresses ``cfg`` (Qwen2 when Q/K/V have biases, else Llama)."""
+    problems = export_problems(cfg)
+    if problems:
+        raise ValueError("this model cannot be written as a Hugging Face Llama/Mistral/Qwen2 model: it has "
+                         + "; ".join(problems))
+    return "Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM"
+
+
+def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Optional[str] = None,
+                         extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """config.json for ``cfg`` (transformers 5 form). ``extra``: fields kept from the imported
+    config.json or set by the caller (token ids, dtype, ...); the model's own fields win."""
+    architecture = architecture or architecture_for(cfg)
+    problems = export_problems(cfg)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        problems.append(f"architecture {architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if cfg.add_qkv_bias and architecture != "Qwen2ForCausalLM":
+        problems.append(f"Q/K/V biases (--add-qkv-bias), which {architecture} does not have (Qwen2ForCausalLM does)")
+    if architecture == "Qwen2ForCausalLM" and not cfg.add_qkv_bias:
+        problems.append("no Q/K/V biases, which Qwen2ForCausalLM always has (export as LlamaForCausalLM)")
+    if problems:
+        raise ValueError(f"this model cannot be written as {architecture}: it has " + "; ".join(problems))
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
+                            "rope_theta": float(cfg.rotary_base)}
+    if cfg.rope_scaling_type in ("linear", "llama3"):
+        rope["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling_type == "llama3":
+        rope.update(low_freq_factor=cfg.rope_scaling_low_freq_factor, high_freq_factor=cfg.rope_scaling_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_scaling_original_max_position_embeddings)
+    out: dict[str, Any] = dict(extra or {})
+    for stale in ("rope_scaling", "rope_theta", "architectures", "model_type"):
+        out.pop(stale, None)
+    out.update({
+        "architectures": [architecture], "model_type": MODEL_TYPES[architecture], "vocab_size": vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.resolved_ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
+        "tie_word_embeddings": cfg.tied_embeddings, "rope_parameters": rope, "attention_dropout": 0.0,
+        "initializer_range": cfg.init_method_std, "use_cache": True,
+    })
+    if architecture == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    if architecture == "MistralForCausalLM":
+        out["sliding_window"] = cfg.sliding_window
+    if architecture == "Qwen2ForCausalLM":
+        out["use_sliding_window"] = cfg.sliding_window is not None
+        out["sliding_window"] = cfg.sliding_window
+    return out
+
+
+def hf_to_canonical_names(cfg: ModelConfig, vocab_size: int = 1) -> dict[str, tuple[str, ...]]:
+    """canonical name -> the HF tensor names it is made of, in model order (a tied model: no lm_head)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for spec in parameter_specs(cfg, vocab_size):
+        if spec.name in _TOP_MAP:
+            out[spec.name] = _TOP_MAP[spec.name]
+            continue
+        i = int(spec.name.split(".")[2])
+        local = spec.name[len(layer_prefix(i)) + 1:]
+        if local not in _LAYER_MAP:
+            raise ValueError(f"{spec.name} has no Hugging Face equivalent")
+        out[spec.name] = tuple(f"model.layers.{i}.{n}" for n in _LAYER_MAP[local])
+    return out
+
+
+def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the model with its expected shape."""
+    h, d, nq, ng = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+    ffn = cfg.resolved_ffn_hidden_size
+    per = {"q_proj": nq * d, "k_proj": ng * d, "v_proj": ng * d}
+    out: dict[str, tuple[int, ...]] = {}
+    for names in hf_to_canonical_names(cfg, vocab_size).values():
+        for n in names:
+            part = n.split(".")[-2]
+            if n in ("model.embed_tokens.weight", "lm_head.weight"):
+                out[n] = (vocab_size, h)
+            elif n.endswith("norm.weight"):
+                out[n] = (h,)
+            elif part in per:
+                out[n] = (per[part], h) if n.endswith("weight") else (per[part],)
+            elif part == "o_proj":
+                out[n] = (h, nq * d)
+            elif part in ("gate_proj", "up_proj"):
+                out[n] = (ffn, h)
+            elif part == "down_proj":
+                out[n] = (h, ffn)
+    return out
+
+
+def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(want):
+        raise ValueError(f"tensor {name} has shape {list(t.shape)}, expected {list(want)} from config.json")
+
+
+def to_canonical(name: str, hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The canonical tensor ``name`` from its HF tensors (``hf_to_canonical_names(cfg)[name]``)."""
+    sources = hf_to_canonical_names(cfg)[name]
+    vocab = hf_tensors[sources[0]].shape[0] if name in (f"{EMBEDDING}.{WORD_EMBEDDINGS}", f"{OUTPUT_LAYER}.weight") \
+        else 1
+    shapes = hf_shapes(cfg, vocab)
+    for n in sources:
+        _check_shape(n, hf_tensors[n], shapes[n])
+    parts = [hf_tensors[n] for n in sources]
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        ng, d = cfg.query_groups, cfg.head_dim
+        r = cfg.num_attention_heads // ng
+        tail = parts[0].shape[1:]
+        q, k, v = (p.reshape(ng, n_rows * d, *tail) for p, n_rows in zip(parts, (r, 1, 1)))
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat(parts, dim=0)
+    return parts[0]
+
+
+def from_canonical(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The HF tensors of canonical tensor ``name`` (exact inverse of :func:`to_canonical`)."""
+    sources = hf_to_canonical_names(cfg)[name]
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        ng, d = cfg.query_groups, cfg.head_dim
+        r = cfg.num_attention_heads // ng
+        tail = tensor.shape[1:]
+        grouped = tensor.reshape(ng, (r + 2) * d, *tail)
+        q, k, v = grouped.split([r * d, d, d], dim=1)
+        return {n: t.reshape(-1, *tail).contiguous() for n, t in zip(sources, (q, k, v))}
+    if name.endswith("linear_fc1.weight"):
+        gate, up = tensor.chunk(2, dim=0)
+        return {sources[0]: gate.contiguous(), sources[1]: up.contiguous()}
+    return {sources[0]: tensor}
