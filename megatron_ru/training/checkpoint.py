@@ -29,8 +29,9 @@ Two cases are loaded by canonical parameter names instead of through DeepSpeed
 (:mod:`megatron_ru.checkpointing.loader`): checkpoints in the layer format (``"format":
 "megatron_ru.layers"`` in metadata.json, written by ``tools/convert_checkpoint.py reshard`` and
 ``import-hf``), at their TP/PP with any DP size; and DeepSpeed checkpoints of this run's TP/PP saved
-over another DP size or ZeRO stage (from 0 or 1, to 0, 1 or 2). Every save records, per model-parallel rank, the order
-of the optimizer's parameters (``optimizer_groups``) so offline readers never guess it.
+over another DP size or ZeRO stage (from 0 or 1, to 0, 1 or 2). Every save records, per
+model-parallel rank, the order of the optimizer's parameters (``optimizer_groups``) so offline
+readers never guess it.
 """
 from __future__ import annotations
 
@@ -188,9 +189,9 @@ def layout_problems(meta: CheckpointMeta, tp: int, pp: int, dp: int, zero_stage:
         out.append(
             f"the checkpoint's optimizer state is partitioned for ZeRO stage {meta.zero_stage} over "
             f"{meta.data_parallel_size} data-parallel ranks, this run uses stage {zero_stage} over {dp}: "
-            f"keep the data-parallel size and --zero-stage, or rewrite it without the data-parallel split "
-            f"(ZeRO stage 0 or 1 checkpoints; then any DP size and stage 0 or 1 loads it): "
-            f"{reshard_command(load_dir, tp, pp)}, or load weights only with --no-load-optim or --finetune")
+            f"keep the data-parallel size and --zero-stage, or load weights only with --no-load-optim or "
+            f"--finetune (optimizer state is re-partitioned by name only from ZeRO stage 0 or 1 checkpoints "
+            f"that record their model arguments, into runs with ZeRO stage 0, 1 or 2)")
     return out
 
 
