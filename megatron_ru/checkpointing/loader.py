@@ -175,7 +175,9 @@ def _load_common(engine: Any, common: dict[str, Any], meta: Any) -> None:
         engine.lr_scheduler.load_state_dict(sched)
     scaler: Optional[dict[str, Any]] = common.get("loss_scaler")
     target = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler and target is not None:
+    # the dynamic loss scale of an fp16 run carries over to an fp16 run; a static scale (bf16, fp32)
+    # belongs to the run's own configuration
+    if scaler and scaler.get("dynamic") and target is not None and getattr(target, "dynamic", False):
         for k, v in scaler.items():
             if hasattr(target, k):
                 setattr(target, k, v)
