@@ -467,3 +467,21 @@ def test_interrupted_or_full_disk_write_leaves_nothing(tmp_path):
                                                       r"written under the output name"):
             write(os.path.join(mnt, "out"), cfg, tensors, 2, 2)
         assert os.listdir(mnt) == []
+
+
+def test_dynamic_loss_scale_carries_over_only_into_a_dynamic_run(tmp_path):
+    from types import SimpleNamespace
+    cfg = tiny_cfg()
+
+    class Fp16Optim(Optim):
+        def common_state(self):
+            return {**super().common_state(), "loss_scaler": {"cur_scale": 1024.0, "cur_iter": 5, "dynamic": True}}
+    write_checkpoint(str(tmp_path / "ck"), cfg=cfg, vocab_size=V, tp=1, pp=1, iteration=7,
+                     get_tensor=canonical_tensors(cfg).__getitem__, optimizer=Fp16Optim(canonical_tensors(cfg)))
+    for dynamic, expect in ((True, 1024.0), (False, 1.0)):
+        engine = _engine(cfg)
+        engine.optimizer.loss_scaler = SimpleNamespace(dynamic=dynamic, cur_scale=1.0 if not dynamic else 65536.0,
+                                                       cur_iter=0)
+        _load(engine, tmp_path / "ck")
+        assert engine.optimizer.loss_scaler.cur_scale == expect
+        assert engine.optimizer.loss_scaler.cur_iter == (5 if dynamic else 0)
