@@ -63,7 +63,7 @@ def test_first_loss_after_import_equals_transformers_tp2_pp2(tmp_path):
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     prefix = make_corpus(str(tmp_path))
-    base = tiny_argv(prefix, str(tmp_path / "cache"), iters=1)
+    base = tiny_argv(prefix, str(tmp_path / "cache"), iters=3)
     assert "--micro-batch-size" in base and base[base.index("--global-batch-size") + 1] == "4"
     argv = without_flags(base, *TINY_MODEL_FLAGS) + [
         "--load", ckpt, "--use-checkpoint-args", "--finetune", "--tensor-model-parallel-size", "2",
