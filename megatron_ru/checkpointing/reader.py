@@ -139,7 +139,17 @@ class CheckpointReader:
     def _layer_shards(self, layer: int) -> list[dict[str, Any]]:
         if self._layer is None or self._layer[0] != layer:
             self._layer = None  # drop the previous layer's files before reading the next
-            self._layer = (layer, [self._load(layer_file(layer, t)) for t in range(self.tp)])
+            files = [self._load(layer_file(layer, t)) for t in range(self.tp)]
+            if self.kind == "layers":  # our own files hold exactly the layer's parameters
+                expected = {s.local_name for s in self.specs.values() if s.layer_index == layer}
+                for t, f in enumerate(files):
+                    unexpected = sorted(set(f) - expected)
+                    if unexpected:
+                        raise CheckpointError(
+                            f"{os.path.join(self.dir, layer_file(layer, t))} holds {', '.join(unexpected)}, which "
+                            f"layer {layer} of the model in metadata.json does not have: the file is from another "
+                            f"model or metadata.json was altered")
+            self._layer = (layer, files)
         return self._layer[1]
 
     def _expected_shard_shape(self, spec: ParamSpec) -> tuple[int, ...]:

@@ -247,6 +247,13 @@ def test_reshard_refuses_a_mis_shaped_tensor_in_a_file(tmp_path):
     json.dump(meta, open(ckpt / "metadata.json", "w"))
     _reshard_fails(tmp_path, r"layer_02-model_00-model_states.pt: 'self_attention.linear_proj.weight' has shape "
                              r"\[32, 8\], expected \[32, 16\]")
+    state["self_attention.linear_proj.weight"] = torch.zeros(32, 16)
+    state["self_attention.extra.weight"] = torch.zeros(2)
+    torch.save(state, path)
+    meta["files"][path.name] = path.stat().st_size
+    json.dump(meta, open(ckpt / "metadata.json", "w"))
+    _reshard_fails(tmp_path, r"layer_02-model_00-model_states.pt holds self_attention.extra.weight, which layer 2 "
+                             r"of the model in metadata.json does not have")
 
 
 def test_reshard_refuses_bad_arguments(tmp_path):
