@@ -48,7 +48,7 @@ def _field_error(field: str, value: Any, why: str) -> ValueError:
 
 def architecture_of(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = archs[0] if archs else {t: a for a, t in MODEL_TYPES.items()}.get(hf.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise _field_error("architectures", archs, f"is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
@@ -149,12 +149,15 @@ def export_problems(cfg: ModelConfig) -> list[str]:
 
 
 def architecture_for(cfg: ModelConfig) -> str:
-    """The HF architecture that expresses ``cfg`` (Qwen2 when Q/K/V have biases, else Llama)."""
+    """The HF architecture that expresses ``cfg`` (Qwen2 when Q/K/V have biases, Mistral with a
+    sliding window, else Llama)."""
     problems = export_problems(cfg)
     if problems:
         raise ValueError("this model cannot be written as a Hugging Face Llama/Mistral/Qwen2 model: it has "
                          + "; ".join(problems))
-    return "Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM"
+    if cfg.add_qkv_bias:
+        return "Qwen2ForCausalLM"
+    return "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM"
 
 
 def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Optional[str] = None,
@@ -167,6 +170,9 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
         problems.append(f"architecture {architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if cfg.add_qkv_bias and architecture != "Qwen2ForCausalLM":
         problems.append(f"Q/K/V biases (--add-qkv-bias), which {architecture} does not have (Qwen2ForCausalLM does)")
+    if architecture == "LlamaForCausalLM" and cfg.sliding_window is not None:
+        problems.append(f"a sliding window of {cfg.sliding_window} (--sliding-window), which LlamaForCausalLM does "
+                        f"not have (MistralForCausalLM does)")
     if architecture == "Qwen2ForCausalLM" and not cfg.add_qkv_bias:
         problems.append("no Q/K/V biases, which Qwen2ForCausalLM always has (export as LlamaForCausalLM)")
     if problems:

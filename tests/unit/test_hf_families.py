@@ -1,0 +1,168 @@
+"""The three Hugging Face families through megatron_ru/convert/hf_mapping.py at TP = 1: a tiny
+model built from a transformers config, mapped to canonical tensors and loaded into GPTModel,
+gives transformers' logits (fp32, eager attention, <= 1e-5 relative); the mapping is exact both
+ways; config.json settings the model cannot express are errors naming the field."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from megatron_ru.convert.hf_mapping import (from_canonical, hf_config_from_model, hf_to_canonical_names,
+                                            model_config_from_hf, to_canonical)
+from megatron_ru.model import GPTModel
+from megatron_ru.model.spec import padded_vocab_rows, parameter_specs
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=64)
+
+
+def _llama(tied=False, **kw):
+    return LlamaConfig(vocab_size=61, tie_word_embeddings=tied, rope_theta=500000.0, **COMMON, **kw)
+
+
+def _llama3_scaled():
+    return _llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+
+
+def _llama_linear():
+    return _llama(rope_scaling={"rope_type": "linear", "factor": 4.0})
+
+
+def _qwen2():
+    return Qwen2Config(vocab_size=67, tie_word_embeddings=True, rope_theta=1e6, **COMMON)
+
+
+def _mistral():  # odd vocabulary, head size 16 != hidden / heads, a sliding window
+    return MistralConfig(vocab_size=73, head_dim=16, sliding_window=32, rope_theta=1e6, tie_word_embeddings=False,
+                         **COMMON)
+
+
+CASES = {"llama-gqa-untied": _llama, "llama-tied": lambda: _llama(tied=True), "llama3-scaled": _llama3_scaled,
+         "llama-linear": _llama_linear, "qwen2-bias-tied": _qwen2, "mistral-odd-vocab-head16": _mistral}
+
+
+def _hf_model(config):
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # transformers starts norms at 1 and biases at 0: make every tensor count
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _ours(model) -> tuple[GPTModel, dict[str, torch.Tensor]]:
+    cfg, vocab = model_config_from_hf(model.config.to_dict())
+    sd = model.state_dict()
+    gpt = GPTModel(cfg, vocab)
+    canonical = {}
+    with torch.no_grad():
+        params = dict(gpt.named_parameters())
+        for name, sources in hf_to_canonical_names(cfg).items():
+            t = to_canonical(name, {n: sd[n] for n in sources}, cfg)
+            canonical[name] = t
+            if t.shape[0] == vocab and name.endswith(("word_embeddings.weight", "output_layer.weight")):
+                t = torch.cat([t, t.new_zeros(padded_vocab_rows(cfg, vocab, 1) - vocab, t.shape[1])])
+            params[name].copy_(t)
+    return gpt.eval(), canonical
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers(case):
+    model = _hf_model(CASES[case]())
+    gpt, canonical = _ours(model)
+    vocab = model.config.vocab_size
+    seq = 48 if case == "llama3-scaled" else 24   # llama3: positions far beyond the original 16
+    tokens = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
+    positions = None
+    if case == "llama-linear":  # offset positions, as in a continued sequence
+        positions = torch.arange(10, 10 + seq).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        want = model(input_ids=tokens, position_ids=positions).logits
+        got = gpt(tokens, position_ids=positions)[..., :vocab]
+    assert got.shape == want.shape
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel <= 1e-5, rel
+    # the mapping back is exact (every HF tensor bit-identical; a tied model has no lm_head)
+    sd = model.state_dict()
+    back = {}
+    cfg, _ = model_config_from_hf(model.config.to_dict())
+    for name, t in canonical.items():
+        back.update(from_canonical(name, t, cfg))
+    expected = {k for k in sd if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    assert set(back) == expected
+    assert all(torch.equal(back[k], sd[k]) for k in expected)
+    assert len(canonical) == len(parameter_specs(cfg, vocab))
+
+
+def test_llama3_scaling_matters():
+    """The scaled model is not the unscaled one beyond the original length (the test above could not
+    pass with the scaling ignored)."""
+    model = _hf_model(_llama3_scaled())
+    cfg, vocab = model_config_from_hf(model.config.to_dict())
+    assert (cfg.rope_scaling_type, cfg.rope_scaling_factor, cfg.rope_scaling_original_max_position_embeddings) == \
+        ("llama3", 8.0, 16)
+    gpt, _ = _ours(model)
+    tokens = torch.randint(0, vocab, (1, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        scaled = gpt(tokens)
+        for layer in gpt.decoder.layers:
+            layer.self_attention.rope = type(layer.self_attention.rope)(cfg.head_dim, cfg.rotary_base)
+        plain = gpt(tokens)
+    assert (scaled - plain).abs().max() > 1e-3
+
+
+def test_both_rope_config_forms():
+    v5 = _llama3_scaled().to_dict()
+    assert "rope_parameters" in v5
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4["rope_theta"] = v5["rope_parameters"]["rope_theta"]
+    v4["rope_scaling"] = {k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"}
+    v4["rope_scaling"]["type"] = v4["rope_scaling"].pop("rope_type")   # the oldest spelling
+    assert model_config_from_hf(v4) == model_config_from_hf(v5)
+
+
+def test_config_round_trip_loads_in_transformers():
+    for make in CASES.values():
+        hf = make().to_dict()
+        cfg, vocab = model_config_from_hf(hf)
+        out = hf_config_from_model(cfg, vocab)   # the architecture follows from the model
+        assert model_config_from_hf(out) == (cfg, vocab)
+        config_cls = type(make())
+        assert out["model_type"] == config_cls.model_type
+        loaded = config_cls.from_dict(out)
+        assert loaded.vocab_size == vocab and loaded.tie_word_embeddings == cfg.tied_embeddings
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures = ['GPT2LMHeadModel'] is not supported; supported: "
+                                             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "rope_parameters.rope_type = 'yarn' cannot be expressed; supported: default, linear, llama3"),
+    ({"hidden_act": "gelu"}, "hidden_act = 'gelu' cannot be expressed"),
+    ({"mlp_bias": True}, "mlp_bias = True cannot be expressed"),
+    ({"attention_bias": True}, "attention_bias = True cannot be expressed: it puts a bias on o_proj too"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads = 3 must divide num_attention_heads (8)"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+     "rope_parameters.low_freq_factor = None is required for rope_type llama3"),
+])
+def test_config_errors_name_the_field(change, message):
+    hf = _llama().to_dict()
+    hf["architectures"] = ["LlamaForCausalLM"]
+    hf.update(change)
+    with pytest.raises(ValueError) as e:
+        model_config_from_hf(hf)
+    assert message in str(e.value)
+
+
+def test_mistral_window_refuses_longer_sequences():
+    from megatron_ru.config.arguments import parse_arguments
+    from tests.integration._train_helpers import tiny_argv
+    argv = tiny_argv("/nonexistent", "/tmp") + ["--sliding-window", "16"]
+    with pytest.raises(ValueError, match=r"--seq-length \(32\) exceeds the model's --sliding-window \(16\)"):
+        parse_arguments(argv, world_size=1, device_type="cpu")
+    cfg, _ = model_config_from_hf({**_mistral().to_dict(), "architectures": ["MistralForCausalLM"]})
+    assert cfg.sliding_window == 32 and cfg.kv_channels == 16
