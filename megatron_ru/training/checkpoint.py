@@ -234,12 +234,12 @@ def optimizer_groups_record(engine: Any, meta: CheckpointMeta) -> Optional[tuple
     try:
         from megatron_ru.model.spec import canonical_name, model_config_from_dict
         cfg = model_config_from_dict(meta.model_args) if meta.model_args else None
-        if getattr(engine, "optimizer", None) is None:
-            return None
+        mpu = getattr(engine, "mpu", None)
+        if getattr(engine, "optimizer", None) is None or (mpu is not None and mpu.get_data_parallel_rank() != 0):
+            return None  # one record per model-parallel rank (the data-parallel replicas hold the same order)
         mp_rank, groups = dsc.optimizer_param_names(engine)
         if cfg is not None:
             groups = [[canonical_name(n, cfg) for n in g] for g in groups]
-        mpu = getattr(engine, "mpu", None)
         pp_rank = mpu.get_pipe_parallel_rank() if mpu is not None else 0
         tp_rank = mpu.get_slice_parallel_rank() if mpu is not None else 0
         return mp_rank, {"pp_rank": pp_rank, "tp_rank": tp_rank, "groups": groups}
