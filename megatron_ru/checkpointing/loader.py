@@ -3,9 +3,8 @@
 Two sources: a layer-format checkpoint (written by :func:`write_checkpoint`), and a DeepSpeed
 checkpoint of the run's TP/PP saved over another DP size or ZeRO stage (read through the offline
 :class:`CheckpointReader`, memory-mapped). The checkpoint's TP and PP must be the run's; the DP size
-and ZeRO stage (0, 1 or 2) are free. Every
-parameter of this rank is copied from its layer file by canonical name (no DeepSpeed loading is
-involved). With optimizer state:
+and ZeRO stage (0, 1 or 2) are free. Every parameter of this rank is copied from its TP shard by
+canonical name (DeepSpeed's own loading is not involved). With optimizer state:
 
 * ZeRO 1/2 and bf16/fp16 (DeepSpeed keeps fp32 master partitions): the torch optimizer's state of each
   flat partition is created, linked to the parameters, and every parameter's fp32 master weight and
@@ -15,9 +14,9 @@ involved). With optimizer state:
 
 Then the step count, the LR scheduler, the loss scaler and DeepSpeed's step counters. Without
 optimizer state (--finetune / --no-load-optim) the fp32 master weights are set from the loaded
-weights. RNG states are not carried by this format: the run keeps the fresh states it seeded from
---seed (identical for every resume of the same checkpoint; dropout streams differ from an
-uninterrupted run).
+weights. RNG states are not carried by the layer format (nor across DP sizes): the run keeps the
+fresh states it seeded from --seed (identical for every resume of the same checkpoint; dropout
+streams differ from an uninterrupted run).
 """
 from __future__ import annotations
 
