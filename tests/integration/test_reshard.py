@@ -4,6 +4,7 @@ continuing under ZeRO 2 and ZeRO 0, and a DP 4 checkpoint at DP 2 without a resh
 sets the fp32 masters; and reshard rounds of ZeRO 0 fp32 (tied, PP 1 -> 2), ZeRO 1 bf16 (a frozen layer,
 TP 2 x PP 2 -> DP 4) and ZeRO 1 with alignment padding whose loaded state, saved again by DeepSpeed at
 the new layout, equals the source tensor by tensor. One 4-rank spawn (plus a 2-rank one) for all."""
+import json
 import os
 
 import pytest
@@ -138,6 +139,7 @@ def test_reshard_resumes_training_exactly(tmp_path):
     for name in src.names():
         assert torch.equal(wo.optimizer_state(name)["fp32"], src.get(name)), name
         assert torch.equal(wo.get(name), src.get(name)), name
+    _bad_deepspeed_inputs(tmp_path)
     for name in ("z0", "bf16", "pad"):
         # the DeepSpeed-native save at the new layout holds exactly the state of the source layout
         _same_checkpoints(str(tmp_path / f"{name}_src"), str(tmp_path / f"{name}_back"))
@@ -148,6 +150,41 @@ def test_reshard_resumes_training_exactly(tmp_path):
     pad = read_checkpoint(str(tmp_path / "pad_src"))
     for name in pad.names():  # fp32 run: the masters are the weights, wherever the partitions split them
         assert torch.equal(pad.optimizer_state(name)["fp32"], pad.get(name)), name
+
+
+def _bad_deepspeed_inputs(tmp_path):
+    """A real DeepSpeed checkpoint (TP 2 x PP 2, ZeRO 1) damaged three ways: reshard names the file or the
+    tensor and leaves nothing behind."""
+    import shutil
+
+    from megatron_ru.checkpointing import reshard
+    from megatron_ru.training.checkpoint_files import safe_load
+    src, out = tmp_path / "bad", tmp_path / "bad_out"
+    shutil.copytree(tmp_path / "z1", src)
+    ckpt = src / "iter_0000006"
+
+    def fails(match):
+        with pytest.raises(ValueError, match=match):
+            reshard.main(["--load", str(src), "--save", str(out), "--target-tensor-parallel-size", "1",
+                          "--target-pipeline-parallel-size", "1"])
+        assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith("bad_out")]
+
+    optim = ckpt / "zero_pp_rank_0_mp_rank_03_optim_states.pt"
+    data = optim.read_bytes()
+    optim.write_bytes(data[:1000])
+    fails(r"1 file\(s\) truncated or overwritten: zero_pp_rank_0_mp_rank_03_optim_states.pt \(1000 bytes")
+    optim.write_bytes(data)
+    (ckpt / "layer_02-model_01-model_states.pt").unlink()
+    fails(r"1 file\(s\) missing: layer_02-model_01-model_states.pt")
+    shutil.copy(ckpt / "layer_02-model_00-model_states.pt", ckpt / "layer_02-model_01-model_states.pt")
+    layer = safe_load(str(ckpt / "layer_03-model_00-model_states.pt"))
+    layer["mlp.linear_fc1.weight"] = layer["mlp.linear_fc1.weight"][:10]
+    torch.save(layer, ckpt / "layer_03-model_00-model_states.pt")
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    for name in ("layer_02-model_01-model_states.pt", "layer_03-model_00-model_states.pt"):
+        meta["files"][name] = (ckpt / name).stat().st_size
+    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    fails(r"layer_03-model_00-model_states.pt: 'mlp.linear_fc1.weight' has shape \[10, 64\], expected \[128, 64\]")
 
 
 def read_meta(path):
