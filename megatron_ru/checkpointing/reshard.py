@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-tensor-parallel-size", type=int, required=True, help="TP of the output")
     parser.add_argument("--target-pipeline-parallel-size", type=int, required=True, help="PP of the output")
     parser.add_argument("--iteration", type=int, default=None,
-                        help="which iter_* directory to read (default: the one 'latest' names)")
+                        help="which iter_* directory to read; None: the one latest_checkpointed_iteration.txt "
+                             "names")
     parser.add_argument("--no-load-optim", action="store_true",
                         help="write the weights only (the run then starts a fresh optimizer)")
     parser.add_argument("--force", action="store_true", help="replace an existing --save directory")
