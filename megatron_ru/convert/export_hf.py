@@ -3,9 +3,9 @@ directory that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load
 
 The architecture and the config fields the model does not determine (token ids, ...) come from
 the imported model's ``config.json`` (``<load>/hf_source``, or ``--hf-config``); a checkpoint
-trained from scratch is exported as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with QKV biases,
-``MistralForCausalLM`` with a sliding window). What Llama-family models cannot express (LayerNorm,
-learned positions, GELU, linear biases) is refused before anything is written, naming the flag.
+trained from scratch gets the architecture that expresses it (``hf_mapping.architecture_for``:
+Llama, Qwen2 with Q/K/V biases, Mistral with a sliding window). What these models cannot express
+(LayerNorm, learned positions, GELU, linear biases) is refused before anything is written, naming the flag.
 Weights stream: one canonical tensor is read (its TP shards joined, padding removed), split into
 its Hugging Face tensors and appended to a planned safetensors shard.
 """
@@ -78,22 +78,6 @@ class ExportReport:
         return dict(self.__dict__)
 
 
-def inexpressible(cfg: Any) -> list[str]:
-    """What a Llama-family Hugging Face model cannot hold, naming the flag that made it so."""
-    found = []
-    if cfg.normalization != "RMSNorm":
-        found.append(f"--normalization {cfg.normalization} (Llama/Mistral/Qwen2 use RMSNorm, no bias)")
-    if cfg.position_embedding_type != "rope":
-        found.append(f"--position-embedding-type {cfg.position_embedding_type} (they use rotary positions; a "
-                     "learned position table has no place in them)")
-    if not cfg.swiglu:
-        found.append("no --swiglu (their MLP is SwiGLU: gate, up and down projections)")
-    if cfg.add_bias_linear:
-        found.append("no --disable-bias-linear (their linear layers have no biases; Qwen2's Q/K/V biases are "
-                     "--add-qkv-bias)")
-    return found
-
-
 def _source_config(load: str, hf_config: Optional[str]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     path = hf_config or os.path.join(load, HF_SOURCE_DIR, "config.json")
     if os.path.isdir(path):
@@ -104,15 +88,6 @@ def _source_config(load: str, hf_config: Optional[str]) -> tuple[Optional[dict[s
         return None, None
     with open(path, encoding="utf-8") as f:
         return json.load(f), path
-
-
-def infer_architecture(cfg: Any) -> str:
-    """The architecture of a checkpoint that did not come from Hugging Face."""
-    if getattr(cfg, "add_qkv_bias", False):
-        return "Qwen2ForCausalLM"
-    if getattr(cfg, "sliding_window", None):
-        return "MistralForCausalLM"
-    return "LlamaForCausalLM"
 
 
 def _run_args(meta: Any) -> dict[str, Any]:
@@ -149,7 +124,8 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
               architecture: Optional[str] = None, tokenizer: Optional[TokenizerSource] = None,
               force: bool = False) -> ExportReport:
     from megatron_ru.checkpointing import read_checkpoint
-    from megatron_ru.convert.hf_mapping import SUPPORTED_ARCHITECTURES, from_canonical, hf_config_from_model
+    from megatron_ru.convert.hf_mapping import (SUPPORTED_ARCHITECTURES, architecture_for, export_problems,
+                                                from_canonical, hf_config_from_model)
     from megatron_ru.model.spec import parameter_specs
 
     if not os.path.isdir(load):
@@ -158,12 +134,12 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
     shard_bytes = parse_size(max_shard_size)
     reader = read_checkpoint(load, iteration)
     cfg, vocab_size = reader.cfg, reader.vocab_size
-    problems = inexpressible(cfg)
+    problems = export_problems(cfg)
     if problems:
-        raise ValueError(f"--load {load}: this model cannot be expressed as a Hugging Face Llama-family model: "
-                         + "; ".join(problems))
+        raise ValueError(f"--load {load}: this model cannot be expressed as a Hugging Face Llama/Mistral/Qwen2 "
+                         "model: it has " + "; ".join(problems))
     source, source_path = _source_config(load, hf_config)
-    arch = architecture or ((source or {}).get("architectures") or [None])[0] or infer_architecture(cfg)
+    arch = architecture or ((source or {}).get("architectures") or [None])[0] or architecture_for(cfg)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     tok = tokenizer or _find_tokenizer(load, reader.meta)

@@ -370,7 +370,7 @@ def test_export_refuses_gpt2_style_and_bad_shard_size(tmp_path, capsys):
     _scratch_checkpoint(str(tmp_path / "gpt2"), normalization="LayerNorm", position_embedding_type="learned_absolute",
                         swiglu=False, disable_bias_linear=False, group_query_attention=False)
     err = _refused(capsys, tmp_path, "out", "export-hf", "--load", tmp_path / "gpt2", "--save", tmp_path / "out")
-    assert "cannot be expressed" in err and "--normalization LayerNorm" in err
+    assert "cannot be expressed" in err and "LayerNorm (Llama/Qwen2 use RMSNorm: --normalization RMSNorm)" in err
     assert "--position-embedding-type learned_absolute" in err and "--swiglu" in err
     _scratch_checkpoint(str(tmp_path / "ll"))
     err = _refused(capsys, tmp_path, "out", "export-hf", "--load", tmp_path / "ll", "--save", tmp_path / "out",
