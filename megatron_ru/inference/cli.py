@@ -228,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         timeout = ns.distributed_timeout_minutes
         run(ns, argv)
     except Exception as e:  # noqa: BLE001 - one message, one exit status
-        return report_failure(e, timeout)
+        return report_failure(e, timeout, what="generation")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

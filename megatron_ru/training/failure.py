@@ -97,24 +97,25 @@ def should_report(env: Mapping[str, str] = os.environ) -> bool:
     return launcher_rank(env) in (0, None)
 
 
-def message_of(error: BaseException, timeout_minutes: Optional[float]) -> str:
+def message_of(error: BaseException, timeout_minutes: Optional[float], what: str = "training") -> str:
     if isinstance(error, INPUT_ERRORS):
         return str(error) if str(error) else type(error).__name__
     hint = (f" If another rank died or hung, its own log (or the launcher's) says why; collectives "
             f"give up after --distributed-timeout-minutes ({timeout_minutes}).") if timeout_minutes else ""
-    return f"training failed: {type(error).__name__}: {error}.{hint}"
+    return f"{what} failed: {type(error).__name__}: {error}.{hint}"
 
 
 def report_failure(error: BaseException, timeout_minutes: Optional[float] = None,
-                   env: Mapping[str, str] = os.environ) -> int:
-    """Print ``error`` once per job (see the module docstring) and return the exit status."""
+                   env: Mapping[str, str] = os.environ, what: str = "training") -> int:
+    """Print ``error`` once per job (see the module docstring) and return the exit status; ``what``
+    names the program's work in the message ("training", "generation")."""
     code = exit_code_of(error)
     initialized = _process_group_exists()
     if should_report(env):
         if debug_requested(env):
             log.error("".join(traceback.format_exception(error)).rstrip())
         hint = "" if debug_requested(env) or code == EXIT_INPUT_ERROR else f" (set {DEBUG_VAR}=1 for the traceback)"
-        log.error(message_of(error, timeout_minutes) + hint)
+        log.error(message_of(error, timeout_minutes, what) + hint)
         if initialized and _hosts_the_store(env):
             time.sleep(STORE_HOST_LINGER_S)  # the others learn from the store that this was reported
     else:
