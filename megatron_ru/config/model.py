@@ -41,8 +41,9 @@ class ModelConfig:
     add_qkv_bias: bool = arg(False, "Biases on the query, key and value projections only (Qwen2), also with "
                                     "--disable-bias-linear.")
     sliding_window: Optional[int] = arg(
-        None, "Sliding-window attention size of the model (Mistral's config.json sliding_window): training "
-              "with --seq-length above it is refused (full causal attention would attend beyond the window).")
+        None, "Sliding-window attention size of the model (Mistral's config.json sliding_window): a token "
+              "attends to itself and the window-1 tokens before it (as transformers). Training with "
+              "--seq-length above it is refused.")
     normalization: str = arg("LayerNorm", "Normalization layer.", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = arg(1e-5, "Epsilon of LayerNorm/RMSNorm.")
     swiglu: bool = arg(False, "Use SwiGLU instead of GELU in the MLP.")
@@ -130,6 +131,9 @@ class ModelConfig:
             if self.rope_scaling_original_max_position_embeddings is None:
                 found.append("--rope-scaling-type llama3 needs --rope-scaling-original-max-position-embeddings "
                              "(the original context length, 8192 for Llama 3.1)")
+            elif self.rope_scaling_original_max_position_embeddings < 1:
+                found.append(f"--rope-scaling-original-max-position-embeddings must be >= 1, got "
+                             f"{self.rope_scaling_original_max_position_embeddings}")
             if not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor:
                 found.append(f"llama3 RoPE scaling needs 0 < --rope-scaling-low-freq-factor "
                              f"({self.rope_scaling_low_freq_factor}) < --rope-scaling-high-freq-factor "

@@ -24,6 +24,12 @@ from megatron_ru.model.spec import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, WORD_EMB
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# what transformers assumes for a field a config.json leaves out (the config classes' defaults)
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+}
 
 _LAYER_MAP = {  # canonical local name -> HF names under model.layers.{i}.
     "input_layernorm.weight": ("input_layernorm.weight",),
@@ -50,8 +56,41 @@ def architecture_of(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else {t: a for a, t in MODEL_TYPES.items()}.get(hf.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise _field_error("architectures", archs, f"is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if archs or "model_type" not in hf:
+            raise _field_error("architectures", archs,
+                               f"is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise _field_error("model_type", hf["model_type"], f"(no architectures field) is not supported; supported: "
+                           f"{', '.join(f'{t} ({a})' for a, t in MODEL_TYPES.items())}")
     return arch
+
+
+def _sliding_window(hf: dict[str, Any], arch: str) -> Optional[int]:
+    """The window every layer attends within (None: full attention). Qwen2 windows only the layers
+    from ``max_window_layers`` on (``layer_types`` in transformers 5); a mix of windowed and full layers
+    cannot be expressed."""
+    defaults = _FAMILY_DEFAULTS[arch]
+    window = hf.get("sliding_window", defaults.get("sliding_window"))
+    if arch == "LlamaForCausalLM" or window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise _field_error("sliding_window", window, "must be a positive integer or null")
+    layers = hf["num_hidden_layers"]
+    if arch == "Qwen2ForCausalLM":
+        if not hf.get("use_sliding_window", False):
+            return None
+        types = hf.get("layer_types")
+        field = "layer_types"
+        if not types:
+            start = hf.get("max_window_layers", defaults["max_window_layers"])
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+            field = "max_window_layers"
+        windowed = {t == "sliding_attention" for t in types}
+        if windowed == {False}:
+            return None
+        if windowed != {True}:
+            raise _field_error(field, hf.get(field), f"windows some layers only (use_sliding_window = true, "
+                               f"sliding_window = {window}); megatron_ru cannot mix windowed and full attention")
+    return window
 
 
 def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
@@ -115,14 +154,13 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
         extra.update(rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
                      rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
                      rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-    window = hf.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
-        window = None
+    window = _sliding_window(hf, arch)
+    max_positions = hf.get("max_position_embeddings", _FAMILY_DEFAULTS[arch]["max_position_embeddings"])
     tied = bool(hf.get("tie_word_embeddings", False))
     cfg = ModelConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
-        kv_channels=kv_channels, max_position_embeddings=hf.get("max_position_embeddings"),
+        kv_channels=kv_channels, max_position_embeddings=max_positions,
         position_embedding_type="rope", rotary_base=float(rope["rope_theta"]), rope_scaling_type=scaling,
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
         disable_bias_linear=True, add_qkv_bias=qkv_bias, untie_embeddings_and_output_weights=not tied,
@@ -245,14 +283,25 @@ def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...], source: str = "config.json") -> None:
     if tuple(t.shape) != tuple(want):
-        raise ValueError(f"tensor {name} has shape {list(t.shape)}, expected {list(want)} from config.json")
+        raise ValueError(f"tensor {name} has shape {list(t.shape)}, expected {list(want)} from {source}")
+
+
+def _sources(name: str, cfg: ModelConfig) -> tuple[str, ...]:
+    names = hf_to_canonical_names(cfg)
+    if name not in names:
+        raise ValueError(f"{name} is not a parameter of this model (tied embeddings: no {OUTPUT_LAYER}.weight)"
+                         if name == f"{OUTPUT_LAYER}.weight" else f"{name} is not a parameter of this model")
+    return names[name]
 
 
 def to_canonical(name: str, hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """The canonical tensor ``name`` from its HF tensors (``hf_to_canonical_names(cfg)[name]``)."""
-    sources = hf_to_canonical_names(cfg)[name]
+    sources = _sources(name, cfg)
+    missing = [n for n in sources if n not in hf_tensors]
+    if missing:
+        raise ValueError(f"{name} is made of {', '.join(sources)}: tensor {', '.join(missing)} is missing")
     vocab = hf_tensors[sources[0]].shape[0] if name in (f"{EMBEDDING}.{WORD_EMBEDDINGS}", f"{OUTPUT_LAYER}.weight") \
         else 1
     shapes = hf_shapes(cfg, vocab)
@@ -272,7 +321,10 @@ def to_canonical(name: str, hf_tensors: dict[str, torch.Tensor], cfg: ModelConfi
 
 def from_canonical(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The HF tensors of canonical tensor ``name`` (exact inverse of :func:`to_canonical`)."""
-    sources = hf_to_canonical_names(cfg)[name]
+    sources = _sources(name, cfg)
+    vocab = tensor.shape[0] if name in (f"{EMBEDDING}.{WORD_EMBEDDINGS}", f"{OUTPUT_LAYER}.weight") else 1
+    want = {spec.name: spec.shape for spec in parameter_specs(cfg, vocab)}[name]
+    _check_shape(name, tensor, want, "the model configuration")
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         ng, d = cfg.query_groups, cfg.head_dim
         r = cfg.num_attention_heads // ng

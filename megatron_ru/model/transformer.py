@@ -93,6 +93,7 @@ class Attention(nn.Module):
                                       "--num-attention-heads over --num-query-groups")
         self.rope = RopeSpec.from_config(cfg) if cfg.position_embedding_type == "rope" else None
         self.dropout = cfg.attention_dropout
+        self.sliding_window = cfg.sliding_window
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.head_dim
         std = cfg.init_method_std
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
@@ -126,8 +127,13 @@ class Attention(nn.Module):
             k, v = kv_cache.append(k, v)                   # [b, groups/tp, s_k, d]
         s_k = k.shape[2]
         mask, causal = attention_mask, attention_mask is None
-        if mask is None and s_k != s:  # cached keys before these queries: query i sees keys <= s_k - s + i
+        window = self.sliding_window
+        if mask is None and (s_k != s or (window is not None and s_k > window)):
+            # cached keys before these queries: query i (position s_k - s + i) sees keys <= s_k - s + i,
+            # and with a sliding window only the last `window` of them (transformers: q - k < window)
             mask = torch.ones(s, s_k, dtype=torch.bool, device=x.device).tril(diagonal=s_k - s)
+            if window is not None and s_k > window:
+                mask = mask.triu(diagonal=s_k - s - window + 1)
             causal = False
         dropout = self.dropout if self.training else 0.0
         gqa = {}
@@ -210,6 +216,6 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``kv_cache``/``attention_mask``: incremental decoding (see :meth:`Attention.forward`)."""
-        if self.recompute and self.training and torch.is_grad_enabled():
-            return tp_random.checkpoint(self._forward, x, position_ids)
+        if self.recompute and self.training and torch.is_grad_enabled() and kv_cache is None:
+            return tp_random.checkpoint(self._forward, x, position_ids, None, attention_mask)
         return self._forward(x, position_ids, kv_cache, attention_mask)
