@@ -111,7 +111,8 @@ class Attention(nn.Module):
         """``position_ids`` [s] or [b, s] (default 0..s-1); ``kv_cache``: this layer's cache for
         incremental decoding (this step's keys/values are appended, attention covers all cached);
         ``attention_mask`` bool, broadcastable to [b, heads, s, s_k], True = may attend (replaces
-        the causal rule; needed for left-padded batches)."""
+        the causal rule; needed for left-padded batches). With ``--sliding-window`` W, attention never
+        reaches a key W or more positions (cache slots) back, mask or not."""
         qkv = self.linear_qkv(x)                           # [s, b, groups/tp * (r + 2) * d]
         s, b = qkv.shape[:2]
         r, d = self.heads_per_group, self.head_dim
@@ -128,12 +129,14 @@ class Attention(nn.Module):
         s_k = k.shape[2]
         mask, causal = attention_mask, attention_mask is None
         window = self.sliding_window
-        if mask is None and (s_k != s or (window is not None and s_k > window)):
-            # cached keys before these queries: query i (position s_k - s + i) sees keys <= s_k - s + i,
-            # and with a sliding window only the last `window` of them (transformers: q - k < window)
+        if window is not None and s_k > window:
+            # query i (position s_k - s + i) sees only the last `window` keys up to itself (transformers:
+            # q - k < window); a given mask is narrowed to the window too, never widened beyond it
+            band = torch.ones(s, s_k, dtype=torch.bool, device=x.device).triu(diagonal=s_k - s - window + 1)
+            mask = band.tril(diagonal=s_k - s) if mask is None else mask & band
+            causal = False
+        elif mask is None and s_k != s:  # cached keys before these queries: query i sees keys <= s_k - s + i
             mask = torch.ones(s, s_k, dtype=torch.bool, device=x.device).tril(diagonal=s_k - s)
-            if window is not None and s_k > window:
-                mask = mask.triu(diagonal=s_k - s - window + 1)
             causal = False
         dropout = self.dropout if self.training else 0.0
         gqa = {}
