@@ -28,6 +28,24 @@ def test_megatron_flags_parse() -> None:
     assert cfg.problems() == []
 
 
+def test_hf_family_flags_parse() -> None:
+    cfg = parse_configs([ModelConfig], BASE + [
+        "--position-embedding-type", "rope", "--rotary-base", "1e6", "--kv-channels", "16", "--add-qkv-bias",
+        "--disable-bias-linear", "--rope-scaling-type", "llama3", "--rope-scaling-factor", "32",
+        "--rope-scaling-low-freq-factor", "1", "--rope-scaling-high-freq-factor", "4",
+        "--rope-scaling-original-max-position-embeddings", "8192", "--sliding-window", "4096"])[ModelConfig]
+    assert cfg.rotary_base == 1e6 and isinstance(cfg.rotary_base, float)
+    assert (cfg.head_dim, cfg.add_qkv_bias_effective, cfg.add_bias_linear) == (16, True, False)
+    assert (cfg.rope_scaling_type, cfg.rope_scaling_factor, cfg.rope_scaling_original_max_position_embeddings,
+            cfg.sliding_window) == ("llama3", 32.0, 8192, 4096)
+    assert cfg.problems() == []
+    defaults = parse_configs([ModelConfig], BASE)[ModelConfig]   # defaults keep the old model exactly
+    assert (defaults.rotary_base, defaults.rope_scaling_type, defaults.kv_channels, defaults.add_qkv_bias,
+            defaults.sliding_window, defaults.head_dim) == (10000, "none", None, False, None, 8)
+    with pytest.raises(SystemExit):
+        parse_configs([ModelConfig], BASE + ["--rope-scaling-type", "yarn"])
+
+
 def test_checkpoint_activations_alias_and_choices() -> None:
     assert parse_configs([ModelConfig], BASE + ["--checkpoint-activations"])[ModelConfig].recompute
     assert not parse_configs([ModelConfig], BASE)[ModelConfig].recompute
@@ -59,6 +77,23 @@ def test_ffn_defaults_follow_megatron() -> None:
     (dict(hidden_size=24, num_attention_heads=8, position_embedding_type="rope"),
      "rotary embeddings need an even head size"),
     (dict(norm_epsilon=0.0), "--norm-epsilon must be > 0, got 0.0"),
+    (dict(kv_channels=0), "--kv-channels must be >= 1, got 0"),
+    (dict(kv_channels=5, position_embedding_type="rope"),
+     "rotary embeddings need an even head size; --kv-channels is 5"),
+    (dict(hidden_size=60), "or give the head size with --kv-channels"),
+    (dict(rotary_base=0.0), "--rotary-base must be > 0, got 0.0"),
+    (dict(rope_scaling_type="linear"), "--rope-scaling-type linear needs --position-embedding-type rope"),
+    (dict(rope_scaling_type="linear", position_embedding_type="rope", rope_scaling_factor=0.0),
+     "--rope-scaling-factor must be > 0, got 0.0"),
+    (dict(rope_scaling_type="llama3", position_embedding_type="rope"),
+     "--rope-scaling-type llama3 needs --rope-scaling-original-max-position-embeddings"),
+    (dict(rope_scaling_type="llama3", position_embedding_type="rope",
+          rope_scaling_original_max_position_embeddings=0),
+     "--rope-scaling-original-max-position-embeddings must be >= 1, got 0"),
+    (dict(rope_scaling_type="llama3", position_embedding_type="rope", rope_scaling_original_max_position_embeddings=8,
+          rope_scaling_low_freq_factor=4.0),
+     "llama3 RoPE scaling needs 0 < --rope-scaling-low-freq-factor (4.0) < --rope-scaling-high-freq-factor (4.0)"),
+    (dict(sliding_window=0), "--sliding-window must be >= 1, got 0"),
 ])
 def test_problems_name_the_flag(kwargs: dict, expected: str) -> None:
     found = _cfg(**kwargs).problems()
