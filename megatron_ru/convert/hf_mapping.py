@@ -220,7 +220,8 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
     if cfg.rope_scaling_type in ("linear", "llama3"):
         rope["factor"] = cfg.rope_scaling_factor
     if cfg.rope_scaling_type == "llama3":
-        rope.update(low_freq_factor=cfg.rope_scaling_low_freq_factor, high_freq_factor=cfg.rope_scaling_high_freq_factor,
+        rope.update(low_freq_factor=cfg.rope_scaling_low_freq_factor,
+                    high_freq_factor=cfg.rope_scaling_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_scaling_original_max_position_embeddings)
     out: dict[str, Any] = dict(extra or {})
     for stale in ("rope_scaling", "rope_theta", "architectures", "model_type"):

@@ -108,8 +108,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``position_ids`` [s] or [b, s] (default 0..s-1); ``kv_cache``: this layer's cache for
-        incremental decoding (this step's keys/values are appended, attention covers all cached);
+        """``position_ids`` [s] or [b, s] (default: the s positions after any cached ones);
+        ``kv_cache``: this layer's cache for incremental decoding (this step's keys/values are
+        appended, attention covers all cached);
         ``attention_mask`` bool, broadcastable to [b, heads, s, s_k], True = may attend (replaces
         the causal rule; needed for left-padded batches). With ``--sliding-window`` W, attention never
         reaches a key W or more positions (cache slots) back, mask or not."""
@@ -120,7 +121,10 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :r].reshape(s, b, self.groups_per_rank * r, d)
         k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]      # [s, b, groups/tp, d]
         if self.rope is not None:
-            positions = position_ids if position_ids is not None else torch.arange(s, device=x.device)
+            positions = position_ids
+            if positions is None:  # after cached tokens, this step continues their positions
+                past = kv_cache.length if kv_cache is not None else 0
+                positions = torch.arange(past, past + s, device=x.device)
             cos, sin = rotary_cos_sin(positions, self.rope.inv_freq(x.device), q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))   # [b, heads, s, d]
