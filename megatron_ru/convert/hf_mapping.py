@@ -239,9 +239,11 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
         out.update(attention_bias=False, mlp_bias=False)
     if architecture == "MistralForCausalLM":
         out["sliding_window"] = cfg.sliding_window
-    if architecture == "Qwen2ForCausalLM":
-        out["use_sliding_window"] = cfg.sliding_window is not None
-        out["sliding_window"] = cfg.sliding_window
+    if architecture == "Qwen2ForCausalLM":   # every layer windowed, or none (stale per-layer fields replaced)
+        windowed = cfg.sliding_window is not None
+        out.update(use_sliding_window=windowed, sliding_window=cfg.sliding_window,
+                   max_window_layers=0 if windowed else cfg.num_layers,
+                   layer_types=["sliding_attention" if windowed else "full_attention"] * cfg.num_layers)
     return out
 
 

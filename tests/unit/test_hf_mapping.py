@@ -288,3 +288,37 @@ def test_v4_rope_form_without_scaling():
     v5 = _hf("Qwen2ForCausalLM", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     assert model_config_from_hf(v4) == model_config_from_hf(v5)
     assert model_config_from_hf(v4)[0].rotary_base == 1e6
+
+
+def test_qwen2_window_exports_every_layer_windowed():
+    """An imported config's per-layer fields (max_window_layers 28, layer_types) would window no layer of a
+    2-layer model in transformers: export rewrites them."""
+    hf = Qwen2Config(vocab_size=67, use_sliding_window=True, sliding_window=8, max_window_layers=0, **COMMON).to_dict()
+    cfg, vocab = model_config_from_hf(hf)
+    stale = {**hf, "max_window_layers": 28, "layer_types": ["full_attention"] * 2}
+    out = hf_config_from_model(cfg, vocab, "Qwen2ForCausalLM", stale)
+    assert Qwen2Config.from_dict(out).layer_types == ["sliding_attention"] * 2
+    assert model_config_from_hf(out) == (cfg, vocab)
+    plain, _ = model_config_from_hf(Qwen2Config(vocab_size=67, **COMMON).to_dict())
+    out = hf_config_from_model(plain, vocab, "Qwen2ForCausalLM", stale)
+    assert Qwen2Config.from_dict(out).layer_types == ["full_attention"] * 2 and out["sliding_window"] is None
+
+
+def test_recomputed_layer_keeps_the_attention_mask():
+    from megatron_ru.model.transformer import TransformerLayer
+    kw = dict(add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 16)
+    mask = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(8)) > 0.4
+    mask |= torch.eye(6, dtype=torch.bool)
+    out, grads = [], []
+    for recompute in (None, "full"):
+        layer = TransformerLayer(_cfg(recompute_granularity=recompute, **kw), 1).train()
+        xi = x.clone().requires_grad_()
+        y = layer(xi, kv_cache=None, attention_mask=mask)
+        y.square().sum().backward()
+        out.append(y.detach())
+        grads.append(xi.grad)
+    assert torch.equal(out[0], out[1]) and torch.equal(grads[0], grads[1])
+    with torch.no_grad():
+        assert not torch.equal(out[0], layer(x))   # the mask mattered
