@@ -135,6 +135,9 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
         raise _field_error("attention_bias", True, "cannot be expressed: it puts a bias on o_proj too; megatron_ru "
                                                    "supports biases on q/k/v only (Qwen2)")
     heads = hf["num_attention_heads"]
+    for key in ("num_key_value_heads", "head_dim"):
+        if hf.get(key) is not None and (not isinstance(hf[key], int) or isinstance(hf[key], bool) or hf[key] < 1):
+            raise _field_error(key, hf[key], "must be a positive integer or null")
     groups = hf.get("num_key_value_heads") or heads
     if heads % groups:
         raise _field_error("num_key_value_heads", groups, f"must divide num_attention_heads ({heads})")
@@ -235,6 +238,10 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
         "tie_word_embeddings": cfg.tied_embeddings, "rope_parameters": rope, "attention_dropout": 0.0,
         "initializer_range": cfg.init_method_std, "use_cache": True,
     })
+    if cfg.max_position_embeddings is None:   # a RoPE model trained without the flag: the caller's value, else
+        out["max_position_embeddings"] = (extra or {}).get("max_position_embeddings")   # transformers' default
+        if out["max_position_embeddings"] is None:
+            del out["max_position_embeddings"]
     if architecture == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
     if architecture == "MistralForCausalLM":

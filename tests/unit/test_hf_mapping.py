@@ -272,6 +272,9 @@ def test_qwen2_windowed_layers(kw, window):
     (dict(vocab_size=0), "config.json: vocab_size = 0 must be a positive integer"),
     (dict(num_hidden_layers=None), "config.json: num_hidden_layers = None must be a positive integer"),
     (dict(head_dim=7), "rotary embeddings need an even head size; --kv-channels is 7"),
+    (dict(head_dim=0), "config.json: head_dim = 0 must be a positive integer or null"),
+    (dict(num_key_value_heads=0), "config.json: num_key_value_heads = 0 must be a positive integer or null"),
+    (dict(num_key_value_heads=16), "config.json: num_key_value_heads = 16 must divide num_attention_heads (8)"),
 ])
 def test_more_config_errors_name_the_field(kw, message):
     hf = _hf(**kw)
@@ -322,3 +325,16 @@ def test_recomputed_layer_keeps_the_attention_mask():
     assert torch.equal(out[0], out[1]) and torch.equal(grads[0], grads[1])
     with torch.no_grad():
         assert not torch.equal(out[0], layer(x))   # the mask mattered
+
+
+def test_export_without_max_positions():
+    """A RoPE model trained without --max-position-embeddings: the caller's value, else transformers' default
+    (never a null that transformers would carry into the model)."""
+    cfg = _cfg(add_qkv_bias=False)
+    assert cfg.max_position_embeddings is None
+    assert "max_position_embeddings" not in hf_config_from_model(cfg, 37, "LlamaForCausalLM", {})
+    out = hf_config_from_model(cfg, 37, "LlamaForCausalLM", {"max_position_embeddings": 4096})
+    assert out["max_position_embeddings"] == 4096
+    out = hf_config_from_model(_cfg(add_qkv_bias=False, max_position_embeddings=64), 37, "LlamaForCausalLM",
+                               {"max_position_embeddings": 4096})
+    assert out["max_position_embeddings"] == 64
