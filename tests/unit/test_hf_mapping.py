@@ -338,3 +338,27 @@ def test_export_without_max_positions():
     out = hf_config_from_model(_cfg(add_qkv_bias=False, max_position_embeddings=64), 37, "LlamaForCausalLM",
                                {"max_position_embeddings": 4096})
     assert out["max_position_embeddings"] == 64
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 500000.0},
+    {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},     # Llama 3.1 8B
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},     # Llama 3.2
+], ids=["default", "linear", "llama3.1", "llama3.2"])
+def test_inverse_frequencies_bit_identical_to_transformers(rope):
+    """At the real head size (128) the fp32 inverse frequencies are transformers' to the bit."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from megatron_ru.model.rope import RopeSpec
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, rope_parameters=rope,
+                         max_position_embeddings=131072)
+    init = ROPE_INIT_FUNCTIONS.get(rope["rope_type"], LlamaRotaryEmbedding.compute_default_rope_parameters)
+    want, scaling = init(config=config, device=torch.device("cpu"))
+    cfg, _ = model_config_from_hf({**config.to_dict(), "architectures": ["LlamaForCausalLM"], "vocab_size": 128})
+    got = RopeSpec.from_config(cfg).inv_freq(torch.device("cpu"))
+    assert scaling == 1.0 and got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
