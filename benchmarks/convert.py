@@ -13,9 +13,12 @@
    checkpoint back to safetensors (--max-shard-size 1GB), each checked bit-identical afterwards.
 
 Each step runs in its own child process (the tools as a user runs them: interpreter start-up
-and imports included); its wall time and peak RSS (``ru_maxrss`` from ``wait4``) are reported,
-with throughput = model bytes / wall time and its ratio to the limit's. Free disk space is
-checked first (~4x the model size at peak) and everything is removed at the end.
+and imports included), after ``sync`` and timed until a ``sync`` after it returns (its output on
+disk); its wall time and peak RSS (``ru_maxrss`` from ``wait4``) are reported, with throughput =
+model bytes / wall time. The three steps are repeated ``--rounds`` times; the figure is the median
+over rounds of each step's ratio to the limit of the same round (the disk's speed drifts between
+rounds by 2x here). Free disk space is checked first (~4x the model size at peak) and everything
+is removed at the end.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -133,6 +137,7 @@ def run_child(cmd: list[str]) -> tuple[float, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
+    os.sync()  # ... and ends when its output is on disk (the checkpoint writer does not fsync its files)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
@@ -163,6 +168,7 @@ def main() -> None:
     ap.add_argument("--shard-bytes", type=int, default=GB)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="limit, import, export repeated this many times")
     ap.add_argument("--step", choices=tuple(STEPS), help=argparse.SUPPRESS)
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
@@ -183,34 +189,45 @@ def main() -> None:
     src, lim, ckpt, out = (os.path.join(work, n) for n in ("hf", "limit", "ckpt", "export"))
     print(f"model: {total / GB:.2f} GB bf16 ({total // 2 / 1e9:.2f} B parameters), {args.layers} layers, "
           f"hidden {args.hidden}; workdir {work} ({free / GB:.0f} GB free)", file=sys.stderr)
-    results = {"model_bytes": total, "tp": args.tp, "pp": args.pp, "load_before": os.getloadavg()[0]}
+    results: dict = {"model_bytes": total, "tp": args.tp, "pp": args.pp, "load_before": os.getloadavg()[0],
+                     "rounds": []}
+    tool = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py")]
     try:
         results["generate"] = run_child(_self_step(args, "generate", src, ""))
-        results["limit"] = run_child(_self_step(args, "limit", src, lim))
-        shutil.rmtree(lim)
-        tool = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py")]
-        results["import"] = run_child(tool + ["import-hf", "--load", src, "--save", ckpt,
+        for r in range(args.rounds):
+            rnd = {"limit": run_child(_self_step(args, "limit", src, lim))}
+            shutil.rmtree(lim)
+            rnd["import"] = run_child(tool + ["import-hf", "--load", src, "--save", ckpt,
                                               "--target-tensor-parallel-size", str(args.tp),
                                               "--target-pipeline-parallel-size", str(args.pp)])
-        results["checkpoint_bytes"] = _du(ckpt)
-        results["export"] = run_child(tool + ["export-hf", "--load", ckpt, "--save", out, "--max-shard-size",
+            rnd["export"] = run_child(tool + ["export-hf", "--load", ckpt, "--save", out, "--max-shard-size",
                                               str(args.shard_bytes)])
-        run_child(_self_step(args, "verify", src, out))
-        results["verified"] = True
+            if r == args.rounds - 1:
+                run_child(_self_step(args, "verify", src, out))
+                results["verified"] = True
+            shutil.rmtree(ckpt)
+            shutil.rmtree(out)
+            results["rounds"].append(rnd)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[0]:.1f} s" for k, v in rnd.items()), file=sys.stderr)
     finally:
-        shutil.rmtree(work, ignore_errors=True) if not args.workdir else [
-            shutil.rmtree(os.path.join(work, n), ignore_errors=True) for n in ("hf", "limit", "ckpt", "export")]
+        for name in ("hf", "limit", "ckpt", "export"):
+            shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
     results["load_after"] = os.getloadavg()[0]
-    lim_t = results["limit"][0]
-    rows = []
-    for step in ("limit", "import", "export"):
-        wall, rss = results[step]
-        tput = total / wall / GB
-        rows.append(f"| {step} | {wall:.1f} | {tput:.3f} | {lim_t / wall:.2f} | {rss:.2f} |")
-        results[f"{step}_ratio"] = lim_t / wall
-    print("| step | wall (s) | GB/s (model bytes) | vs limit | peak RSS (GB) |", file=sys.stderr)
-    print("|---|---|---|---|---|", file=sys.stderr)
-    print("\n".join(rows), file=sys.stderr)
+    print("| round | step | wall (s) | GB/s (model bytes) | vs limit (same round) | peak RSS (GB) |", file=sys.stderr)
+    print("|---|---|---|---|---|---|", file=sys.stderr)
+    for r, rnd in enumerate(results["rounds"]):
+        for step in ("limit", "import", "export"):
+            wall, rss = rnd[step]
+            print(f"| {r + 1} | {step} | {wall:.1f} | {total / wall / GB:.3f} | {rnd['limit'][0] / wall:.2f} | "
+                  f"{rss:.2f} |", file=sys.stderr)
+    for step in ("import", "export"):
+        ratios = sorted(rnd["limit"][0] / rnd[step][0] for rnd in results["rounds"])
+        results[f"{step}_ratio_median"] = statistics.median(ratios)
+        results[f"{step}_peak_rss_gb"] = max(rnd[step][1] for rnd in results["rounds"])
+        print(f"{step}: median paired ratio {statistics.median(ratios):.2f} (min {ratios[0]:.2f}, max "
+              f"{ratios[-1]:.2f}), peak RSS {results[f'{step}_peak_rss_gb']:.2f} GB", file=sys.stderr)
     print(json.dumps(results))
 
 
