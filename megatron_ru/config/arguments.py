@@ -168,10 +168,10 @@ def _sequence_rule(a: Arguments) -> list[str]:
                 f"{a.model.position_embedding_type}: raise --max-position-embeddings or shorten --seq-length"]
     window = a.model.sliding_window
     if seq is not None and window is not None and seq > window:
-        # megatron_ru's attention is full causal attention: beyond the window it would attend to tokens
-        # the model never saw together, silently changing the model
-        return [f"--seq-length ({seq}) exceeds the model's --sliding-window ({window}): megatron_ru attends over "
-                f"the whole sequence, which would attend beyond the window this model was trained with; use "
+        # the attention applies the window (as transformers does), but training on sequences longer than
+        # the window is not supported: refused rather than trained differently from the source model
+        return [f"--seq-length ({seq}) exceeds the model's --sliding-window ({window}): training sequences "
+                f"longer than the attention window are not supported (generation applies the window); use "
                 f"--seq-length {window} or less"]
     return []
 

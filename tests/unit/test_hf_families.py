@@ -162,7 +162,8 @@ def test_mistral_window_refuses_longer_sequences():
     from megatron_ru.config.arguments import parse_arguments
     from tests.integration._train_helpers import tiny_argv
     argv = tiny_argv("/nonexistent", "/tmp") + ["--sliding-window", "16"]
-    with pytest.raises(ValueError, match=r"--seq-length \(32\) exceeds the model's --sliding-window \(16\)"):
+    with pytest.raises(ValueError, match=r"--seq-length \(32\) exceeds the model's --sliding-window \(16\): "
+                                         r"training sequences longer than the attention window are not supported"):
         parse_arguments(argv, world_size=1, device_type="cpu")
     cfg, _ = model_config_from_hf({**_mistral().to_dict(), "architectures": ["MistralForCausalLM"]})
     assert cfg.sliding_window == 32 and cfg.kv_channels == 16
