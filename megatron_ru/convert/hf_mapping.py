@@ -128,10 +128,11 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise _field_error("hidden_act", act, "cannot be expressed (megatron_ru's gated MLP is SwiGLU: 'silu')")
-    if hf.get("mlp_bias", False):
+    # mlp_bias / attention_bias are Llama's; Mistral and Qwen2 ignore them (their biases are fixed)
+    if arch == "LlamaForCausalLM" and hf.get("mlp_bias", False):
         raise _field_error("mlp_bias", True, "cannot be expressed (no MLP biases in this model family)")
     qkv_bias = arch == "Qwen2ForCausalLM"
-    if hf.get("attention_bias", False):
+    if arch == "LlamaForCausalLM" and hf.get("attention_bias", False):
         raise _field_error("attention_bias", True, "cannot be expressed: it puts a bias on o_proj too; megatron_ru "
                                                    "supports biases on q/k/v only (Qwen2)")
     heads = hf["num_attention_heads"]

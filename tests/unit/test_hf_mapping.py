@@ -362,3 +362,12 @@ def test_inverse_frequencies_bit_identical_to_transformers(rope):
     cfg, _ = model_config_from_hf({**config.to_dict(), "architectures": ["LlamaForCausalLM"], "vocab_size": 128})
     got = RopeSpec.from_config(cfg).inv_freq(torch.device("cpu"))
     assert scaling == 1.0 and got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_bias_fields_are_llamas_only():
+    """Mistral and Qwen2 ignore attention_bias / mlp_bias (their biases are fixed in transformers)."""
+    for arch, qkv_bias in (("MistralForCausalLM", False), ("Qwen2ForCausalLM", True)):
+        cfg, _ = model_config_from_hf(_hf(arch, attention_bias=True, mlp_bias=True))
+        assert cfg.add_qkv_bias == qkv_bias and not cfg.add_bias_linear
+    with pytest.raises(ValueError, match="attention_bias = True cannot be expressed"):
+        model_config_from_hf(_hf(attention_bias=True))
