@@ -371,3 +371,37 @@ def test_bias_fields_are_llamas_only():
         assert cfg.add_qkv_bias == qkv_bias and not cfg.add_bias_linear
     with pytest.raises(ValueError, match="attention_bias = True cannot be expressed"):
         model_config_from_hf(_hf(attention_bias=True))
+
+
+def _tp_body(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from megatron_ru.model import GPTModel
+    from megatron_ru.parallel.utils import gather_full_tensor
+    cfg = _cfg(sliding_window=4, rope_scaling_type="llama3", rope_scaling_factor=8.0,
+               rope_scaling_original_max_position_embeddings=4, num_layers=2, make_vocab_size_divisible_by=4)
+    group = dist.new_group([0, 1])
+    tokens = torch.randint(0, 37, (2, 12), generator=torch.Generator().manual_seed(9))
+    out = {}
+    with torch.no_grad():
+        ref = GPTModel(cfg, 37, None, seed=7).eval()(tokens)[..., :37]
+        model = GPTModel(cfg, 37, group, seed=7).eval()
+        out["full"] = _rel(gather_full_tensor(model(tokens), group, dim=2)[..., :37], ref)
+        caches, pieces, start = KVCache(2), [], 0
+        for width in (3, 2) + (1,) * 7:
+            pos = torch.arange(start, start + width).unsqueeze(0).expand(2, -1)
+            pieces.append(gather_full_tensor(_step(model, tokens[:, start:start + width], pos, caches), group,
+                                             dim=2)[..., :37])
+            start += width
+        out["cached"] = _rel(torch.cat(pieces, 1), ref)
+        out["cache_heads"] = caches[0]._k.shape[1]
+    return out
+
+
+def test_tensor_parallel_cached_decoding_equals_one_rank():
+    """TP = 2 (one query group per rank; head size 6 != 16 / 4; Q/K/V biases; a window of 4 over 12 tokens;
+    llama3 scaling): the full forward and the cached decoding equal the single-rank model."""
+    from tests.dist_utils import run_distributed
+    for result in run_distributed(_tp_body, 2, timeout=120):
+        assert result["full"] <= 1e-5 and result["cached"] <= 1e-5, result
+        assert result["cache_heads"] == 1   # this rank's key/value groups only
