@@ -96,14 +96,13 @@ def _sliding_window(hf: dict[str, Any], arch: str) -> Optional[int]:
 def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     """The RoPE parameters of a config.json in either form, as one dict with ``rope_type`` and
     ``rope_theta`` (transformers 5 ``rope_parameters``; transformers 4 ``rope_theta`` + ``rope_scaling``)."""
-    params = hf.get("rope_parameters")
-    field = "rope_parameters"
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+    # as transformers 5 reads them: a non-empty rope_scaling wins over rope_parameters
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(field) or {}
+    if not isinstance(params, dict):
+        raise _field_error(field, params, "must be a dict")
+    if params and all(isinstance(v, dict) for v in params.values()):
         raise _field_error(field, params, "holds per-layer-type RoPE settings, which megatron_ru cannot express")
-    if not params:
-        field = "rope_scaling"
-        params = dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -113,6 +112,10 @@ def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     params["_field"] = field
     if "rope_theta" not in params:
         params["rope_theta"] = hf.get("rope_theta", 10000.0)
+    theta = params["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise _field_error(f"{field}.rope_theta" if "rope_theta" in (hf.get(field) or {}) else "rope_theta", theta,
+                           "must be a positive number")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise _field_error("partial_rotary_factor", partial, "cannot be expressed (megatron_ru rotates every channel)")

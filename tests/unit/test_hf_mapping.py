@@ -270,6 +270,10 @@ def test_qwen2_windowed_layers(kw, window):
                            "original_max_position_embeddings": 16}),
      "llama3 RoPE scaling needs 0 < --rope-scaling-low-freq-factor (4.0) < --rope-scaling-high-freq-factor (4.0)"),
     (dict(vocab_size=0), "config.json: vocab_size = 0 must be a positive integer"),
+    (dict(rope_theta=None), "config.json: rope_theta = None must be a positive number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
+     "config.json: rope_parameters.rope_theta = -1.0 must be a positive number"),
+    (dict(rope_scaling=[1, 2]), "config.json: rope_scaling = [1, 2] must be a dict"),
     (dict(num_hidden_layers=None), "config.json: num_hidden_layers = None must be a positive integer"),
     (dict(head_dim=7), "rotary embeddings need an even head size; --kv-channels is 7"),
     (dict(head_dim=0), "config.json: head_dim = 0 must be a positive integer or null"),
@@ -405,3 +409,23 @@ def test_tensor_parallel_cached_decoding_equals_one_rank():
     for result in run_distributed(_tp_body, 2, timeout=120):
         assert result["full"] <= 1e-5 and result["cached"] <= 1e-5, result
         assert result["cache_heads"] == 1   # this rank's key/value groups only
+
+
+@pytest.mark.parametrize("fields", [
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": {"rope_type": "linear",
+                                                                                        "factor": 2.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": {"rope_type": "linear",
+                                                                                        "factor": 2.0},
+     "rope_theta": 5e5},
+    {"rope_parameters": {"rope_type": "linear", "factor": 3.0}, "rope_scaling": None, "rope_theta": 5e5},
+    {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 5e5},
+])
+def test_rope_fields_read_as_transformers_reads_them(fields):
+    """Both forms in one config.json: transformers 5 lets a non-empty rope_scaling win; so do we."""
+    from transformers import LlamaConfig
+    hf = _hf(**fields)
+    ref = LlamaConfig.from_dict(dict(hf)).rope_parameters
+    cfg, _ = model_config_from_hf(hf)
+    assert (cfg.rope_scaling_type, cfg.rotary_base) == ({"default": "none"}.get(ref["rope_type"], ref["rope_type"]),
+                                                        ref["rope_theta"])
+    assert ref["rope_type"] == "default" or cfg.rope_scaling_factor == ref["factor"]
