@@ -100,6 +100,12 @@ def test_problems_name_the_flag(kwargs: dict, expected: str) -> None:
     assert any(expected in p for p in found), found
 
 
+def test_kv_channels_frees_the_head_size() -> None:
+    cfg = _cfg(hidden_size=60, kv_channels=16, position_embedding_type="rope")   # 60 / 8 heads: no problem
+    assert cfg.problems() == [] and cfg.head_dim == 16
+    assert model_parallel_problems(cfg, tp=2) == []   # heads and groups split over TP, not hidden / heads
+
+
 def test_rope_needs_no_max_positions() -> None:
     assert _cfg(max_position_embeddings=None, position_embedding_type="rope").problems() == []
 
