@@ -51,7 +51,7 @@ def generate(runner: StageRunner, prompts: Sequence[Sequence[int]], *, max_new_t
     generators = None
     if not params.greedy and runner.is_source():
         generators = sample_generators(seed, indices if indices is not None else range(b))
-    caches = runner.new_kv_caches(b, width + max_new_tokens) if use_cache else None
+    caches = runner.new_kv_caches() if use_cache else None
 
     tokens, positions, valid = batch.tokens, batch.positions, batch.valid
     step_tokens, step_positions = tokens, positions

@@ -114,6 +114,11 @@ class StageRunner(nn.Module):
                 assert local_value.shape == param.shape, (spec.name, local_value.shape, param.shape)
                 param.copy_(local_value.to(dtype=param.dtype))
 
+    def new_kv_caches(self) -> Any:
+        """Empty key/value caches for this stage's transformer layers (they grow as steps append)."""
+        from megatron_ru.model.kv_cache import KVCache
+        return KVCache(self.num_transformer_layers)
+
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
                 attention_mask: Optional[torch.Tensor] = None, kv_caches: Optional[list[Any]] = None,
