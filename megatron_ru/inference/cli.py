@@ -104,6 +104,14 @@ def check_arguments(ns: argparse.Namespace, argv: Sequence[str]) -> tuple[Sampli
                         ("--max-new-tokens", ns.max_new_tokens)):
         if value < 1:
             problems.append(f"{flag} must be >= 1, got {value}")
+    if ns.tensor_model_parallel_size >= 1 and ns.pipeline_model_parallel_size >= 1:
+        from megatron_ru.parallel.env import discover_environment
+        from megatron_ru.parallel.topology import layout_problems
+        try:
+            world = discover_environment(os.environ).world_size
+            problems += layout_problems(world, ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size)
+        except ValueError as e:
+            problems.append(str(e))
     if ns.micro_batch_size is not None and ns.micro_batch_size < 1:
         problems.append(f"--micro-batch-size must be >= 1, got {ns.micro_batch_size}")
     params = SamplingParams()
@@ -141,6 +149,18 @@ def tokenizer_config(ns: argparse.Namespace, argv: Sequence[str], meta: Any, loa
                     value = os.path.join(load, value)
                 values[name] = value
     return TokenizerConfig(**values)
+
+
+def completion_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """The text the generated ``ids`` add after the prompt: decoded together with the prompt, so
+    that the spacing at the seam is the tokenizer's (SentencePiece drops a word-initial space at
+    the start of a decode, a word-level tokenizer joins tokens with spaces); alone if the prompt's
+    text is not a prefix of the whole."""
+    if not ids:
+        return ""
+    head = tokenizer.detokenize(list(prompt_ids))
+    whole = tokenizer.detokenize(list(prompt_ids) + list(ids))
+    return whole[len(head):] if whole.startswith(head) else tokenizer.detokenize(list(ids))
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -207,8 +227,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     records = []
     for i, out in sorted(local, key=lambda item: item[0]):
         text_ids = out.token_ids[:-1] if out.finish_reason == "eod" else out.token_ids
-        records.append(result_record(prompts[i], tokenizer.detokenize(text_ids), out.prompt_ids,
-                                     out.token_ids, out.finish_reason))
+        records.append(result_record(prompts[i], completion_text(tokenizer, out.prompt_ids, text_ids),
+                                     out.prompt_ids, out.token_ids, out.finish_reason))
     if state.rank == 0:
         for i, r in enumerate(records):
             cli.emit(f"--- prompt {i} ({len(r['token_ids'])} tokens, {r['finish_reason']}) ---\n"

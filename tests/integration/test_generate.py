@@ -203,3 +203,34 @@ def test_bad_flag_exit_status_and_one_message(setup: dict[str, Any]) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("--top-p must be in (0, 1]") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_layout_that_does_not_divide_the_world_is_refused_before_start(setup: dict[str, Any], monkeypatch) -> None:
+    from megatron_ru.inference.cli import build_parser, check_arguments
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    argv = ["--load", setup["ckpt"], "--prompt", "w1", "--tensor-model-parallel-size", "4"]
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 is not divisible by TP x PP = 4 x 1"):
+        check_arguments(build_parser().parse_args(argv), argv)
+
+
+def test_completion_text_keeps_the_tokenizers_spacing() -> None:
+    from megatron_ru.inference.cli import completion_text
+
+    class Words:   # a word-level tokenizer: tokens joined by spaces
+        def detokenize(self, ids: list[int]) -> str:
+            return " ".join(f"w{i}" for i in ids)
+
+    class Pieces:  # SentencePiece-like: "▁" marks a word start, dropped at the start of a decode
+        vocab = {0: "▁hello", 1: "▁wor", 2: "ld"}
+
+        def detokenize(self, ids: list[int]) -> str:
+            return "".join(self.vocab[i] for i in ids).replace("▁", " ").lstrip(" ")
+
+    assert completion_text(Words(), [1, 2], [3]) == " w3"
+    assert completion_text(Pieces(), [0], [1, 2]) == " world"
+    assert Pieces().detokenize([1, 2]) == "world"   # what decoding the completion alone would lose
+    assert completion_text(Words(), [1], []) == ""
