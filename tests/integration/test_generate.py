@@ -106,7 +106,7 @@ def setup(tmp_path_factory) -> dict[str, Any]:
         for p in PROMPTS:
             f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in p)}) + "\n")
     return {"ckpt": ckpt, "prompt_file": prompt_file, "expected": expected, "eos": eos, "root": root,
-            "finish": finish, "stopper": stopper, "names": {eos: "</s>", bos: "<s>", pad: "<pad>"}}
+            "finish": finish, "stopper": stopper, "bos": bos, "names": {eos: "</s>", bos: "<s>", pad: "<pad>"}}
 
 
 def _generate(setup: dict[str, Any], name: str, nproc: int, *flags: str) -> list[dict[str, Any]]:
@@ -142,11 +142,12 @@ def test_greedy_equals_transformers_generate(setup: dict[str, Any], layout: str)
 def test_seeded_sampling_is_identical_across_layouts(setup: dict[str, Any]) -> None:
     """TP = 2 with all prompts in one batch, and DP = 2 (prompts split between two replicas, one
     prompt per micro-batch): the same seed gives the same tokens."""
-    flags = ("--seed", "11", "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95")
+    flags = ("--seed", "11", "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--add-bos")
     tp2 = _generate(setup, "sample_tp2", 2, "--tensor-model-parallel-size", "2", *flags)
     dp2 = _generate(setup, "sample_dp2", 2, "--micro-batch-size", "1", *flags)
     assert [r["token_ids"] for r in tp2] == [r["token_ids"] for r in dp2]
     assert [r["prompt"] for r in dp2] == [r["prompt"] for r in tp2]   # input order kept
+    assert [r["prompt_token_ids"] for r in dp2] == [[setup["bos"]] + p for p in PROMPTS]
     assert [r["token_ids"] for r in tp2] != setup["expected"]   # it really sampled
 
 
