@@ -2,7 +2,7 @@
 
 :class:`StageRunner` builds the layers of this rank's pipeline stage from the model description
 (:func:`megatron_ru.model.spec.model_description`, cut by :func:`~megatron_ru.model.spec.stage_bounds`
-exactly as training cuts it), fills them from full canonical tensors (:meth:`StageRunner.load`:
+exactly as training cuts it; built on the meta device, without initialisation), fills them from full canonical tensors (:meth:`StageRunner.load`:
 vocabulary rows padded for this layout, then this TP rank's shard), and runs a forward step:
 
 * the first stage embeds the tokens; every other stage receives the hidden states [s, b, h] from
@@ -57,16 +57,22 @@ class StageRunner(nn.Module):
         self.is_last = state.pp_rank == state.pp_size - 1
         self.layers = nn.ModuleList()
         self._embedding_index: Optional[int] = None
-        for desc in self.descs:
-            if desc.tied_output and self._embedding_index is not None:
-                # one stage holds both ends: the output head is the input embedding
-                self.layers.append(nn.Identity())
-                continue
-            module = build_layer(desc, cfg, vocab_size, self.tp_group, False, seed=0, device=self.device,
-                                 dtype=dtype, **({"output_only": True} if desc.tied_output else {}))
-            if desc.kind == "embedding":
-                self._embedding_index = len(self.layers)
-            self.layers.append(module.eval())
+        # built on the meta device (no initialisation of full tensors: minutes for a large model),
+        # then given uninitialised storage that load() fills
+        with torch.device("meta"):
+            for desc in self.descs:
+                if desc.tied_output and self._embedding_index is not None:
+                    # one stage holds both ends: the output head is the input embedding
+                    self.layers.append(nn.Identity())
+                    continue
+                module = build_layer(desc, cfg, vocab_size, self.tp_group, False, seed=0,
+                                     device=torch.device("meta"), dtype=dtype,
+                                     **({"output_only": True} if desc.tied_output else {}))
+                if desc.kind == "embedding":
+                    self._embedding_index = len(self.layers)
+                self.layers.append(module.eval())
+        self.layers.to_empty(device=self.device)
+        self.loaded = False
         self.num_transformer_layers = sum(d.kind == "transformer" for d in self.descs)
         self._embedding_specs = layer_parameter_specs(descs[0], cfg, vocab_size)
 
@@ -113,6 +119,7 @@ class StageRunner(nn.Module):
                 local_value = self.local_tensor(spec, get_tensor(spec.name))
                 assert local_value.shape == param.shape, (spec.name, local_value.shape, param.shape)
                 param.copy_(local_value.to(dtype=param.dtype))
+        self.loaded = True
 
     def new_kv_caches(self) -> Any:
         """Empty key/value caches for this stage's transformer layers (they grow as steps append)."""
@@ -128,6 +135,9 @@ class StageRunner(nn.Module):
         ``attention_mask`` bool [b, 1, s, s_k] for the cached keys; ``kv_caches`` one cache per
         transformer layer of this stage. Returns float32 logits [b, s (1 with ``last_only``), V]
         on the last stage, None elsewhere."""
+        if not self.loaded:
+            raise RuntimeError("StageRunner: call load() before running the model (its parameters are "
+                               "uninitialised until then)")
         b, s = tokens.shape
         x: Any = None
         if not self.is_first:
