@@ -73,3 +73,30 @@ def test_layout_the_model_cannot_take_is_refused() -> None:
     state.tp_size = 3
     with pytest.raises(ValueError, match="cannot run at this layout"):
         StageRunner(_cfg(False), V, state)
+
+
+def test_forward_before_load_is_an_error() -> None:
+    runner = StageRunner(_cfg(False), V, single_rank_state())
+    with pytest.raises(RuntimeError, match=r"call load\(\) before running the model"):
+        runner(torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_gpt2_style_batched_generation_equals_one_prompt_at_a_time() -> None:
+    """Learned absolute positions, LayerNorm, biases, tied: left-padded prompts (per-sample positions
+    into the position table) decode as each prompt alone, with and without the KV cache."""
+    from megatron_ru.inference.generate import generate
+    from megatron_ru.inference.sampling import SamplingParams
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=24,
+                      hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8,
+                      init_method_std=0.2)
+    runner = StageRunner(cfg, V, single_rank_state())
+    runner.load(canonical_tensors(GPTModel(cfg, V, seed=9), cfg).__getitem__)
+    prompts = [[3, 1, 4, 1, 5, 9], [2, 6], [5, 3, 5]]
+    greedy = SamplingParams(greedy=True)
+    batched = [c.token_ids for c in generate(runner, prompts, max_new_tokens=8, params=greedy, pad_id=0)]
+    recomputed = [c.token_ids for c in generate(runner, prompts, max_new_tokens=8, params=greedy, use_cache=False)]
+    alone = [generate(runner, [p], max_new_tokens=8, params=greedy)[0].token_ids for p in prompts]
+    assert batched == recomputed == alone
+    assert all(len(t) == 8 for t in batched)
+    with pytest.raises(ValueError, match=r"exceeds the model's --max-position-embeddings \(24\)"):
+        generate(runner, prompts, max_new_tokens=19, params=greedy)
