@@ -100,3 +100,25 @@ def test_prompt_files(tmp_path) -> None:
         collect_prompts(None, None)
     with pytest.raises(FileNotFoundError, match="--prompt-file .*missing.txt: no such file"):
         read_prompt_file(str(tmp_path / "missing.txt"))
+
+
+def test_tokenizer_from_the_checkpoint_or_the_flags(tmp_path) -> None:
+    import types
+
+    from megatron_ru.inference.cli import build_parser, tokenizer_config
+    load = str(tmp_path)
+    imported = types.SimpleNamespace(tokenizer={"tokenizer_type": "HuggingFaceTokenizer",
+                                                "tokenizer_model": "tokenizer", "future_field": 1}, args={})
+    argv = ["--load", load, "--prompt", "x"]
+    cfg = tokenizer_config(build_parser().parse_args(argv), argv, imported, load)
+    assert (cfg.tokenizer_type, cfg.tokenizer_model) == ("HuggingFaceTokenizer", str(tmp_path / "tokenizer"))
+    trained = types.SimpleNamespace(tokenizer=None, args={"tokenizer": {"tokenizer_type": "NullTokenizer",
+                                                                        "vocab_size": 95}})
+    cfg = tokenizer_config(build_parser().parse_args(argv), argv, trained, load)
+    assert (cfg.tokenizer_type, cfg.vocab_size) == ("NullTokenizer", 95)
+    given = argv + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "7"]
+    cfg = tokenizer_config(build_parser().parse_args(given), given, imported, load)
+    assert (cfg.tokenizer_type, cfg.vocab_size, cfg.tokenizer_model) == ("NullTokenizer", 7, None)
+    bare = types.SimpleNamespace(tokenizer=None, args={})
+    with pytest.raises(ValueError, match="records no tokenizer: give the tokenizer flags"):
+        tokenizer_config(build_parser().parse_args(argv), argv, bare, load)
