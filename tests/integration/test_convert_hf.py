@@ -163,6 +163,21 @@ def test_import_dtype_conversion(tmp_path):
     assert convert("export-hf", "--load", tmp_path / "ck", "--save", tmp_path / "out32", "--dtype", "fp32") == 0
     exported = hf_tensors(str(tmp_path / "out32"))
     assert all(t.dtype == torch.float32 for t in exported.values())
+    assert convert("export-hf", "--load", tmp_path / "ck", "--save", tmp_path / "out32") == 2  # exists
+    assert convert("export-hf", "--load", tmp_path / "ck", "--save", tmp_path / "out32", "--force") == 0
+    assert all(t.dtype == torch.bfloat16 for t in hf_tensors(str(tmp_path / "out32")).values())
+
+
+def test_export_of_a_damaged_checkpoint_leaves_nothing(tmp_path, capsys):
+    hf = str(tmp_path / "hf")
+    save_model(hf, "llama")
+    assert convert("import-hf", "--load", hf, "--save", tmp_path / "ck", "--target-pipeline-parallel-size", "2") == 0
+    (it,) = [d for d in os.listdir(tmp_path / "ck") if d.startswith("iter_")]
+    victim = sorted(n for n in os.listdir(tmp_path / "ck" / it) if n.endswith(".pt"))[-1]
+    with open(tmp_path / "ck" / it / victim, "r+b") as f:
+        f.truncate(100)
+    err = _refused(capsys, tmp_path, "out", "export-hf", "--load", tmp_path / "ck", "--save", tmp_path / "out")
+    assert victim in err
 
 
 def test_pickle_weights_only_with_allow_pickle(tmp_path, capsys):
