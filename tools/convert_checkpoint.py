@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointSaveError as e:  # the output could not be written (a full disk); nothing was left
         cli.error(str(e))
         return 1
+    except OSError as e:  # e.g. a full disk while writing: the output's temporary directory is already removed
+        cli.error(f"{e}; nothing was written under the output name")
+        return 1
     except KeyboardInterrupt:
         cli.error("interrupted; nothing was written under the output name")
         return 130
