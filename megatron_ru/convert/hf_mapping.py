@@ -258,8 +258,25 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
     return out
 
 
+_TABLES: dict[tuple[str, str, int], Any] = {}
+
+
+def _memo(kind: str, cfg: ModelConfig, vocab_size: int, build: Any) -> Any:
+    """The name/shape tables of one model, built once (converters look them up per tensor)."""
+    key = (kind, repr(cfg), vocab_size)
+    if key not in _TABLES:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = build()
+    return _TABLES[key]
+
+
 def hf_to_canonical_names(cfg: ModelConfig, vocab_size: int = 1) -> dict[str, tuple[str, ...]]:
     """canonical name -> the HF tensor names it is made of, in model order (a tied model: no lm_head)."""
+    return dict(_memo("names", cfg, vocab_size, lambda: _hf_to_canonical_names(cfg, vocab_size)))
+
+
+def _hf_to_canonical_names(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     for spec in parameter_specs(cfg, vocab_size):
         if spec.name in _TOP_MAP:
@@ -275,6 +292,10 @@ def hf_to_canonical_names(cfg: ModelConfig, vocab_size: int = 1) -> dict[str, tu
 
 def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of the model with its expected shape."""
+    return dict(_memo("shapes", cfg, vocab_size, lambda: _hf_shapes(cfg, vocab_size)))
+
+
+def _hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     h, d, nq, ng = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
     ffn = cfg.resolved_ffn_hidden_size
     per = {"q_proj": nq * d, "k_proj": ng * d, "v_proj": ng * d}
@@ -303,7 +324,7 @@ def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...], source: str 
 
 
 def _sources(name: str, cfg: ModelConfig) -> tuple[str, ...]:
-    names = hf_to_canonical_names(cfg)
+    names = _memo("names", cfg, 1, lambda: _hf_to_canonical_names(cfg, 1))
     if name not in names:
         raise ValueError(f"{name} is not a parameter of this model (tied embeddings: no {OUTPUT_LAYER}.weight)"
                          if name == f"{OUTPUT_LAYER}.weight" else f"{name} is not a parameter of this model")
@@ -318,7 +339,7 @@ def to_canonical(name: str, hf_tensors: dict[str, torch.Tensor], cfg: ModelConfi
         raise ValueError(f"{name} is made of {', '.join(sources)}: tensor {', '.join(missing)} is missing")
     vocab = hf_tensors[sources[0]].shape[0] if name in (f"{EMBEDDING}.{WORD_EMBEDDINGS}", f"{OUTPUT_LAYER}.weight") \
         else 1
-    shapes = hf_shapes(cfg, vocab)
+    shapes = _memo("shapes", cfg, vocab, lambda: _hf_shapes(cfg, vocab))
     for n in sources:
         _check_shape(n, hf_tensors[n], shapes[n])
     parts = [hf_tensors[n] for n in sources]
@@ -337,7 +358,7 @@ def from_canonical(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[st
     """The HF tensors of canonical tensor ``name`` (exact inverse of :func:`to_canonical`)."""
     sources = _sources(name, cfg)
     vocab = tensor.shape[0] if name in (f"{EMBEDDING}.{WORD_EMBEDDINGS}", f"{OUTPUT_LAYER}.weight") else 1
-    want = {spec.name: spec.shape for spec in parameter_specs(cfg, vocab)}[name]
+    want = _memo("specs", cfg, vocab, lambda: {spec.name: spec.shape for spec in parameter_specs(cfg, vocab)})[name]
     _check_shape(name, tensor, want, "the model configuration")
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         ng, d = cfg.query_groups, cfg.head_dim
