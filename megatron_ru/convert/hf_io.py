@@ -222,8 +222,21 @@ def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
     return n * torch.empty((), dtype=dtype).element_size()
 
 
+#: safetensors' serialization order puts wider dtypes first (its Dtype enum, descending), then names
+_DTYPE_RANK = {torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.float8_e5m2: 3, torch.float8_e4m3fn: 4,
+               torch.int16: 5, torch.float16: 6, torch.bfloat16: 7, torch.int32: 8, torch.float32: 9,
+               torch.float64: 10, torch.int64: 11}
+
+
+def _file_order(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The order safetensors' ``save_file`` lays tensors out in a file: dtype (widest first), then name."""
+    return sorted(entries, key=lambda e: (-_DTYPE_RANK.get(e[2], 0), e[0]))
+
+
 class ShardedSafetensorsWriter:
-    """Writes the planned tensors, in plan order, as transformers-named safetensors shards.
+    """Writes the planned tensors as transformers-named safetensors shards, each file byte for byte
+    what ``safetensors.torch.save_file`` writes for the same tensors (its header, order and
+    alignment), whatever order the tensors arrive in.
 
     ``plan``: (name, shape, dtype) of every tensor in the order :meth:`write` will get them. A
     tensor bigger than ``max_shard_size`` gets a shard of its own (as transformers does).
@@ -256,7 +269,7 @@ class ShardedSafetensorsWriter:
         shard = self.shards[si]
         header: dict = {"__metadata__": self.metadata}
         offset = 0
-        for name, shape, dtype in shard.entries:
+        for name, shape, dtype in _file_order(shard.entries):
             n = _nbytes(shape, dtype)
             header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
@@ -264,6 +277,9 @@ class ShardedSafetensorsWriter:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self._file = open(os.path.join(self.out_dir, shard.file), "wb")
         self._file.write(struct.pack("<Q", len(raw)) + raw)
+        data_start = 8 + len(raw)
+        self._offsets = {name: data_start + info["data_offsets"][0]
+                         for name, info in header.items() if name != "__metadata__"}
         self._file_index = si
 
     def _close_file(self) -> None:
@@ -284,6 +300,7 @@ class ShardedSafetensorsWriter:
         if si != self._file_index:
             self._open(si)
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        self._file.seek(self._offsets[name])
         self._file.write(memoryview(data.numpy()))
         self._pos += 1
 
