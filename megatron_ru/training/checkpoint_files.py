@@ -135,6 +135,18 @@ def _safe_deepspeed_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+_ALLOWED: list[bool] = []
+
+
+def _allow_deepspeed_globals() -> None:
+    """Allow-list DeepSpeed's four plain data classes once, process-wide. (torch's ``safe_globals``
+    context manager restores the list on exit: with loads in two threads — the checkpoint reader
+    reads the next layer in the background — one thread's exit removed them under the other's load.)"""
+    if not _ALLOWED:
+        torch.serialization.add_safe_globals(_safe_deepspeed_globals())
+        _ALLOWED.append(True)
+
+
 def dsc_range() -> str:
     from megatron_ru.training.deepspeed_compat import TESTED_RANGE_TEXT
     return TESTED_RANGE_TEXT
@@ -161,8 +173,8 @@ def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
     size = os.path.getsize(path)
     damaged = f"{path} ({size} bytes) is truncated or overwritten"
     try:
-        with torch.serialization.safe_globals(_safe_deepspeed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        _allow_deepspeed_globals()
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = _GLOBAL_RE.search(str(e))
         if found and found.group(1).startswith(("deepspeed.", "torch.")):

@@ -299,3 +299,31 @@ def test_disk_full_during_save_names_device_and_path_and_keeps_previous(small_fs
     proc = _run_worker("resume", save, str(tmp_path / "resumed.json"), 1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(tmp_path / "resumed.json"))["iteration"] == 2
+
+
+def test_safe_load_from_two_threads(tmp_path):
+    """Loads in two threads at once (the checkpoint reader reads the next layer in the background)
+    both see DeepSpeed's allow-listed classes: torch's safe_globals context manager, used before,
+    restored the allow-list when one thread's load ended, under the other's load."""
+    import threading
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    from megatron_ru.training.checkpoint_files import safe_load
+    with_scaler, plain = str(tmp_path / "scaler.pt"), str(tmp_path / "plain.pt")
+    torch.save({"scaler": LossScaler(1.0), "x": torch.zeros(4)}, with_scaler)
+    torch.save({"x": torch.ones(4)}, plain)
+    errors: list[BaseException] = []
+
+    def loop(path: str) -> None:
+        try:
+            for _ in range(300):
+                safe_load(path)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=loop, args=(p,)) for p in (with_scaler, plain, plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
