@@ -146,8 +146,7 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
 
     specs = parameter_specs(cfg, vocab_size)
     target = DTYPES[dtype] if dtype else None
-    first = reader.get(specs[0].name)
-    out_dtype = target or first.dtype  # one dtype for the whole export (config.json names it)
+    out_dtype = target or reader.shard(specs[0].name, 0).dtype  # one dtype for the whole export (config.json)
 
     plan = export_plan(cfg, vocab_size, lambda name: out_dtype)
     extra = _extra_fields(source, out_dtype)
@@ -163,13 +162,9 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
                 extra[key] = value
         writer = ShardedSafetensorsWriter(tmp, plan, shard_bytes)
         try:
-            for i, spec in enumerate(specs):
-                t = first if i == 0 else reader.get(spec.name)
-                first = None
-                t = t.to(out_dtype)
-                for name, piece in from_canonical(spec.name, t, cfg).items():
+            for spec in specs:
+                for name, piece in _hf_tensors(reader, spec, cfg, out_dtype).items():
                     writer.write(name, piece)
-                del t
             files = writer.close()
         except BaseException:
             writer.abort()
@@ -181,6 +176,40 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
     return ExportReport(save, arch, vocab_size, cfg.tied_embeddings, _DTYPE_NAMES.get(out_dtype, str(out_dtype)),
                         files + ["config.json", "generation_config.json"],
                         None if tok is None else f"{tok.type} {tok.path}")
+
+
+def _hf_tensors(reader: Any, spec: Any, cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """The Hugging Face tensors of one canonical parameter. A parameter split over TP by rows comes
+    as lists of row pieces taken straight from the TP shards, in the order the full tensor has them
+    (vocabulary padding cut; Q/K/V per query group; gate and up halves of each shard): joining the
+    shards first would copy every such tensor once more. Everything else: the joined tensor through
+    ``from_canonical``."""
+    from megatron_ru.convert.hf_mapping import from_canonical, hf_to_canonical_names
+    if reader.tp == 1 or spec.partition_dim != 0:
+        return from_canonical(spec.name, reader.get(spec.name).to(dtype), cfg)
+    sources = hf_to_canonical_names(cfg)[spec.name]
+    shards = [reader.shard(spec.name, t).to(dtype) for t in range(reader.tp)]
+    if spec.vocab:
+        pieces, left = [], spec.shape[0]
+        for shard in shards:
+            take = min(left, shard.shape[0])
+            if take:
+                pieces.append(shard[:take])
+            left -= take
+        return {sources[0]: pieces}
+    if spec.name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        d, r = cfg.head_dim, cfg.num_attention_heads // cfg.query_groups
+        out: dict[str, list] = {n: [] for n in sources}
+        for shard in shards:
+            groups = shard.reshape(-1, (r + 2) * d, *shard.shape[1:])
+            for g in groups:
+                for n, rows in zip(sources, g.split([r * d, d, d])):
+                    out[n].append(rows)
+        return out
+    if spec.partition_stride == 2:  # SwiGLU fc1: every shard holds [gate_t; up_t]
+        halves = [shard.chunk(2) for shard in shards]
+        return {sources[0]: [h[0] for h in halves], sources[1]: [h[1] for h in halves]}
+    return from_canonical(spec.name, reader.get(spec.name).to(dtype), cfg)
 
 
 def _extra_fields(source: Optional[dict[str, Any]], dtype: torch.dtype) -> dict[str, Any]:

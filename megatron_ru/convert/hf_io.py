@@ -289,19 +289,25 @@ class ShardedSafetensorsWriter:
             self._file.close()
             self._file = None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append the next planned tensor (its name, shape and dtype must match the plan)."""
+    def write(self, name: str, tensor: torch.Tensor | list[torch.Tensor]) -> None:
+        """Append the next planned tensor (its name, shape and dtype must match the plan). A list of
+        tensors is the tensor's rows in pieces (concatenated along dim 0 on disk, never in memory)."""
         if self._pos >= len(self._queue):
             raise RuntimeError(f"tensor {name} was not planned (all {len(self._queue)} tensors written)")
         si, (pname, shape, dtype) = self._queue[self._pos]
-        if name != pname or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} written where the plan has "
+        pieces = tensor if isinstance(tensor, list) else [tensor]
+        rows = sum(int(p.shape[0]) for p in pieces) if pieces and pieces[0].dim() else None
+        got = (rows, *pieces[0].shape[1:]) if rows is not None else tuple(pieces[0].shape)
+        if name != pname or tuple(got) != shape or any(p.dtype != dtype or tuple(p.shape[1:]) != shape[1:]
+                                                       for p in pieces):
+            raise RuntimeError(f"tensor {name} {tuple(got)} {pieces[0].dtype} written where the plan has "
                                f"{pname} {shape} {dtype}")
         if si != self._file_index:
             self._open(si)
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
         self._file.seek(self._offsets[name])
-        self._file.write(memoryview(data.numpy()))
+        for piece in pieces:
+            data = piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+            self._file.write(memoryview(data.numpy()))
         self._pos += 1
 
     def close(self) -> list[str]:
