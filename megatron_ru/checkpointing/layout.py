@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import ParamSpec, parameter_specs
-from megatron_ru.parallel.utils import pad_vocab_size
+from megatron_ru.model.spec import ParamSpec, padded_vocab_rows, parameter_specs
 
 LAYERS_FORMAT = "megatron_ru.layers"
 #: the Adam moments a checkpoint carries per parameter, besides the fp32 master weight
@@ -59,8 +58,7 @@ def layout_problems(cfg: ModelConfig, tp: int, pp: int, tp_flag: str = "--target
     return out
 
 
-def padded_rows(cfg: ModelConfig, vocab_size: int, tp: int) -> int:
-    return pad_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp)
+padded_rows = padded_vocab_rows  # the model description's padding rule
 
 
 def mp_rank_of(pp_rank: int, tp_rank: int, tp: int) -> int:

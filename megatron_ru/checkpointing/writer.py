@@ -18,8 +18,7 @@ import torch
 from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
                                               layout_problems, padded_rows)
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import ParamSpec, layer_parameter_specs, model_args_dict, model_description
-from megatron_ru.parallel.utils import shard_tensor
+from megatron_ru.model.spec import ParamSpec, layer_parameter_specs, layout_shard, model_args_dict, model_description
 from megatron_ru.training.checkpoint_files import CheckpointSaveError, describe_write_failure
 from megatron_ru.utils.logging import get_logger
 
@@ -52,11 +51,11 @@ def _check_tensor(spec: ParamSpec, tensor: Any, what: str) -> torch.Tensor:
 
 def tp_shards(spec: ParamSpec, full: torch.Tensor, tp: int, rows: int) -> list[torch.Tensor]:
     """The TP shards of one canonical tensor; vocabulary matrices padded with zero rows to ``rows``."""
-    if spec.vocab and rows > full.shape[0]:
-        full = torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))], dim=0)
     if spec.partition_dim is None or tp == 1:
-        return [full.contiguous()] * tp
-    return [shard_tensor(full, spec.partition_dim, t, tp, spec.partition_stride) for t in range(tp)]
+        return [layout_shard(spec, full, rows, tp, 0).contiguous()] * tp
+    if spec.vocab and rows > full.shape[0]:  # pad once, not once per rank
+        full = layout_shard(spec, full, rows, 1, 0)
+    return [layout_shard(spec, full, rows, tp, t) for t in range(tp)]
 
 
 def _own(shard: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,6 @@ HELP = "Hugging Face Llama/Mistral/Qwen2 directory -> megatron_ru checkpoint at 
 HF_SOURCE_DIR = "hf_source"
 HF_SIDE_FILES = ("config.json", "generation_config.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: model_type of config.json -> architecture, for configs without an ``architectures`` list
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _MAX_LISTED = 12
 
 
@@ -91,10 +89,11 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 
 def architecture_of(config: dict[str, Any], path: str) -> str:
     """The config's architecture, which must be one we convert (else the error lists those)."""
-    from megatron_ru.convert.hf_mapping import SUPPORTED_ARCHITECTURES
+    from megatron_ru.convert.hf_mapping import MODEL_TYPES, SUPPORTED_ARCHITECTURES
+    by_type = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
     archs = config.get("architectures") or []
-    if not archs and config.get("model_type") in _MODEL_TYPES:
-        archs = [_MODEL_TYPES[config["model_type"]]]
+    if not archs and config.get("model_type") in by_type:
+        archs = [by_type[config["model_type"]]]
     known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not known:
         found = ", ".join(map(str, archs)) or f"none (model_type {config.get('model_type')!r})"

@@ -23,9 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
-from megatron_ru.model.spec import (LayerDesc, ParamSpec, build_layer, layer_parameter_specs, model_description,
-                                    padded_vocab_rows, stage_bounds)
-from megatron_ru.parallel.utils import shard_tensor
+from megatron_ru.model.spec import (LayerDesc, ParamSpec, build_layer, layer_parameter_specs, layout_shard,
+                                    model_description, padded_vocab_rows, stage_bounds)
 
 GetTensor = Callable[[str], torch.Tensor]
 
@@ -97,13 +96,7 @@ class StageRunner(nn.Module):
         if tuple(full.shape) != tuple(spec.shape):
             raise ValueError(f"checkpoint tensor {spec.name} has shape {tuple(full.shape)}, expected "
                              f"{tuple(spec.shape)} for this model")
-        if spec.vocab and self.padded_vocab > full.shape[0]:
-            pad = full.new_zeros((self.padded_vocab - full.shape[0],) + tuple(full.shape[1:]))
-            full = torch.cat([full, pad], dim=0)
-        if spec.partition_dim is not None and self.state.tp_size > 1:
-            full = shard_tensor(full, spec.partition_dim, self.state.tp_rank, self.state.tp_size,
-                                spec.partition_stride)
-        return full
+        return layout_shard(spec, full, self.padded_vocab, self.state.tp_size, self.state.tp_rank)
 
     @torch.no_grad()
     def load(self, get_tensor: GetTensor) -> None:

@@ -115,6 +115,18 @@ def layer_constructor(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_gro
     raise ValueError(f"unknown layer kind {desc.kind!r}")
 
 
+def layout_shard(spec: "ParamSpec", full: torch.Tensor, rows: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s part of canonical tensor ``full`` at tensor-parallel size ``tp``: the
+    vocabulary matrices padded with zero rows to ``rows`` (:func:`padded_vocab_rows`), then split by
+    the parameter's dim and stride (replicated parameters: ``full`` itself)."""
+    from megatron_ru.parallel.utils import shard_tensor
+    if spec.vocab and rows > full.shape[0]:
+        full = torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))], dim=0)
+    if spec.partition_dim is None or tp == 1:
+        return full
+    return shard_tensor(full, spec.partition_dim, tp_rank, tp, spec.partition_stride)
+
+
 def build_layer(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,
                 sequence_parallel: bool = False, **kwargs: Any) -> nn.Module:
     """The module of one description entry (its parameters carry the entry's canonical names
