@@ -1,12 +1,12 @@
 """Rotary position embeddings: the inverse frequencies (with transformers' ``linear`` and ``llama3``
 scaling) and the cos/sin tables in LLaMA's non-interleaved "rotate half" convention, always in fp32.
 
-The frequencies are recomputed from plain numbers on every call (d/2 values) rather than kept in
-a buffer: a buffer would be cast to bf16/fp16 with the module and lose the digits large positions
-need.
+The frequencies are computed once per (settings, device) and kept outside any module rather than in a
+buffer: a buffer would be cast to bf16/fp16 with the module and lose the digits large positions need.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -33,7 +33,11 @@ class RopeSpec:
                    cfg.rope_scaling_original_max_position_embeddings)
 
     def inv_freq(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """[head_dim / 2] fp32 inverse frequencies, as transformers' rope init functions compute them."""
+        """[head_dim / 2] fp32 inverse frequencies, as transformers' rope init functions compute them
+        (computed once per device; every layer of every step reuses them; do not modify)."""
+        return _cached_inv_freq(self, None if device is None else torch.device(device))
+
+    def compute_inv_freq(self, device: Optional[torch.device] = None) -> torch.Tensor:
         d = self.head_dim
         inv = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
         if self.scaling == "linear":
@@ -48,6 +52,11 @@ class RopeSpec:
             medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             return torch.where(medium, smoothed, scaled)
         return inv
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_inv_freq(spec: RopeSpec, device: Optional[torch.device]) -> torch.Tensor:
+    return spec.compute_inv_freq(device)
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
