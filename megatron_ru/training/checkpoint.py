@@ -144,6 +144,9 @@ class CheckpointMeta:
     #: DeepSpeed files: per model-parallel rank {"pp_rank", "tp_rank", "groups": [[canonical names of
     #: each optimizer group, in order]]} — how the flat optimizer state maps to parameters
     optimizer_groups: Optional[dict[str, Any]] = None
+    #: written by tools/adapt_vocab.py and carried by every later save of the model: {"mode": "replace" |
+    #: "extend", "old_vocab_size": int, "new_rows": [[start, stop], ...] (the rows adaptation initialised)}
+    vocab_adaptation: Optional[dict[str, Any]] = None
 
     @classmethod
     def read(cls, ckpt_dir: str) -> "CheckpointMeta":
