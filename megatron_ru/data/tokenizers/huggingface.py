@@ -48,6 +48,7 @@ class HuggingFaceTokenizer(Tokenizer):
             raise FileNotFoundError(f"--tokenizer-model {path}: no such directory (HuggingFaceTokenizer loads "
                                     "a local directory written by save_pretrained)")
         names = _special_names(path)
+        self.path = path
         self._fast = None
         self._hf = None
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
