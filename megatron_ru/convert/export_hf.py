@@ -15,14 +15,14 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from megatron_ru.convert.hf_io import ShardedSafetensorsWriter, parse_size
 from megatron_ru.convert.import_hf import DTYPES, HF_SOURCE_DIR, split_shapes
 from megatron_ru.convert.staging import check_output, staged_directory
-from megatron_ru.convert.tokenizer_files import (HF_TYPE, SP_TYPES, TokenizerSource, checkpoint_tokenizer,
+from megatron_ru.convert.tokenizer_files import (HF_TYPE, SP_TYPES, TokenizerSource, recorded_tokenizer,
                                                  write_hf_tokenizer)
 from megatron_ru.utils.logging import get_logger
 
@@ -90,25 +90,6 @@ def _source_config(load: str, hf_config: Optional[str]) -> tuple[Optional[dict[s
         return json.load(f), path
 
 
-def _run_args(meta: Any) -> dict[str, Any]:
-    """The tokenizer flags a checkpoint's run used, from its recorded arguments (flat or grouped)."""
-    args = getattr(meta, "args", None) or {}
-    flat = dict(args.get("tokenizer") or {}) if isinstance(args.get("tokenizer"), dict) else {}
-    for key in ("tokenizer_type", "tokenizer_model"):
-        if key in args and key not in flat:
-            flat[key] = args[key]
-    recorded = getattr(meta, "tokenizer", None)
-    return flat if not recorded else {**flat, **recorded}
-
-
-def _find_tokenizer(load: str, meta: Any) -> Optional[TokenizerSource]:
-    args = _run_args(meta)
-    model = args.get("tokenizer_model")
-    if model and not os.path.isabs(model) and os.path.exists(os.path.join(load, model)):
-        args = {**args, "tokenizer_model": os.path.join(load, model)}
-    return checkpoint_tokenizer(load, args)
-
-
 def export_plan(cfg: Any, vocab_size: int, dtype_of: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(Hugging Face name, shape, dtype) of every tensor written, in writing order."""
     from megatron_ru.model.spec import parameter_specs
@@ -124,8 +105,7 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
               architecture: Optional[str] = None, tokenizer: Optional[TokenizerSource] = None,
               force: bool = False) -> ExportReport:
     from megatron_ru.checkpointing import read_checkpoint
-    from megatron_ru.convert.hf_mapping import (SUPPORTED_ARCHITECTURES, architecture_for, export_problems,
-                                                from_canonical, hf_config_from_model)
+    from megatron_ru.convert.hf_mapping import SUPPORTED_ARCHITECTURES, architecture_for, export_problems
     from megatron_ru.model.spec import parameter_specs
 
     if not os.path.isdir(load):
@@ -142,39 +122,22 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
     arch = architecture or ((source or {}).get("architectures") or [None])[0] or architecture_for(cfg)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    tok = tokenizer or _find_tokenizer(load, reader.meta)
+    tok = tokenizer or recorded_tokenizer(load, reader.meta)
 
     specs = parameter_specs(cfg, vocab_size)
     target = DTYPES[dtype] if dtype else None
     out_dtype = target or reader.shard(specs[0].name, 0).dtype  # one dtype for the whole export (config.json)
-
-    plan = export_plan(cfg, vocab_size, lambda name: out_dtype)
-    extra = _extra_fields(source, out_dtype)
+    if tok is None:
+        log.warning("no tokenizer found for %s (none imported, none recorded by its run): the export has none; "
+                    "pass --tokenizer-type/--tokenizer-model", load)
     with staged_directory(save, force) as tmp:
-        tok_ids: dict[str, Any] = {}
-        if tok is not None:
-            tok_ids = write_hf_tokenizer(tok, tmp)
-        else:
-            log.warning("no tokenizer found for %s (none imported, none recorded by its run): the export has none; "
-                        "pass --tokenizer-type/--tokenizer-model", load)
-        for key, value in tok_ids.items():
-            if value is not None and key not in extra:
-                extra[key] = value
-        writer = ShardedSafetensorsWriter(tmp, plan, shard_bytes)
-        try:
-            for spec in specs:
-                for name, piece in _hf_tensors(reader, spec, cfg, out_dtype).items():
-                    writer.write(name, piece)
-            files = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        config = hf_config_from_model(cfg, vocab_size, arch, extra)
-        _write_json(os.path.join(tmp, "config.json"), config)
-        _write_json(os.path.join(tmp, "generation_config.json"), _generation_config(load, source_path, extra))
+        files = write_hf_files(tmp, cfg, vocab_size, lambda spec: _hf_tensors(reader, spec, cfg, out_dtype),
+                               dtype=out_dtype, architecture=arch, source_config=source, tokenizer=tok,
+                               generation_config=_source_generation_config(source_path),
+                               max_shard_size=shard_bytes)
     log.info("exported %s (%s, %d vocabulary rows, %s) to %s", load, arch, vocab_size, _DTYPE_NAMES[out_dtype], save)
     return ExportReport(save, arch, vocab_size, cfg.tied_embeddings, _DTYPE_NAMES.get(out_dtype, str(out_dtype)),
-                        files + ["config.json", "generation_config.json"],
+                        files,
                         None if tok is None else f"{tok.type} {tok.path}")
 
 
@@ -222,13 +185,48 @@ def _extra_fields(source: Optional[dict[str, Any]], dtype: torch.dtype) -> dict[
     return extra
 
 
-def _generation_config(load: str, source_path: Optional[str], extra: dict[str, Any]) -> dict[str, Any]:
+def _source_generation_config(source_path: Optional[str]) -> Optional[dict[str, Any]]:
+    """generation_config.json next to the source config.json, if there is one."""
     if source_path:
         gen = os.path.join(os.path.dirname(source_path), "generation_config.json")
         if os.path.isfile(gen):
             with open(gen, encoding="utf-8") as f:
                 return json.load(f)
-    return {k: extra[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if extra.get(k) is not None}
+    return None
+
+
+def write_hf_files(out_dir: str, cfg: Any, vocab_size: int, tensors_of: Callable[[Any], dict[str, Any]], *,
+                   dtype: torch.dtype, architecture: str, source_config: Optional[dict[str, Any]] = None,
+                   tokenizer: Optional[TokenizerSource] = None, generation_config: Optional[dict[str, Any]] = None,
+                   tokenizer_ids_win: bool = False, max_shard_size: int = 5 * 10 ** 9) -> list[str]:
+    """Write a Hugging Face model into ``out_dir`` (an existing staging directory): the tokenizer,
+    the safetensors shards (``tensors_of(spec)`` gives each canonical parameter's Hugging Face
+    tensors, full or as row pieces), ``config.json`` and ``generation_config.json``; returns the
+    file names written. Token ids in config.json come from ``source_config``, else the tokenizer;
+    ``tokenizer_ids_win``: from the tokenizer first (a new vocabulary)."""
+    from megatron_ru.convert.hf_mapping import hf_config_from_model
+    from megatron_ru.model.spec import parameter_specs
+
+    extra = _extra_fields(None if tokenizer_ids_win else source_config, dtype)
+    tok_ids: dict[str, Any] = write_hf_tokenizer(tokenizer, out_dir) if tokenizer is not None else {}
+    for key, value in tok_ids.items():
+        if value is not None and key not in extra:
+            extra[key] = value
+    writer = ShardedSafetensorsWriter(out_dir, export_plan(cfg, vocab_size, lambda name: dtype), max_shard_size)
+    try:
+        for spec in parameter_specs(cfg, vocab_size):
+            for name, piece in tensors_of(spec).items():
+                writer.write(name, piece)
+        files = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    _write_json(os.path.join(out_dir, "config.json"), hf_config_from_model(cfg, vocab_size, architecture, extra))
+    gen = dict(generation_config or {})
+    if tokenizer_ids_win or not generation_config:  # the source's generation settings are kept as they are
+        gen.update({k: extra[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if extra.get(k) is not None})
+    _write_json(os.path.join(out_dir, "generation_config.json"), gen)
+    return files + ["config.json", "generation_config.json"]
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -57,17 +57,39 @@ class TokenizerSource:
 
 
 def checkpoint_tokenizer(ckpt_dir: str, run_args: Optional[dict[str, Any]] = None) -> Optional[TokenizerSource]:
-    """The tokenizer of a megatron_ru checkpoint: ``<ckpt>/tokenizer`` (imported), else the one the
-    run that saved it was given (``--tokenizer-type``/``--tokenizer-model`` in its recorded args,
-    when those files still exist). None when neither is there."""
-    local = os.path.join(ckpt_dir, TOKENIZER_DIR)
-    if os.path.isdir(local) and hf_tokenizer_files(local):
-        return TokenizerSource(HF_TYPE, local)
+    """The tokenizer of a megatron_ru checkpoint: the one recorded for it (``--tokenizer-type``/
+    ``--tokenizer-model`` in ``run_args``, when those files still exist), else ``<ckpt>/tokenizer``
+    (imported Hugging Face files). None when neither is there."""
     args = run_args or {}
     ttype, path = args.get("tokenizer_type"), args.get("tokenizer_model")
     if ttype in (HF_TYPE,) + SP_TYPES and path and os.path.exists(path):
         return TokenizerSource(ttype, path)
+    local = os.path.join(ckpt_dir, TOKENIZER_DIR)
+    if os.path.isdir(local) and hf_tokenizer_files(local):
+        return TokenizerSource(HF_TYPE, local)
     return None
+
+
+def _run_args(meta: Any) -> dict[str, Any]:
+    """The tokenizer flags a checkpoint's run used, from its recorded arguments (flat or grouped);
+    the tokenizer recorded with the checkpoint itself (import, adaptation) wins."""
+    args = getattr(meta, "args", None) or {}
+    flat = dict(args.get("tokenizer") or {}) if isinstance(args.get("tokenizer"), dict) else {}
+    for key in ("tokenizer_type", "tokenizer_model"):
+        if key in args and key not in flat:
+            flat[key] = args[key]
+    recorded = getattr(meta, "tokenizer", None)
+    return flat if not recorded else {**flat, **recorded}
+
+
+def recorded_tokenizer(load: str, meta: Any) -> Optional[TokenizerSource]:
+    """The tokenizer a checkpoint directory ``load`` records (:class:`CheckpointMeta` ``meta``);
+    relative paths are relative to ``load``."""
+    args = _run_args(meta)
+    model = args.get("tokenizer_model")
+    if model and not os.path.isabs(model) and os.path.exists(os.path.join(load, model)):
+        args = {**args, "tokenizer_model": os.path.join(load, model)}
+    return checkpoint_tokenizer(load, args)
 
 
 def write_hf_tokenizer(source: TokenizerSource, out_dir: str) -> dict[str, Optional[int]]:
