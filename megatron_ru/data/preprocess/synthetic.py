@@ -41,38 +41,57 @@ def _vocabulary(n_extra: int = 20000) -> list[str]:
 
 _VOCAB = _vocabulary()
 _CUM_WEIGHTS = list(itertools.accumulate(1.0 / (i + 1) for i in range(len(_VOCAB))))
+#: "mixed" (both scripts, the default), "ru" (Cyrillic words only) or "en" (Latin words only)
+LANGUAGES = ("mixed", "ru", "en")
 
 
-def _sentence(rng: random.Random) -> str:
+def _is_cyrillic(word: str) -> bool:
+    return "а" <= word[0].lower() <= "я" or word[0] in "ёЁ"
+
+
+def _language_vocab(language: str) -> tuple[list[str], list[float]]:
+    if language == "mixed":
+        return _VOCAB, _CUM_WEIGHTS
+    if language not in LANGUAGES:
+        raise ValueError(f"language {language!r}: choose one of {', '.join(LANGUAGES)}")
+    words = [w for w in _VOCAB if _is_cyrillic(w) == (language == "ru")]
+    return words, list(itertools.accumulate(1.0 / (i + 1) for i in range(len(words))))
+
+
+def _sentence(rng: random.Random, language: str = "mixed") -> str:
     n = rng.randint(4, 18)
-    words = rng.choices(_VOCAB, cum_weights=_CUM_WEIGHTS, k=n)
+    vocab, weights = _language_vocab(language)
+    words = rng.choices(vocab, cum_weights=weights, k=n)
     if rng.random() < 0.15:
         words.insert(rng.randrange(n), str(rng.randint(1, 3000)))
     s = " ".join(words)
     return s[0].upper() + s[1:] + rng.choice(".....!?")
 
 
-def document(rng: random.Random, paragraphs: tuple[int, int] = (3, 30)) -> str:
+def document(rng: random.Random, paragraphs: tuple[int, int] = (3, 30), language: str = "mixed") -> str:
     paras = []
     for _ in range(rng.randint(*paragraphs)):
-        paras.append(" ".join(_sentence(rng) for _ in range(rng.randint(1, 8))))
-    return rng.choice(_TITLES) + "\n\n" + "\n\n".join(paras)
+        paras.append(" ".join(_sentence(rng, language) for _ in range(rng.randint(1, 8))))
+    titles = _TITLES if language == "mixed" else [t for t in _TITLES if _is_cyrillic(t) == (language == "ru")]
+    return rng.choice(titles) + "\n\n" + "\n\n".join(paras)
 
 
-def records(n_docs: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30)) -> Iterator[dict]:
+def records(n_docs: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30),
+            language: str = "mixed") -> Iterator[dict]:
     rng = random.Random(seed)
     domains = ("news", "wiki", "science")
     for i in range(n_docs):
-        yield {"id": i, "text": document(rng, paragraphs), "domain": domains[rng.randrange(len(domains))]}
+        yield {"id": i, "text": document(rng, paragraphs, language), "domain": domains[rng.randrange(len(domains))]}
 
 
-def write_corpus(path: str, target_bytes: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30)) -> int:
+def write_corpus(path: str, target_bytes: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30),
+                 language: str = "mixed") -> int:
     """Write JSONL of at least ``target_bytes`` (UTF-8) to ``path`` atomically; returns documents."""
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     written = docs = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records(1 << 62, seed, paragraphs):
+        for rec in records(1 << 62, seed, paragraphs, language):
             line = json.dumps(rec, ensure_ascii=False) + "\n"
             f.write(line)
             written += len(line.encode("utf-8"))
