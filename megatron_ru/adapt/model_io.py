@@ -64,6 +64,11 @@ def _is_checkpoint(path: str) -> bool:
         and os.path.isfile(os.path.join(path, "metadata.json")))
 
 
+def is_hf_model_dir(path: str) -> bool:
+    """A Hugging Face model directory (config.json), not a megatron_ru checkpoint."""
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json")) and not _is_checkpoint(path)
+
+
 def open_model(path: str, flag: str = "--model", allow_pickle: bool = False) -> ModelSource:
     """Open ``path`` (see the module docstring); errors name ``flag``."""
     if not path or not os.path.isdir(path):

@@ -18,6 +18,7 @@ import io
 import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     g = p.add_argument_group("Checkpoint and layout")
     g.add_argument("--load", help="checkpoint directory (written by pretrain_gpt.py --save or "
-                   "tools/convert_checkpoint.py); the model's arguments come from it")
+                   "tools/convert_checkpoint.py; the model's arguments come from it), or a Hugging Face "
+                   "Llama/Mistral/Qwen2 directory (config.json, safetensors and its tokenizer)")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="iteration to load (default: the one latest_checkpointed_iteration.txt names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree")
@@ -91,15 +93,17 @@ def sampling_params(ns: argparse.Namespace, argv: Sequence[str]) -> SamplingPara
 def check_arguments(ns: argparse.Namespace, argv: Sequence[str]) -> tuple[SamplingParams, list[str]]:
     """Everything that can be checked before the process group exists: one ValueError listing
     every problem. Returns the sampling parameters and the prompts."""
+    from megatron_ru.adapt.model_io import is_hf_model_dir
     from megatron_ru.training.checkpoint import read_latest_iteration
     problems: list[str] = []
     if not ns.load:
         problems.append("--load is required: the checkpoint directory to generate from")
     elif not os.path.isdir(ns.load):
         problems.append(f"--load {ns.load}: no such directory")
-    elif ns.ckpt_step is None and read_latest_iteration(ns.load) is None:
-        problems.append(f"--load {ns.load} holds no checkpoint (no latest_checkpointed_iteration.txt); point it "
-                        f"at a directory written by pretrain_gpt.py --save or tools/convert_checkpoint.py")
+    elif ns.ckpt_step is None and read_latest_iteration(ns.load) is None and not is_hf_model_dir(ns.load):
+        problems.append(f"--load {ns.load} holds no checkpoint (no latest_checkpointed_iteration.txt) and no Hugging "
+                        "Face model (no config.json); point it at a directory written by pretrain_gpt.py --save or "
+                        "tools/convert_checkpoint.py, or at a Hugging Face model directory")
     for flag, value in (("--tensor-model-parallel-size", ns.tensor_model_parallel_size),
                         ("--pipeline-model-parallel-size", ns.pipeline_model_parallel_size),
                         ("--max-new-tokens", ns.max_new_tokens)):
@@ -180,6 +184,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     """Generate for every prompt; returns the result records (complete on rank 0)."""
+    from megatron_ru.adapt.model_io import is_hf_model_dir, open_model
     from megatron_ru.checkpointing import read_checkpoint
     from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.inference.generate import generate
@@ -188,10 +193,15 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     from megatron_ru.parallel.state import ParallelState
 
     params, prompts = check_arguments(ns, argv)
-    reader = read_checkpoint(ns.load, ns.ckpt_step)
-    tok_cfg = tokenizer_config(ns, argv, reader.meta, ns.load)
-    tokenizer = build_tokenizer(tok_cfg)
-    vocab = reader.vocab_size
+    if ns.ckpt_step is None and is_hf_model_dir(ns.load):
+        model = open_model(ns.load, "--load")  # a Hugging Face directory: its own tokenizer
+        cfg, vocab, get_tensor = model.cfg, model.vocab_size, model.get
+        meta: Any = SimpleNamespace(tokenizer={"tokenizer_type": model.tokenizer.type,
+                                               "tokenizer_model": model.tokenizer.path} if model.tokenizer else None)
+    else:
+        reader = read_checkpoint(ns.load, ns.ckpt_step)
+        cfg, vocab, get_tensor, meta = reader.cfg, reader.vocab_size, reader.get, reader.meta
+    tokenizer = build_tokenizer(tokenizer_config(ns, argv, meta, ns.load))
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint in --load {ns.load} has "
                          f"{vocab} vocabulary rows: use the checkpoint's tokenizer (leave out the tokenizer flags)")
@@ -207,8 +217,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     init_distributed(ns.distributed_backend, ns.distributed_timeout_minutes)
     state = ParallelState.build(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size,
                                 timeout_minutes=ns.distributed_timeout_minutes)
-    runner = StageRunner(reader.cfg, vocab, state, dtype=DTYPES[ns.dtype])
-    runner.load(reader.get)
+    runner = StageRunner(cfg, vocab, state, dtype=DTYPES[ns.dtype])
+    runner.load(get_tensor)
     log_rank0(log, f"loaded {ns.load} (V={vocab}) at TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}; "
                    f"{len(prompts)} prompts")
 

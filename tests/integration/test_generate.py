@@ -105,14 +105,14 @@ def setup(tmp_path_factory) -> dict[str, Any]:
     with open(prompt_file, "w", encoding="utf-8") as f:
         for p in PROMPTS:
             f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in p)}) + "\n")
-    return {"ckpt": ckpt, "prompt_file": prompt_file, "expected": expected, "eos": eos, "root": root,
+    return {"ckpt": ckpt, "hf": hf_dir, "prompt_file": prompt_file, "expected": expected, "eos": eos, "root": root,
             "finish": finish, "stopper": stopper, "bos": bos, "names": {eos: "</s>", bos: "<s>", pad: "<pad>"}}
 
 
-def _generate(setup: dict[str, Any], name: str, nproc: int, *flags: str) -> list[dict[str, Any]]:
+def _generate(setup: dict[str, Any], name: str, nproc: int, *flags: str, load: str = "ckpt") -> list[dict[str, Any]]:
     out = str(setup["root"] / f"{name}.jsonl")
     launcher = TORCHRUN + [str(nproc)] if nproc > 1 else [sys.executable]
-    cmd = launcher + [TOOL, "--load", setup["ckpt"], "--prompt-file", setup["prompt_file"],
+    cmd = launcher + [TOOL, "--load", setup[load], "--prompt-file", setup["prompt_file"],
                       "--max-new-tokens", str(NEW), "--output-file", out, "--distributed-timeout-minutes", "2",
                       *flags]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
@@ -122,6 +122,13 @@ def _generate(setup: dict[str, Any], name: str, nproc: int, *flags: str) -> list
     # rank 0 alone prints every prompt with its completion
     assert proc.stdout.count("--- prompt ") == len(PROMPTS), proc.stdout
     return records
+
+
+def test_greedy_from_a_hugging_face_directory(setup: dict[str, Any]) -> None:
+    """--load takes the Hugging Face directory itself (its weights and tokenizer), no import step."""
+    records = _generate(setup, "greedy_hf", 1, "--greedy", load="hf")
+    assert [r["token_ids"] for r in records] == setup["expected"]
+    assert [r["finish_reason"] for r in records] == setup["finish"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
