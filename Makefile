@@ -7,13 +7,17 @@ export PATH := $(VENV)/bin:$(PATH)
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo cpu)
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo adapt-demo test test-fast clean
 
 install:
 	VENV="$(VENV)" bash scripts/setup_env.sh
 
 demo: install
 	$(PY) examples/demo.py
+
+# the language-adaptation walkthrough (docs/adaptation.md): adapt, train embeddings, LEP, generate
+adapt-demo: install
+	$(PY) examples/adapt_language.py
 
 test: install
 	$(PY) -m pytest tests
@@ -22,4 +26,4 @@ test-fast: install
 	$(PY) -m pytest tests/unit
 
 clean:
-	rm -rf build *.egg-info megatron_ru/data/_helpers*.so demo_out
+	rm -rf build *.egg-info megatron_ru/data/_helpers*.so demo_out adapt_demo_out
