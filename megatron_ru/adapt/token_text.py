@@ -51,6 +51,16 @@ class TokenTexts:
         b = self.pieces[i]
         return None if b is None else b.decode("utf-8", errors="replace")
 
+    def display(self, i: int) -> str:
+        """A readable form: the text, with bytes that are not UTF-8 on their own as ``<0xNN>``."""
+        b = self.pieces[i]
+        if b is None:
+            return next((s for s, j in self.specials.items() if j == i), f"<special {i}>")
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "".join(f"<0x{x:02X}>" for x in b)
+
     def is_special(self, i: int) -> bool:
         return self.pieces[i] is None
 

@@ -1,0 +1,196 @@
+"""``tools/adapt_vocab.py``: give a model a new vocabulary, its embeddings learned from the old ones.
+
+    python tools/adapt_vocab.py --model /models/Meta-Llama-3-8B --new-tokenizer tok/ru32k.model \\
+        --mode replace --save ckpt/llama3-ru32k --output-format megatron \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 4 --sample-text ru_sample.txt
+
+The model is a Hugging Face directory or a megatron_ru checkpoint at any layout; the output is the
+same kind (or ``--output-format``), with the new tokenizer and the new rows of the input embedding
+and of the output layer (each from its own old rows, :mod:`megatron_ru.adapt.vocab_map`). Every
+other tensor is copied as it is. A megatron_ru output records ``vocab_adaptation`` (mode, old
+vocabulary size, the rows adaptation initialised) for ``--train-embedding-rows new``; a Hugging Face
+output holds the same record in ``vocab_adaptation.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+
+from megatron_ru.adapt.model_io import KINDS, open_model, open_tokenizer, save_model
+from megatron_ru.adapt.token_text import token_texts
+from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
+from megatron_ru.convert.staging import check_output
+from megatron_ru.model.spec import EMBEDDING, OUTPUT_LAYER
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+HELP = "new vocabulary for a model, new embedding rows from the mean of the old pieces"
+EMBEDDING_WEIGHT = f"{EMBEDDING}.word_embeddings.weight"
+OUTPUT_WEIGHT = f"{OUTPUT_LAYER}.weight"
+REPORT_FILE = "vocab_adaptation.json"
+INITS = ("mean", "weighted-mean", "random")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory or megatron_ru checkpoint (any TP/PP)")
+    p.add_argument("--old-tokenizer", default=None,
+                   help="the model's tokenizer (default: the one saved with the model)")
+    p.add_argument("--new-tokenizer", required=True,
+                   help="SentencePiece .model (tools/train_tokenizer.py) or Hugging Face tokenizer directory")
+    p.add_argument("--mode", choices=("replace", "extend"), default="replace",
+                   help="replace: the new tokenizer replaces the old; extend: its pieces the old lacks are appended "
+                        "after the old ids (saved in the old tokenizer's format)")
+    p.add_argument("--extend-filter", default=None, metavar="REGEX",
+                   help="extend: append only new pieces whose text matches (re.search), e.g. '[а-яёА-ЯЁ]'")
+    p.add_argument("--init", choices=INITS, default="mean",
+                   help="new rows: mean of the old pieces' rows, the weighted mean (earlier pieces more, "
+                        "whitespace less), or random (N(0, std of the old rows): a baseline to compare with)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of --init random")
+    p.add_argument("--save", required=True, help="output directory")
+    p.add_argument("--output-format", choices=KINDS, default=None,
+                   help="hf or megatron (default: the kind of --model)")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1, metavar="T")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1, metavar="P")
+    p.add_argument("--sample-text", default=None, metavar="FILE",
+                   help="UTF-8 text for the report: characters per token of both tokenizers, frequent new tokens")
+    p.add_argument("--report-json", default=None, metavar="FILE", help="write the report here too")
+    p.add_argument("--force", action="store_true", help="replace --save if it exists")
+
+
+def _ranges(ids: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+def _new_rows(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int) -> torch.Tensor:
+    """The adapted matrix with ``rows`` rows: converted by ``vmap``; rows past the new tokenizer's ids
+    (a model with more rows than its tokenizer, as Qwen) keep the old rows when there are any, else
+    the mean of the old rows."""
+    weighted = init == "weighted-mean"
+    new = vmap.convert(old, weighted=weighted)
+    if init == "random":
+        gen = torch.Generator().manual_seed(seed)
+        std = float(old[:vmap.old_size].to(torch.float64).std())
+        ids = torch.tensor(vmap.new_ids(), dtype=torch.long)
+        if len(ids):
+            new[ids] = (torch.randn((len(ids), old.shape[1]), generator=gen, dtype=torch.float64) * std).to(old.dtype)
+    if rows > new.shape[0]:
+        extra = old[new.shape[0]:rows] if old.shape[0] >= rows else \
+            old[:vmap.old_size].to(torch.float64).mean(0, keepdim=True).expand(rows - new.shape[0], -1).to(old.dtype)
+        new = torch.cat([new, extra.to(old.dtype)])
+    return new
+
+
+def _sample_report(sample: Optional[str], old_tok: Any, new_tok: Any, vmap: VocabMap, old_texts: Any,
+                   new_texts: Any) -> dict[str, Any]:
+    if not sample:
+        return {}
+    with open(sample, encoding="utf-8") as f:
+        text = f.read()
+    lines = [line for line in text.split("\n") if line]
+    old_ids = [i for line in lines for i in old_tok.tokenize(line)]
+    new_ids = [i for line in lines for i in new_tok.tokenize(line)]
+    chars = sum(len(line) for line in lines)
+    adapted = set(vmap.new_ids())
+    freq = Counter(i for i in new_ids if i in adapted)
+    top = [{"id": i, "token": new_texts.display(i), "count": n, "kind": vmap.kind[i],
+             "old_pieces": [old_texts.display(j) for j in vmap.pieces[i]]} for i, n in freq.most_common(10)]
+    return {"sample_text": sample, "characters": chars,
+            "old_chars_per_token": chars / max(1, len(old_ids)), "new_chars_per_token": chars / max(1, len(new_ids)),
+            "top_new_tokens": top}
+
+
+def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
+    src = open_model(args.model, "--model")
+    kind = args.output_format or src.kind
+    check_output(args.save, args.model, args.force)
+    if args.sample_text and not os.path.isfile(args.sample_text):
+        raise FileNotFoundError(f"--sample-text {args.sample_text}: no such file")
+    if args.extend_filter and args.mode != "extend":
+        raise ValueError("--extend-filter applies to --mode extend only")
+    if args.old_tokenizer:
+        old_source, old_tok = open_tokenizer(args.old_tokenizer, "--old-tokenizer")
+    elif src.tokenizer is not None:
+        from megatron_ru.adapt.model_io import load_tokenizer
+        old_source, old_tok = src.tokenizer, load_tokenizer(src.tokenizer)
+    else:
+        raise ValueError(f"--model {args.model} has no tokenizer saved with it: give --old-tokenizer")
+    new_source, new_tok = open_tokenizer(args.new_tokenizer, "--new-tokenizer")
+    if old_tok.vocab_size > src.vocab_size:
+        raise ValueError(f"--old-tokenizer has {old_tok.vocab_size} ids but --model {args.model} has only "
+                         f"{src.vocab_size} vocabulary rows: it is not this model's tokenizer")
+    old_texts, new_texts = token_texts(old_tok), token_texts(new_tok)
+    with tempfile.TemporaryDirectory(prefix="adapt-vocab-") as tmp:
+        skipped = 0
+        if args.mode == "extend":
+            from megatron_ru.adapt.extend_tokenizer import extend_tokenizer
+            from megatron_ru.adapt.model_io import load_tokenizer
+            ext = extend_tokenizer(old_source, old_texts, new_texts, os.path.join(tmp, "tokenizer"), args.extend_filter)
+            target_source, skipped = ext.tokenizer, ext.skipped
+            target_tok = load_tokenizer(target_source)
+            target_texts = token_texts(target_tok)
+            rows = max(src.vocab_size, target_tok.vocab_size)
+        else:
+            target_source, target_tok, target_texts = new_source, new_tok, new_texts
+            rows = target_tok.vocab_size
+        vmap = build_vocab_map(old_tok, target_tok, old_texts, target_texts)
+        tensors = {EMBEDDING_WEIGHT: _new_rows(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed)}
+        if not src.cfg.tied_embeddings:
+            tensors[OUTPUT_WEIGHT] = _new_rows(src.get(OUTPUT_WEIGHT), vmap, args.init, rows, args.seed + 1)
+        record = {"mode": args.mode, "init": args.init, "old_vocab_size": src.vocab_size,
+                  "new_rows": _ranges(vmap.new_ids())}
+        counts = vmap.counts()
+        report: dict[str, Any] = {
+            "save": os.path.abspath(args.save), "output_format": kind, "mode": args.mode, "init": args.init,
+            "old_vocab_size": src.vocab_size, "new_vocab_size": rows, "tokenizer_size": target_tok.vocab_size,
+            "kept": counts["kept"] + counts["special"], "special_matched": counts["special"],
+            "initialised_from_pieces": counts["pieces"], "fallback": len(vmap.fallback_ids(src.get(EMBEDDING_WEIGHT))),
+            "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
+            "skipped_pieces": skipped if args.mode == "extend" else None,
+            **_sample_report(args.sample_text, old_tok, target_tok, vmap, old_texts, target_texts)}
+
+        def get_tensor(name: str) -> torch.Tensor:
+            return tensors[name] if name in tensors else src.get(name)
+
+        def side_files(out_dir: str) -> None:
+            if kind == "hf":
+                with open(os.path.join(out_dir, REPORT_FILE), "w", encoding="utf-8") as f:
+                    json.dump(record, f, indent=1)
+
+        save_model(args.save, kind=kind, cfg=src.cfg, vocab_size=rows, get_tensor=get_tensor,
+                   tokenizer=target_source, tp=args.target_tensor_parallel_size, pp=args.target_pipeline_parallel_size,
+                   hf_config=src.hf_config, generation_config=src.generation_config,
+                   extra_meta={"vocab_adaptation": record} if kind == "megatron" else None, extra_files=side_files,
+                   force=args.force)
+    _log_report(report)
+    if args.report_json:
+        with open(args.report_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, ensure_ascii=False)
+    return report
+
+
+def _log_report(r: dict[str, Any]) -> None:
+    log.info(f"adapted vocabulary ({r['mode']}, init {r['init']}): {r['old_vocab_size']} -> {r['new_vocab_size']} rows; "
+             f"kept {r['kept']} (special tokens matched: {r['special_matched']}), initialised from old pieces "
+             f"{r['initialised_from_pieces']}, fallback (mean of all rows) {r['fallback']}")
+    if "new_chars_per_token" in r:
+        log.info(f"characters per token on {r['sample_text']}: old tokenizer {r['old_chars_per_token']:.3f}, "
+                 f"new {r['new_chars_per_token']:.3f}")
+        for t in r["top_new_tokens"]:
+            log.info(f"  {t['token']!r:>16} x{t['count']:<6} <- {' + '.join(repr(p) for p in t['old_pieces']) or '(mean of all rows)'}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return adapt_vocab(args)
