@@ -45,7 +45,7 @@ class Extension:
 
 
 def candidate_pieces(old_tt: TokenTexts, new_tt: TokenTexts, pattern: Optional[str]) -> list[int]:
-    """New-tokenizer ids whose text the old vocabulary lacks (and that match ``pattern``), in id order.
+    """New-tokenizer ids whose text the old vocabulary lacks (and that match ``pattern``), shortest first.
     Special tokens and byte tokens that are not valid UTF-8 text are not candidates."""
     have = {b for b in old_tt.pieces if b}
     regex = re.compile(pattern) if pattern else None
@@ -61,7 +61,9 @@ def candidate_pieces(old_tt: TokenTexts, new_tt: TokenTexts, pattern: Optional[s
             continue
         have.add(b)
         out.append(i)
-    return out
+    # shorter pieces first: the parts a BPE merge needs exist before the piece (SentencePiece lists its
+    # single characters after its merged pieces)
+    return sorted(out, key=lambda i: (len(new_tt.pieces[i].decode("utf-8")), i))
 
 
 def extend_tokenizer(old: TokenizerSource, old_tt: TokenTexts, new_tt: TokenTexts, out_dir: str,

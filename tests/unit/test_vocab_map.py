@@ -1,0 +1,150 @@
+"""The vocabulary map behind tools/adapt_vocab.py (ADAPTATION.md step 2) and extend mode's merged
+tokenizers: each new token's old pieces spell exactly its text; kept rows are the old rows bit for
+bit; chosen tokens (a byte token, a word-start piece, a multi-piece word, a special token, a
+fallback) get the hand-computed mean; an extended tokenizer keeps every old id and encodes text in
+the old language exactly as before."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from megatron_ru.adapt.extend_tokenizer import extend_tokenizer
+from megatron_ru.adapt.model_io import load_tokenizer
+from megatron_ru.adapt.token_text import token_texts
+from megatron_ru.adapt.vocab_map import build_vocab_map, piece_weights
+from megatron_ru.convert.tokenizer_files import TokenizerSource
+from megatron_ru.data.preprocess.synthetic import document
+from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
+from tests.fixtures.tokenizers import make_hf_tokenizer_dir, make_sentencepiece
+
+
+def texts(language: str, n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [document(rng, (1, 3), language) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def toks(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("vocab_map"))
+    en, ru = texts("en", 150, 1), texts("ru", 150, 2)
+    return {
+        "en": make_sentencepiece(d, vocab=600, texts=en, name="en"),
+        "en_dummy": make_sentencepiece(d, vocab=600, texts=en, name="en_dummy", add_dummy_prefix=True),
+        "ru": make_sentencepiece(d, vocab=600, texts=ru, name="ru", user_defined_symbols=["<|im_start|>"]),
+        "en_hf": make_hf_tokenizer_dir(os.path.join(d, "hf_en"), vocab=400, texts=en),
+        "dir": d, "en_texts": en, "ru_texts": ru,
+    }
+
+
+@pytest.mark.parametrize("old_name", ["en", "en_dummy", "en_hf"])
+def test_pieces_spell_the_new_token(toks, old_name):
+    """Every new token's old pieces concatenate to its text (with a dummy prefix: the mid-word tokens
+    do not get a word-start piece); kept tokens are exactly one old token with the same text."""
+    old = load_tokenizer(TokenizerSource("HuggingFaceTokenizer" if old_name == "en_hf" else
+                                         "GPTSentencePieceTokenizer", toks[old_name]))
+    new = GPTSentencePieceTokenizer(toks["ru"])
+    vmap = build_vocab_map(old, new)
+    ot, nt = token_texts(old), token_texts(new)
+    assert vmap.new_size == new.vocab_size and vmap.old_size == old.vocab_size
+    counts = vmap.counts()
+    assert counts["kept"] > 0 and counts["pieces"] > 100 and sum(counts.values()) == new.vocab_size
+    for i, kind in enumerate(vmap.kind):
+        if kind == "kept":
+            assert ot.pieces[vmap.pieces[i][0]] == nt.pieces[i]
+        elif kind == "pieces":
+            assert b"".join(ot.pieces[j] for j in vmap.pieces[i]) == nt.pieces[i], (i, nt.display(i))
+            assert sum(vmap.weights[i]) == pytest.approx(1.0)
+
+
+def test_rows_equal_hand_computed_means(toks):
+    old, new = GPTSentencePieceTokenizer(toks["en"]), GPTSentencePieceTokenizer(toks["ru"])
+    vmap = build_vocab_map(old, new)
+    ot, nt = token_texts(old), token_texts(new)
+    torch.manual_seed(0)
+    emb = torch.randn(old.vocab_size + 4, 16)          # more rows than the tokenizer (padding, as Qwen)
+    out = vmap.convert(emb)
+    weighted = vmap.convert(emb, weighted=True)
+
+    def new_id(piece: str) -> int:
+        return new.sp.piece_to_id(piece)
+
+    # kept rows: bit-identical (the byte tokens both tokenizers have)
+    byte = new_id("<0xD0>")
+    assert vmap.kind[byte] == "kept" and torch.equal(out[byte], emb[old.sp.piece_to_id("<0xD0>")])
+    kept = [i for i, k in enumerate(vmap.kind) if k == "kept"]
+    assert torch.equal(out[kept], emb[[vmap.pieces[i][0] for i in kept]])
+    # a word-start piece and a multi-piece word: the mean of the old tokenizer's pieces, hand-computed
+    word_start = next(i for i in range(new.vocab_size) if nt.pieces[i] and nt.pieces[i].startswith(b" ")
+                      and len(nt.pieces[i]) > 3 and vmap.kind[i] == "pieces")
+    multi = next(i for i in range(new.vocab_size) if nt.pieces[i] and not nt.pieces[i].startswith(b" ")
+                 and len(nt.pieces[i].decode("utf-8", "replace")) >= 3 and vmap.kind[i] == "pieces")
+    for i in (word_start, multi):
+        ids = old.tokenize(nt.pieces[i].decode("utf-8"))
+        assert len(ids) > 1
+        want = emb[ids].double().mean(0).float()
+        assert torch.allclose(out[i], want, atol=1e-6, rtol=0), nt.display(i)
+        w = piece_weights([ot.pieces[j] for j in ids])
+        want_w = (emb[ids].double() * torch.tensor(w, dtype=torch.float64)[:, None]).sum(0).float()
+        assert torch.allclose(weighted[i], want_w, atol=1e-6, rtol=0)
+    # a special token matched by its string
+    eos = new.sp.eos_id()
+    assert vmap.kind[eos] == "special" and torch.equal(out[eos], emb[old.sp.eos_id()])
+    # a fallback: a user-defined symbol the old tokenizer cannot spell gets the mean of all old rows
+    fb = new_id("<|im_start|>")
+    assert fb in vmap.fallback_ids(emb) or vmap.kind[fb] == "pieces"
+    unk = new.sp.unk_id()                               # both have <unk>: matched as a special
+    assert vmap.kind[unk] == "special"
+    only_fallback = [i for i, k in enumerate(vmap.kind) if k == "fallback"]
+    for i in only_fallback:
+        assert torch.allclose(out[i], emb[:old.vocab_size].double().mean(0).float(), atol=1e-6, rtol=0)
+
+
+def test_weights_rule():
+    assert piece_weights([b"a", b"b"]) == pytest.approx([2 / 3, 1 / 3])
+    assert piece_weights([b" ", b"ab"]) == pytest.approx([0.1 / 0.6, 0.5 / 0.6])
+    assert piece_weights([b" ", b" "]) == pytest.approx([2 / 3, 1 / 3])
+
+
+@pytest.mark.parametrize("old_name", ["en", "en_hf"])
+def test_extend_keeps_old_ids_and_old_text_encoding(toks, old_name, tmp_path):
+    kind = "HuggingFaceTokenizer" if old_name == "en_hf" else "GPTSentencePieceTokenizer"
+    old_source = TokenizerSource(kind, toks[old_name])
+    old, new = load_tokenizer(old_source), GPTSentencePieceTokenizer(toks["ru"])
+    ot, nt = token_texts(old), token_texts(new)
+    ext = extend_tokenizer(old_source, ot, nt, str(tmp_path / "merged"), pattern="[а-яё]")
+    merged = load_tokenizer(ext.tokenizer)
+    mt = token_texts(merged)
+    assert ext.tokenizer.type == kind                  # saved in the old tokenizer's format
+    assert merged.vocab_size == old.vocab_size + len(ext.appended) and len(ext.appended) > 50
+    assert mt.pieces[:old.vocab_size] == ot.pieces      # every old id unchanged
+    assert all(b.decode("utf-8") and any("а" <= c <= "я" or c == "ё" for c in b.decode().lower())
+               for b in mt.pieces[old.vocab_size:])
+    for text in toks["en_texts"][:40] + texts("en", 20, 99):
+        assert merged.tokenize(text) == old.tokenize(text)
+    ru = texts("ru", 20, 98)
+    n_old = sum(len(old.tokenize(t)) for t in ru)
+    n_merged = sum(len(merged.tokenize(t)) for t in ru)
+    assert n_merged < 0.7 * n_old
+    for t in ru:                                        # still lossless
+        assert b"".join(mt.pieces[i] for i in merged.tokenize(t)) == t.encode()
+    # the appended tokens come from the tokenizer model, not from added-token matching
+    vmap = build_vocab_map(old, merged, ot, mt)
+    assert vmap.kind[:old.vocab_size] == ["kept" if ot.pieces[i] is not None else "special"
+                                          for i in range(old.vocab_size)]
+    assert vmap.pieces[:old.vocab_size] == [[i] for i in range(old.vocab_size)]
+
+
+def test_extend_refusals(toks, tmp_path):
+    old_source = TokenizerSource("GPTSentencePieceTokenizer", toks["en"])
+    old, new = load_tokenizer(old_source), GPTSentencePieceTokenizer(toks["ru"])
+    with pytest.raises(ValueError, match="--extend-filter 'qqq' .*nothing to add"):
+        extend_tokenizer(old_source, token_texts(old), token_texts(new), str(tmp_path / "a"), pattern="qqq")
+    with pytest.raises(ValueError, match="--extend-filter .*not a regular expression"):
+        extend_tokenizer(old_source, token_texts(old), token_texts(new), str(tmp_path / "b"), pattern="[")
+    unigram = make_sentencepiece(toks["dir"], kind="unigram", vocab=600, texts=toks["en_texts"], name="uni")
+    with pytest.raises(ValueError, match="UNIGRAM model; only BPE"):
+        extend_tokenizer(TokenizerSource("GPTSentencePieceTokenizer", unigram),
+                         token_texts(GPTSentencePieceTokenizer(unigram)), token_texts(new), str(tmp_path / "c"))
