@@ -230,9 +230,11 @@ def _lr_rule(a: Arguments) -> list[str]:
 
 
 def _freeze_rule(a: Arguments) -> list[str]:
-    if a.training.train_only_embeddings and a.pp > 2:
-        return [f"--train-only-embeddings with --pipeline-model-parallel-size {a.pp}: the middle stages hold no "
-                f"embedding or output layer and would have nothing to train; use PP <= 2 for this stage"]
+    t = a.training
+    if t.train_embedding_rows == "new" and t.fp16 and t.zero_stage == 0 and a.optimizer.weight_decay > 0:
+        return ["--train-embedding-rows new with --fp16 at --zero-stage 0 cannot keep the other rows out of weight "
+                "decay (DeepSpeed's fp16 optimizer hides its fp32 master weights): use --zero-stage 1, --bf16, or "
+                "--weight-decay 0"]
     return []
 
 

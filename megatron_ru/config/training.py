@@ -48,6 +48,10 @@ class TrainingConfig:
     freeze: Optional[list[str]] = arg(
         None, "Freeze parameters whose name matches any of these fnmatch patterns "
               "(e.g. 'layers.0.*' '*.norm.weight').")
+    train_embedding_rows: str = arg(
+        "all", "With --train-only-embeddings: train all vocabulary rows, or only the 'new' rows a vocabulary "
+               "adaptation initialised (tools/adapt_vocab.py records them with the checkpoint in --load); the "
+               "other rows stay bit-identical, weight decay included.", choices=("all", "new"))
 
     def problems(self) -> list[str]:
         out = []
@@ -75,6 +79,9 @@ class TrainingConfig:
             out.append("--initial-loss-scale and --min-loss-scale must be > 0")
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             out.append("--loss-scale-window and --hysteresis must be >= 1")
+        if self.train_embedding_rows == "new" and not self.train_only_embeddings:
+            out.append("--train-embedding-rows new trains part of the embedding and output rows: add "
+                       "--train-only-embeddings (everything else frozen)")
         if self.train_only_embeddings and self.freeze:
             out.append("--train-only-embeddings and --freeze are exclusive: use one way to choose "
                        "trainable parameters")

@@ -90,12 +90,14 @@ def build_ds_config(args: "Arguments") -> dict[str, Any]:
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Megatron's grouping: no weight decay on biases and norm weights (1-D tensors)."""
+    """Megatron's grouping: no weight decay on biases and norm weights (1-D tensors), nor on a frozen
+    stage's placeholder (:func:`megatron_ru.training.freeze.keep_optimizer_busy`)."""
+    from megatron_ru.training.freeze import ANCHOR_ATTR
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 else decay).append(p)
+        (no_decay if p.ndim < 2 or getattr(p, ANCHOR_ATTR, False) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -103,8 +105,7 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[
 def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
     groups = optimizer_param_groups(model, opt_cfg.weight_decay)
     if not groups:
-        raise ValueError("no trainable parameters on this rank: --freeze/--train-only-embeddings froze "
-                         "everything this pipeline stage holds")
+        raise ValueError("no trainable parameters on this rank: the model has none")
     if opt_cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=opt_cfg.lr, momentum=opt_cfg.sgd_momentum)
     # foreach=False: the same arithmetic per tensor whatever the sharding (layout invariance)

@@ -68,7 +68,30 @@ def apply_freezing(model: torch.nn.Module, cfg: ModelConfig, *, train_only_embed
     if frozen:
         trainable = sum(p.numel() for _, p in named if p.requires_grad)
         log_rank0(log, f"froze {len(frozen)} parameter tensors; {trainable} trainable parameters on this rank")
+        (everywhere,) = _matched_anywhere([trainable], group)
+        if everywhere == 0:
+            raise ValueError(f"--freeze {' '.join(patterns)} leaves nothing to train in the whole model; freeze fewer "
+                             "parameters")
+        if trainable == 0:
+            keep_optimizer_busy(named)
     return frozen
+
+
+#: set on the parameter :func:`keep_optimizer_busy` leaves in the optimizer (no weight decay, zero gradient)
+ANCHOR_ATTR = "megatron_ru_anchor"
+
+
+def keep_optimizer_busy(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """A pipeline stage with nothing to train (a middle stage under --train-only-embeddings at PP > 2,
+    or a --freeze that covers it) still steps DeepSpeed's optimizer with the other stages: its
+    smallest parameter stays in the optimizer with its gradient zeroed as it is produced and no weight
+    decay, so Adam's update is exactly zero and the parameter bit-identical."""
+    name, p = min(named, key=lambda item: item[1].numel())
+    p.requires_grad_(True)
+    setattr(p, ANCHOR_ATTR, True)
+    p.register_hook(torch.zeros_like)
+    log.info(f"nothing to train on this pipeline stage: {name} ({p.numel()} values) stays in the optimizer with a "
+             f"zero gradient and no weight decay (it does not change)")
 
 
 def _sample(names: Iterable[str], k: int = 6) -> str:

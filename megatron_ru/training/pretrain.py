@@ -93,7 +93,31 @@ def checkpoint_record(args: Arguments, vocab_size: int) -> dict[str, Any]:
     for key in ("tokenizer_model", "vocab_file", "merge_file"):
         if tokenizer.get(key):
             tokenizer[key] = os.path.abspath(tokenizer[key])
-    return {"model_args": model_args_dict(args.model), "vocab_size": vocab_size, "tokenizer": tokenizer}
+    record: dict[str, Any] = {"model_args": model_args_dict(args.model), "vocab_size": vocab_size,
+                              "tokenizer": tokenizer}
+    adaptation = _loaded_vocab_adaptation(args)
+    if adaptation is not None:  # which rows a vocabulary adaptation initialised: kept for later runs
+        record["vocab_adaptation"] = adaptation
+    return record
+
+
+def _loaded_vocab_adaptation(args: Arguments) -> Optional[dict[str, Any]]:
+    if not args.checkpoint.load:
+        return None
+    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
+    meta = read_checkpoint_meta(args.checkpoint.load)
+    return None if meta is None else meta.vocab_adaptation
+
+
+def _train_new_rows_only(engine: "DeepSpeedEngine", model: torch.nn.Module, state: ParallelState, args: Arguments,
+                         vocab_size: int) -> None:
+    """--train-embedding-rows new: the rows outside the adaptation's new rows stay as loaded."""
+    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
+    from megatron_ru.training.embedding_rows import KeptRows, new_rows_of, restore_after_step
+    load = args.checkpoint.load
+    rows = new_rows_of(read_checkpoint_meta(load) if load else None, load)
+    kept = KeptRows(model, args.model, vocab_size, rows, state.tp_rank)
+    restore_after_step(getattr(engine.optimizer, "optimizer", engine.optimizer), kept)
 
 
 def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) -> Progress:
@@ -148,6 +172,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
     engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
+    if args.training.train_embedding_rows == "new":
+        _train_new_rows_only(engine, engine.module, state, args, vocab_size)
     metrics = MetricsWriter(args.logging, active=state.rank == 0)
     if exit_signal is None and args.training.exit_signal_handler:
         exit_signal = ExitSignal().install()

@@ -78,10 +78,26 @@ def test_train_only_embeddings_and_freeze_patterns():
                                     if n.startswith("decoder.layers.1.") or n == "output_layer.weight")
     assert sorted(n for n, p in layers.named_parameters() if not p.requires_grad) == \
         sorted(n for n, _ in layers.named_parameters() if n.startswith("2.") or n == f"{len(layers) - 1}.weight")
-    # nothing trainable left on a rank is a clear error, not a DeepSpeed crash
-    apply_freezing(model, args.model, freeze=["*"])
-    with pytest.raises(ValueError, match="no trainable parameters on this rank"):
-        build_optimizer(model, args.optimizer)
+    # nothing trainable left in the whole model is a clear error, not a DeepSpeed crash
+    with pytest.raises(ValueError, match=r"--freeze \* leaves nothing to train in the whole model"):
+        apply_freezing(GPTModel(args.model, VOCAB - 1), args.model, freeze=["*"])
+    # a pipeline stage left with nothing to train keeps its smallest parameter in the optimizer, with a
+    # zero gradient and no weight decay (other stages train: DeepSpeed steps every stage's optimizer)
+    from megatron_ru.training.freeze import ANCHOR_ATTR, keep_optimizer_busy
+    stage = torch.nn.Sequential(*[spec.build() for spec in build_layer_specs(args.model, VOCAB - 1)[2:4]])
+    for p in stage.parameters():
+        p.requires_grad_(False)
+    keep_optimizer_busy(list(stage.named_parameters()))
+    (anchor,) = [p for p in stage.parameters() if p.requires_grad]
+    assert getattr(anchor, ANCHOR_ATTR) and anchor.numel() == min(p.numel() for p in stage.parameters())
+    opt = build_optimizer(stage, args.optimizer)
+    assert [[p is anchor for p in g["params"]] for g in opt.param_groups] == [[True]]
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+    before = anchor.detach().clone()
+    anchor.sum().mul(3.0).backward()
+    assert torch.equal(anchor.grad, torch.zeros_like(anchor))
+    opt.step()
+    assert torch.equal(anchor, before)
 
 
 def _catches(pid: int, signum: int) -> bool:

@@ -130,9 +130,10 @@ def test_freeze_flags_exclusive(data_prefix):
     assert "--train-only-embeddings and --freeze are exclusive" in msg
 
 
-def test_train_only_embeddings_with_deep_pipeline(data_prefix):
-    msg = _error(data_prefix, **{"--train-only-embeddings": True, "--pipeline-model-parallel-size": 4})
-    assert "--train-only-embeddings with --pipeline-model-parallel-size 4: the middle stages" in msg
+def test_train_embedding_rows_new_needs_train_only_embeddings(data_prefix):
+    msg = _error(data_prefix, **{"--train-embedding-rows": "new"})
+    assert "--train-embedding-rows new trains part of the embedding and output rows: add --train-only-embeddings" \
+        in msg
 
 
 def test_seq_length_over_positions_with_rope(data_prefix):
