@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+from typing import Any, Optional
 
 
 def emit(text: str) -> None:
@@ -34,3 +35,21 @@ def error(message: str) -> None:
     """Write a one-line user error to stderr (the caller returns exit code 2)."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+
+
+def report_tool(prog: str, module: Any, argv: Optional[list[str]] = None) -> int:
+    """``main`` of a tool built from ``module`` (``HELP``, ``add_arguments(parser)``, ``run(args) -> dict``):
+    the report as one JSON line on stdout, exit 0; a user mistake as one ``error:`` line, exit 2."""
+    import argparse
+    import json
+    parser = argparse.ArgumentParser(prog=prog, description=module.HELP,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        report = module.run(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        error(str(e))
+        return 2
+    emit(json.dumps(report, default=str, ensure_ascii=False))
+    return 0
