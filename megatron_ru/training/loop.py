@@ -92,9 +92,12 @@ class Trainer:
                  train_ds: Optional[SampleDataset], valid_ds: Optional[SampleDataset], throughput: Throughput,
                  metrics: MetricsWriter, progress: Progress, exit_signal: Optional[ExitSignal] = None,
                  run_config: Optional[dict[str, Any]] = None,
-                 checkpoint_record: Optional[dict[str, Any]] = None) -> None:
+                 checkpoint_record: Optional[dict[str, Any]] = None,
+                 text_tables: Optional[torch.Tensor] = None) -> None:
         """``checkpoint_record``: what every saved checkpoint records about the model (``model_args``,
-        ``vocab_size``, ``tokenizer``: fields of :class:`CheckpointMeta`)."""
+        ``vocab_size``, ``tokenizer``: fields of :class:`CheckpointMeta`). ``text_tables``: [2, V] int64
+        on the device, UTF-8 bytes and characters per token id (validation then reports bits per byte
+        and per character; None for a tokenizer without text)."""
         self.engine, self.state, self.plan = engine, state, plan
         self.training, self.checkpoint, self.logging = training, checkpoint, logging
         self.valid_ds = valid_ds
@@ -104,6 +107,8 @@ class Trainer:
         self.exit_signal = exit_signal
         self.run_config = run_config or {}
         self.checkpoint_record = checkpoint_record or {}
+        self.text_tables = text_tables
+        self._text_counts = torch.zeros(2, dtype=torch.int64, device=state.device)
         self.device = state.device
         self.is_pipe = state.pp_size > 1
         self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, plan.micro_batch_size,
@@ -134,7 +139,8 @@ class Trainer:
         if self.valid_ds is None or t.eval_iters == 0:
             return None
         if self._valid_batches is None:
-            self._valid_batches = self._cycle_valid()
+            self._valid_batches = self._counted(self._cycle_valid())
+        self._text_counts.zero_()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.engine.eval()
         with torch.no_grad():
@@ -149,6 +155,27 @@ class Trainer:
         self.engine.train()
         mean = total / t.eval_iters
         return float(mean.item()) if self.is_pipe else _dp_mean(mean, self.state)
+
+    def _counted(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """``batches``, adding the UTF-8 bytes and characters of each one's labels (the scored text) to
+        the running counts (the first and the last pipeline stage read every micro batch)."""
+        for b in batches:
+            if self.text_tables is not None:
+                self._text_counts += self.text_tables[:, b.labels.reshape(-1)].sum(dim=1)
+            yield b
+
+    def text_metrics(self, mean_loss: float) -> Optional[dict[str, float]]:
+        """Bits per byte / character of the last evaluation (counts summed over the data-parallel ranks;
+        every micro batch scores all its ``b × s`` tokens)."""
+        if self.text_tables is None:
+            return None
+        from megatron_ru.training.metrics import bits_per_text
+        counts = self._text_counts.clone()
+        if self.state.dp_size > 1:
+            dist.all_reduce(counts, group=self.state.dp_group)
+        tokens = self.training.eval_iters * self.plan.global_batch_size * self.plan.seq_length
+        nbytes, nchars = (int(x) for x in counts.tolist())
+        return bits_per_text(mean_loss, tokens, nbytes, nchars)
 
     def _cycle_valid(self) -> Iterator[Batch]:
         """Validation micro batches continuing at the consumed-sample position; when the split is
@@ -261,4 +288,4 @@ class Trainer:
     def _eval_and_log(self, result: TrainResult) -> None:
         val = self.evaluate()
         if val is not None:
-            result.evals.append(self.metrics.log_eval(self.progress.iteration, val))
+            result.evals.append(self.metrics.log_eval(self.progress.iteration, val, text=self.text_metrics(val)))

@@ -149,20 +149,30 @@ class MetricsWriter:
             self._tb.add_scalar("train/lm_loss_vs_samples", rec["lm_loss"], rec["consumed_samples"])
             self._tb.flush()
 
-    def log_eval(self, iteration: int, val_loss: float, split: str = "validation") -> dict[str, Any]:
-        """Log a validation loss and its perplexity (``exp(min(loss, 20))`` like Megatron)."""
+    def log_eval(self, iteration: int, val_loss: float, split: str = "validation",
+                 text: Optional[dict[str, float]] = None) -> dict[str, Any]:
+        """Log a validation loss and its perplexity (``exp(min(loss, 20))`` like Megatron); ``text``:
+        bits per byte / per character and the counts behind them (:func:`bits_per_text`)."""
         rec = {"type": "eval", "split": split, "iteration": iteration, "val_loss": val_loss,
-               "val_ppl": math.exp(min(20.0, val_loss))}
+               "val_ppl": math.exp(min(20.0, val_loss)), **(text or {})}
         if not self.active:
             return rec
+        extra = ""
+        if text:
+            extra = (f" bits per byte: {text['val_bits_per_byte']:.6f} | bits per char: "
+                     f"{text['val_bits_per_char']:.6f} |")
         log.info(f" {split} loss at iteration {iteration} | lm loss value: {val_loss:.6E} | "
-                 f"lm loss PPL: {rec['val_ppl']:.6E} |")
+                 f"lm loss PPL: {rec['val_ppl']:.6E} |{extra}")
         self._write_json(rec)
         if self._tb is not None:
             self._tb.add_scalar(f"{split}/loss", val_loss, iteration)
             self._tb.add_scalar(f"{split}/ppl", rec["val_ppl"], iteration)
+            for key in ("val_bits_per_byte", "val_bits_per_char"):
+                if text and key in text:
+                    self._tb.add_scalar(f"{split}/{key[4:]}", text[key], iteration)
             self._tb.flush()
         return rec
+
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -171,3 +181,12 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def bits_per_text(mean_loss: float, tokens: int, nbytes: int, nchars: int) -> dict[str, float]:
+    """Bits per byte and per character of scored text: the total negative log-likelihood (``mean_loss``
+    nats × ``tokens``) in bits over the text's UTF-8 bytes / characters (comparable across tokenizers)."""
+    bits = mean_loss * tokens / math.log(2)
+    return {"val_bits_per_byte": bits / nbytes if nbytes else float("nan"),
+            "val_bits_per_char": bits / nchars if nchars else float("nan"),
+            "val_tokens": tokens, "val_bytes": nbytes, "val_chars": nchars}

@@ -179,7 +179,22 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
         exit_signal = ExitSignal().install()
     return Trainer(engine, state, batch_plan(args), args.training, args.checkpoint, args.logging, train_ds, valid_ds,
                    throughput(args, vocab_size), metrics, progress, exit_signal, run_config=args.to_dict(),
-                   checkpoint_record=checkpoint_record(args, vocab_size))
+                   checkpoint_record=checkpoint_record(args, vocab_size),
+                   text_tables=text_tables(tokenizer, vocab_size, state.device) if valid_ds is not None else None)
+
+
+def text_tables(tokenizer: Any, vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
+    """[2, V] int64: UTF-8 bytes and characters per token id (0 for special and padding ids), for bits
+    per byte in validation; None for a tokenizer whose ids have no text (NullTokenizer)."""
+    from megatron_ru.adapt.token_text import byte_and_char_counts, token_texts
+    try:
+        nbytes, nchars = byte_and_char_counts(token_texts(tokenizer))
+    except ValueError:
+        return None
+    out = torch.zeros((2, vocab_size), dtype=torch.int64)
+    out[0, :len(nbytes)] = torch.from_numpy(nbytes)
+    out[1, :len(nchars)] = torch.from_numpy(nchars)
+    return out.to(device)
 
 
 def run(args: Arguments, job_started: Optional[float] = None,
