@@ -49,18 +49,22 @@ def _is_cyrillic(word: str) -> bool:
     return "а" <= word[0].lower() <= "я" or word[0] in "ёЁ"
 
 
-def _language_vocab(language: str) -> tuple[list[str], list[float]]:
-    if language == "mixed":
+def _language_vocab(language: str, common_only: bool = False) -> tuple[list[str], list[float]]:
+    """The words of ``language`` and their cumulative Zipf weights; ``common_only``: the fixed word
+    list without the pseudo-words (a small vocabulary a tiny model learns in minutes)."""
+    if language == "mixed" and not common_only:
         return _VOCAB, _CUM_WEIGHTS
     if language not in LANGUAGES:
         raise ValueError(f"language {language!r}: choose one of {', '.join(LANGUAGES)}")
-    words = [w for w in _VOCAB if _is_cyrillic(w) == (language == "ru")]
+    words = _VOCAB[:len(_WORDS)] if common_only else _VOCAB
+    if language != "mixed":
+        words = [w for w in words if _is_cyrillic(w) == (language == "ru")]
     return words, list(itertools.accumulate(1.0 / (i + 1) for i in range(len(words))))
 
 
-def _sentence(rng: random.Random, language: str = "mixed") -> str:
+def _sentence(rng: random.Random, language: str = "mixed", common_only: bool = False) -> str:
     n = rng.randint(4, 18)
-    vocab, weights = _language_vocab(language)
+    vocab, weights = _language_vocab(language, common_only)
     words = rng.choices(vocab, cum_weights=weights, k=n)
     if rng.random() < 0.15:
         words.insert(rng.randrange(n), str(rng.randint(1, 3000)))
@@ -68,30 +72,32 @@ def _sentence(rng: random.Random, language: str = "mixed") -> str:
     return s[0].upper() + s[1:] + rng.choice(".....!?")
 
 
-def document(rng: random.Random, paragraphs: tuple[int, int] = (3, 30), language: str = "mixed") -> str:
+def document(rng: random.Random, paragraphs: tuple[int, int] = (3, 30), language: str = "mixed",
+             common_only: bool = False) -> str:
     paras = []
     for _ in range(rng.randint(*paragraphs)):
-        paras.append(" ".join(_sentence(rng, language) for _ in range(rng.randint(1, 8))))
+        paras.append(" ".join(_sentence(rng, language, common_only) for _ in range(rng.randint(1, 8))))
     titles = _TITLES if language == "mixed" else [t for t in _TITLES if _is_cyrillic(t) == (language == "ru")]
     return rng.choice(titles) + "\n\n" + "\n\n".join(paras)
 
 
 def records(n_docs: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30),
-            language: str = "mixed") -> Iterator[dict]:
+            language: str = "mixed", common_only: bool = False) -> Iterator[dict]:
     rng = random.Random(seed)
     domains = ("news", "wiki", "science")
     for i in range(n_docs):
-        yield {"id": i, "text": document(rng, paragraphs, language), "domain": domains[rng.randrange(len(domains))]}
+        yield {"id": i, "text": document(rng, paragraphs, language, common_only),
+               "domain": domains[rng.randrange(len(domains))]}
 
 
 def write_corpus(path: str, target_bytes: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30),
-                 language: str = "mixed") -> int:
+                 language: str = "mixed", common_only: bool = False) -> int:
     """Write JSONL of at least ``target_bytes`` (UTF-8) to ``path`` atomically; returns documents."""
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     written = docs = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records(1 << 62, seed, paragraphs, language):
+        for rec in records(1 << 62, seed, paragraphs, language, common_only):
             line = json.dumps(rec, ensure_ascii=False) + "\n"
             f.write(line)
             written += len(line.encode("utf-8"))
