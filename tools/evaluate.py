@@ -13,10 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ru.adapt.evaluate import main  # noqa: E402
-from megatron_ru.training.failure import flush_and_exit  # noqa: E402
+from megatron_ru.training.failure import exit_with  # noqa: E402
 
 if __name__ == "__main__":
-    code = main()
-    if code != 0:
-        flush_and_exit(code)  # a failed job must not wait on its peers while shutting down
-    sys.exit(code)
+    exit_with(main())

@@ -26,15 +26,12 @@ combined in float64. Output: a table on stdout and ``--output-json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
-import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -203,7 +200,7 @@ def score_document(runner: Any, doc: Document, start: int, length: int, stride: 
     return total
 
 
-def run(ns: argparse.Namespace) -> dict[str, Any]:
+def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     from megatron_ru.adapt.model_io import load_tokenizer, open_model, open_tokenizer
     from megatron_ru.inference.runner import StageRunner
     from megatron_ru.parallel.env import init_distributed
@@ -284,32 +281,7 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    from megatron_ru.training.failure import SILENT_GRACE_S, launcher_rank
-    parser = build_parser()
-    if launcher_rank() in (0, None):
-        return parser.parse_args(argv)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            return parser.parse_args(argv)
-        except SystemExit as e:
-            if e.code:
-                time.sleep(SILENT_GRACE_S[0])
-            raise
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The whole program; returns the exit status (0 done, 2 a bad flag or input, 1 a failure)."""
-    from megatron_ru.training.failure import report_failure
-    argv = sys.argv[1:] if argv is None else list(argv)
-    timeout: Optional[float] = None
-    try:
-        ns = _parse(argv)
-        timeout = ns.distributed_timeout_minutes
-        run(ns)
-    except Exception as e:  # noqa: BLE001 - one message, one exit status
-        return report_failure(e, timeout, what="evaluation")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
+    from megatron_ru.training.failure import distributed_tool_main
+    return distributed_tool_main(argv, build_parser, run, what="evaluation")

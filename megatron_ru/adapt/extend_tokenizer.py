@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -175,13 +174,3 @@ def _split(token: str, vocab: dict[str, int]) -> Optional[tuple[str, str]]:
                 best = (score, left, right)
     return None if best is None else (best[1], best[2])
 
-
-def copy_tokenizer(source: TokenizerSource, out_dir: str) -> TokenizerSource:
-    """``source`` copied into ``out_dir`` (for a replace-mode Hugging Face output)."""
-    os.makedirs(out_dir, exist_ok=True)
-    if source.type == HF_TYPE:
-        copy_hf_tokenizer(source.path, out_dir)
-        return TokenizerSource(HF_TYPE, out_dir)
-    dst = os.path.join(out_dir, os.path.basename(source.path))
-    shutil.copyfile(source.path, dst)
-    return TokenizerSource(source.type, dst)

@@ -12,12 +12,8 @@ Exit status as ``pretrain_gpt.py``: 0 done, 2 a bad flag or input, 1 a failure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import os
-import sys
-import time
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
@@ -28,7 +24,7 @@ from megatron_ru.config.base import accept_negative_numbers, add_config_argument
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.inference.prompts import collect_prompts, result_record, write_jsonl
 from megatron_ru.inference.sampling import SamplingParams
-from megatron_ru.training.failure import SILENT_GRACE_S, launcher_rank, report_failure
+from megatron_ru.training.failure import distributed_tool_main
 from megatron_ru.utils import cli
 from megatron_ru.utils.logging import get_logger, log_rank0
 
@@ -168,20 +164,6 @@ def completion_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int
     return whole[len(head):] if whole.startswith(head) else tokenizer.detokenize(list(ids))
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    """argparse's own output (usage errors, --help) from rank 0 only, as ``pretrain_gpt.py``."""
-    parser = build_parser()
-    if launcher_rank() in (0, None):
-        return parser.parse_args(argv)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            return parser.parse_args(argv)
-        except SystemExit as e:
-            if e.code:
-                time.sleep(SILENT_GRACE_S[0])
-            raise
-
-
 def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     """Generate for every prompt; returns the result records (complete on rank 0)."""
     from megatron_ru.adapt.model_io import is_hf_model_dir, open_model
@@ -252,15 +234,4 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The whole program; returns the exit status (0 done, 2 a bad flag or input, 1 a failure)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    timeout: Optional[float] = None
-    try:
-        ns = _parse(argv)
-        timeout = ns.distributed_timeout_minutes
-        run(ns, argv)
-    except Exception as e:  # noqa: BLE001 - one message, one exit status
-        return report_failure(e, timeout, what="generation")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
+    return distributed_tool_main(argv, build_parser, run, what="generation")

@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 from megatron_ru.utils.logging import get_logger
 
@@ -38,6 +38,7 @@ EXIT_FAILURE, EXIT_INPUT_ERROR = 1, 2
 #: a user's configuration or input is wrong: exit 2
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 DEBUG_VAR = "MEGATRON_RU_DEBUG"
+T = TypeVar("T")
 _CLAIM_KEY = "megatron_ru/error_reported"
 _CLAIM_TIMEOUT = timedelta(seconds=5)
 #: how long a silent rank waits before exiting (before / after the process group exists)
@@ -139,3 +140,45 @@ def flush_and_exit(code: int) -> None:
     from megatron_ru.parallel.env import abort_mpi_if_active
     abort_mpi_if_active(code)
     os._exit(code)
+
+
+def exit_with(code: int) -> None:
+    """A tool's last line: exit with ``code``, at once when it is a failure (see :func:`flush_and_exit`)."""
+    if code != 0:
+        flush_and_exit(code)  # a failed job must not wait on its peers while shutting down
+    sys.exit(code)
+
+
+def parse_on_rank0(parse: Callable[[Sequence[str]], T], argv: Sequence[str]) -> T:
+    """``parse(argv)`` with argparse's own output (a usage error, --help) from rank 0 only: every
+    rank parses the same command line, and four copies of one error help nobody."""
+    import contextlib
+    import io
+    if launcher_rank() in (0, None):
+        return parse(argv)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return parse(argv)
+        except SystemExit as e:
+            if e.code:
+                time.sleep(SILENT_GRACE_S[0])  # rank 0 prints it and ends the job meanwhile
+            raise
+
+
+def distributed_tool_main(argv: Optional[Sequence[str]], parser: Callable[[], Any],
+                          run: Callable[[Any, Sequence[str]], Any], what: str) -> int:
+    """``main`` of a tool that every rank of a job runs (generation, evaluation): parse (output from
+    rank 0), ``run(ns, argv)``, one message and exit status 2/1 on failure, 0 after a clean shutdown."""
+    import torch.distributed as dist
+    argv = sys.argv[1:] if argv is None else list(argv)
+    timeout: Optional[float] = None
+    try:
+        ns = parse_on_rank0(lambda a: parser().parse_args(a), argv)
+        timeout = ns.distributed_timeout_minutes
+        run(ns, argv)
+    except Exception as e:  # noqa: BLE001 - one message, one exit status
+        return report_failure(e, timeout, what=what)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0

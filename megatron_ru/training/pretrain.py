@@ -4,8 +4,6 @@ process that already initialised torch.distributed (tests).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -15,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_ru.config.arguments import Arguments, parse_arguments
 from megatron_ru.parallel.state import ParallelState
-from megatron_ru.training.failure import SILENT_GRACE_S, launcher_rank, report_failure
+from megatron_ru.training.failure import parse_on_rank0, report_failure
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
 from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
 from megatron_ru.training.signals import ExitSignal, install_if_requested
@@ -215,20 +213,6 @@ def run(args: Arguments, job_started: Optional[float] = None,
     return result
 
 
-def _parse(argv: Sequence[str]) -> Arguments:
-    """``parse_arguments``, with argparse's own output (a usage error, --help) from rank 0 only:
-    every rank parses the same command line, and four copies of one error help nobody."""
-    if launcher_rank() in (0, None):
-        return parse_arguments(argv)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            return parse_arguments(argv)
-        except SystemExit as e:
-            if e.code:
-                time.sleep(SILENT_GRACE_S[0])  # rank 0 prints it and ends the job meanwhile
-            raise
-
-
 def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = None,
          exit_signal: Optional[ExitSignal] = None) -> int:
     """The whole program; returns the exit status: 0 done (also after a signal-triggered save),
@@ -242,7 +226,7 @@ def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = No
         exit_signal = install_if_requested(argv)
     timeout_minutes: Optional[float] = None
     try:
-        args = _parse(argv)
+        args = parse_on_rank0(parse_arguments, argv)
         timeout_minutes = args.parallel.distributed_timeout_minutes
         run(args, job_started, exit_signal)
     except Exception as e:  # noqa: BLE001 - every failure ends here: one message, one exit status

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -15,17 +14,15 @@ import pytest
 import torch
 
 from megatron_ru.adapt.model_io import open_model, save_model
-from megatron_ru.data.preprocess.synthetic import document
 from tests.fixtures.models import tiny_llama
-from tests.fixtures.tokenizers import make_sentencepiece, sample_texts
+from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts, sample_texts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "adapt_vocab.py")
 
 
 def _ru(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [document(rng, (1, 3), "ru") for _ in range(n)]
+    return language_texts("ru", n, seed)
 
 
 def _train(model, ids: list[list[int]], steps: int = 300, seq: int = 64) -> None:
@@ -48,13 +45,9 @@ def _train(model, ids: list[list[int]], steps: int = 300, seq: int = 64) -> None
 def base(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from megatron_ru.convert.tokenizer_files import sentencepiece_to_llama_fast
     from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
     d = tmp_path_factory.mktemp("adapt")
-    old_sp = make_sentencepiece(str(d), vocab=600, texts=sample_texts(200), name="old")
-    new_sp = make_sentencepiece(str(d), vocab=600, texts=_ru(200, 5), name="new")
-    tok_dir = str(d / "old_tok")
-    sentencepiece_to_llama_fast(old_sp, tok_dir)
+    old_sp, new_sp, tok_dir = adaptation_tokenizers(str(d))
     old = GPTSentencePieceTokenizer(old_sp)
     hf = tiny_llama(str(d / "base"), vocab_size=old.vocab_size, hidden=64, layers=2, ffn=128,
                     tokenizer_dir=tok_dir, eos_token_id=old.eod)

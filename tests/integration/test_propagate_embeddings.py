@@ -15,8 +15,7 @@ import torch
 
 from megatron_ru.adapt.model_io import open_model, save_model
 from tests.fixtures.models import tiny_llama
-from tests.fixtures.tokenizers import make_sentencepiece, sample_texts
-from tests.integration.test_adapt_vocab import _ru
+from tests.fixtures.tokenizers import adaptation_tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "propagate_embeddings.py")
@@ -53,13 +52,9 @@ def _invertible(h: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def family(request, tmp_path_factory):
-    from megatron_ru.convert.tokenizer_files import sentencepiece_to_llama_fast
     tied = request.param
     d = tmp_path_factory.mktemp("lep_tied" if tied else "lep")
-    old_sp = make_sentencepiece(str(d), vocab=600, texts=sample_texts(200), name="old")
-    new_sp = make_sentencepiece(str(d), vocab=600, texts=_ru(200, 5), name="new")
-    tok_dir = str(d / "old_tok")
-    sentencepiece_to_llama_fast(old_sp, tok_dir)
+    _, new_sp, tok_dir = adaptation_tokenizers(str(d))
     base = tiny_llama(str(d / "base"), vocab_size=600, tied=tied, tokenizer_dir=tok_dir)
     # the adapted base: adapt_vocab's output, then "trained" (embeddings and layers moved)
     first = str(d / "adapted0")

@@ -6,7 +6,6 @@ bf16; the adaptation record is carried into the saved checkpoints."""
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -14,10 +13,9 @@ import pytest
 import torch
 
 from megatron_ru.adapt.model_io import open_model, save_model
-from megatron_ru.data.preprocess.synthetic import document
 from tests.dist_utils import run_distributed
 from tests.fixtures.models import tiny_llama
-from tests.fixtures.tokenizers import make_sentencepiece, sample_texts
+from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts
 from tests.integration._train_helpers import train_body
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,19 +23,10 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 EMB, OUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
-def _ru(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [document(rng, (1, 3), "ru") for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def adapted(tmp_path_factory):
-    from megatron_ru.convert.tokenizer_files import sentencepiece_to_llama_fast
     d = tmp_path_factory.mktemp("train_emb")
-    old_sp = make_sentencepiece(str(d), vocab=600, texts=sample_texts(200), name="old")
-    new_sp = make_sentencepiece(str(d), vocab=600, texts=_ru(200, 5), name="new")
-    tok_dir = str(d / "old_tok")
-    sentencepiece_to_llama_fast(old_sp, tok_dir)
+    _, new_sp, tok_dir = adaptation_tokenizers(str(d))
     base = tiny_llama(str(d / "base"), vocab_size=600, hidden=64, layers=4, heads=4, kv_heads=2, ffn=128,
                       max_positions=64, tokenizer_dir=tok_dir)
     hf = str(d / "adapted_hf")
@@ -55,7 +44,7 @@ def adapted(tmp_path_factory):
                        get_tensor=src.get, tokenizer=src.tokenizer, tp=2, pp=2)
     corpus = d / "ru.jsonl"
     import json
-    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in _ru(150, 6)),
+    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in language_texts("ru", 150, 6)),
                       encoding="utf-8")
     prefix = str(d / "ru")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(corpus),

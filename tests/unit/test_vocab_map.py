@@ -6,7 +6,6 @@ the old language exactly as before."""
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -16,14 +15,11 @@ from megatron_ru.adapt.model_io import load_tokenizer
 from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import build_vocab_map, piece_weights
 from megatron_ru.convert.tokenizer_files import TokenizerSource
-from megatron_ru.data.preprocess.synthetic import document
 from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
-from tests.fixtures.tokenizers import make_hf_tokenizer_dir, make_sentencepiece
+from tests.fixtures.tokenizers import language_texts, make_hf_tokenizer_dir, make_sentencepiece
 
 
-def texts(language: str, n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [document(rng, (1, 3), language) for _ in range(n)]
+texts = language_texts
 
 
 @pytest.fixture(scope="module")
