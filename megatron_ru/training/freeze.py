@@ -65,15 +65,18 @@ def apply_freezing(model: torch.nn.Module, cfg: ModelConfig, *, train_only_embed
             if p.requires_grad:
                 p.requires_grad_(False)
                 frozen.append(name)
+    if not (train_only_embeddings or patterns):
+        return frozen
+    # a collective on every stage (same flags everywhere), whether or not this stage froze anything
+    trainable = sum(p.numel() for _, p in named if p.requires_grad)
+    (everywhere,) = _matched_anywhere([trainable], group)
     if frozen:
-        trainable = sum(p.numel() for _, p in named if p.requires_grad)
         log_rank0(log, f"froze {len(frozen)} parameter tensors; {trainable} trainable parameters on this rank")
-        (everywhere,) = _matched_anywhere([trainable], group)
-        if everywhere == 0:
-            raise ValueError(f"--freeze {' '.join(patterns)} leaves nothing to train in the whole model; freeze fewer "
-                             "parameters")
-        if trainable == 0:
-            keep_optimizer_busy(named)
+    if everywhere == 0:
+        raise ValueError(f"--freeze {' '.join(patterns)} leaves nothing to train in the whole model; freeze fewer "
+                         "parameters")
+    if trainable == 0:
+        keep_optimizer_busy(named)
     return frozen
 
 

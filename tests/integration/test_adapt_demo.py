@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_adapt_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "adapt"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "adapt_language.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200, cwd=ROOT)
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "bits per byte fell at every step where it should" in proc.stdout
     scores = {s["step"]: s for s in json.loads((out / "summary.json").read_text(encoding="utf-8"))}
