@@ -26,14 +26,12 @@ from megatron_ru.adapt.model_io import KINDS, open_model, open_tokenizer, save_m
 from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
 from megatron_ru.convert.staging import check_output
-from megatron_ru.model.spec import EMBEDDING, OUTPUT_LAYER
+from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT as EMBEDDING_WEIGHT
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 HELP = "new vocabulary for a model, new embedding rows from the mean of the old pieces"
-EMBEDDING_WEIGHT = f"{EMBEDDING}.word_embeddings.weight"
-OUTPUT_WEIGHT = f"{OUTPUT_LAYER}.weight"
 REPORT_FILE = "vocab_adaptation.json"
 INITS = ("mean", "weighted-mean", "random")
 
@@ -74,12 +72,11 @@ def _ranges(ids: list[int]) -> list[list[int]]:
     return out
 
 
-def _new_rows(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int) -> torch.Tensor:
-    """The adapted matrix with ``rows`` rows: converted by ``vmap``; rows past the new tokenizer's ids
-    (a model with more rows than its tokenizer, as Qwen) keep the old rows when there are any, else
-    the mean of the old rows."""
-    weighted = init == "weighted-mean"
-    new = vmap.convert(old, weighted=weighted)
+def _new_rows(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """The adapted matrix with ``rows`` rows, converted by ``vmap``, and the ids that got the mean of
+    all old rows; rows past the new tokenizer's ids (a model with more rows than its tokenizer, as
+    Qwen) keep the old rows when there are any, else the mean of the old rows."""
+    new, fallbacks = vmap.convert_with_fallbacks(old, weighted=init == "weighted-mean")
     if init == "random":
         gen = torch.Generator().manual_seed(seed)
         std = float(old[:vmap.old_size].to(torch.float64).std())
@@ -90,7 +87,7 @@ def _new_rows(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int
         extra = old[new.shape[0]:rows] if old.shape[0] >= rows else \
             old[:vmap.old_size].to(torch.float64).mean(0, keepdim=True).expand(rows - new.shape[0], -1).to(old.dtype)
         new = torch.cat([new, extra.to(old.dtype)])
-    return new
+    return new, fallbacks
 
 
 def _sample_report(sample: Optional[str], old_tok: Any, new_tok: Any, vmap: VocabMap, old_texts: Any,
@@ -146,9 +143,10 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             target_source, target_tok, target_texts = new_source, new_tok, new_texts
             rows = target_tok.vocab_size
         vmap = build_vocab_map(old_tok, target_tok, old_texts, target_texts)
-        tensors = {EMBEDDING_WEIGHT: _new_rows(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed)}
+        tensors = {}
+        tensors[EMBEDDING_WEIGHT], fallbacks = _new_rows(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed)
         if not src.cfg.tied_embeddings:
-            tensors[OUTPUT_WEIGHT] = _new_rows(src.get(OUTPUT_WEIGHT), vmap, args.init, rows, args.seed + 1)
+            tensors[OUTPUT_WEIGHT], _ = _new_rows(src.get(OUTPUT_WEIGHT), vmap, args.init, rows, args.seed + 1)
         record = {"mode": args.mode, "init": args.init, "old_vocab_size": src.vocab_size,
                   "new_rows": _ranges(vmap.new_ids())}
         counts = vmap.counts()
@@ -156,7 +154,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             "save": os.path.abspath(args.save), "output_format": kind, "mode": args.mode, "init": args.init,
             "old_vocab_size": src.vocab_size, "new_vocab_size": rows, "tokenizer_size": target_tok.vocab_size,
             "kept": counts["kept"] + counts["special"], "special_matched": counts["special"],
-            "initialised_from_pieces": counts["pieces"], "fallback": len(vmap.fallback_ids(src.get(EMBEDDING_WEIGHT))),
+            "initialised_from_pieces": counts["pieces"], "fallback": len(fallbacks),
             "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
             "skipped_pieces": skipped if args.mode == "extend" else None,
             **_sample_report(args.sample_text, old_tok, target_tok, vmap, old_texts, target_texts)}

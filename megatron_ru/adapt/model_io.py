@@ -24,6 +24,7 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.convert.tokenizer_files import (HF_TYPE, SP_TYPES, TOKENIZER_DIR, TokenizerSource,
                                                  copy_hf_tokenizer, hf_tokenizer_files, recorded_tokenizer)
 from megatron_ru.data.tokenizer import Tokenizer
+from megatron_ru.model.spec import WORD_EMBEDDING_WEIGHT
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -230,9 +231,9 @@ def _save_hf(out: str, cfg: ModelConfig, vocab_size: int, get_tensor: Callable[[
     arch = ((hf_config or {}).get("architectures") or [None])[0] or architecture_for(cfg)
     if arch not in SUPPORTED_ARCHITECTURES:
         arch = architecture_for(cfg)
-    first = get_tensor("embedding.word_embeddings.weight")
+    first = get_tensor(WORD_EMBEDDING_WEIGHT)
     out_dtype = dtype or first.dtype
-    cache = {"embedding.word_embeddings.weight": first}
+    cache = {WORD_EMBEDDING_WEIGHT: first}
 
     def tensors_of(spec: Any) -> dict[str, torch.Tensor]:
         t = cache.pop(spec.name, None)

@@ -37,14 +37,14 @@ from megatron_ru.adapt.model_io import KINDS, ModelSource, load_tokenizer, open_
 from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import build_vocab_map
 from megatron_ru.convert.staging import check_output
-from megatron_ru.model.spec import EMBEDDING, OUTPUT_LAYER, model_args_dict
+from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT, model_args_dict
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 HELP = "Learned Embedding Propagation: an adapted base model's embeddings into its instruct model"
 MODES = ("direct", "union", "conversion")
-EMB, OUT = f"{EMBEDDING}.word_embeddings.weight", f"{OUTPUT_LAYER}.weight"
+EMB, OUT = WORD_EMBEDDING_WEIGHT, OUTPUT_WEIGHT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -57,17 +57,23 @@ class VocabMap:
         """Ids whose rows adaptation computed (everything but kept and special rows)."""
         return [i for i, k in enumerate(self.kind) if k not in ("kept", "special")]
 
-    @torch.no_grad()
     def convert(self, old: torch.Tensor, weighted: bool = False) -> torch.Tensor:
         """``old`` [≥ old_size, h] → [new_size, h]: kept and special rows copied exactly, the others
         the (weighted) mean of their pieces' rows computed in float64, fallback rows the mean of all
         ``old_size`` old rows; returned in ``old``'s dtype."""
+        return self.convert_with_fallbacks(old, weighted)[0]
+
+    @torch.no_grad()
+    def convert_with_fallbacks(self, old: torch.Tensor, weighted: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`convert`, and the ids that got the mean of all old rows (no pieces, or pieces
+        averaging to the zero vector)."""
         if old.dim() != 2 or old.shape[0] < self.old_size:
             raise ValueError(f"expected a matrix with at least {self.old_size} rows, got shape {tuple(old.shape)}")
         h = old.shape[1]
         old64 = old[:self.old_size].to(torch.float64)
         fallback = old64.mean(dim=0)
         out = torch.empty((self.new_size, h), dtype=torch.float64)
+        fallbacks: list[int] = []
         for start in range(0, self.new_size, _BLOCK):
             stop = min(start + _BLOCK, self.new_size)
             rows, src, w = [], [], []
@@ -81,19 +87,15 @@ class VocabMap:
                 block.index_add_(0, torch.tensor(rows), old64[torch.tensor(src)] * torch.tensor(w, dtype=torch.float64)[:, None])
             empty = (block == 0).all(dim=1)
             block[empty] = fallback
+            fallbacks += (empty.nonzero().flatten() + start).tolist()
             out[start:stop] = block
         result = out.to(old.dtype)
         exact = [i for i, k in enumerate(self.kind) if k in ("kept", "special")]
         if exact:
             idx = torch.tensor(exact)
             result[idx] = old[torch.tensor([self.pieces[i][0] for i in exact])]
-        return result
-
-    def fallback_ids(self, old: torch.Tensor) -> list[int]:
-        """Ids that :meth:`convert` gives the mean of all rows (no pieces, or pieces summing to zero)."""
-        zero = [i for i, k in enumerate(self.kind) if k == "pieces"
-                and bool((old[torch.tensor(self.pieces[i])].to(torch.float64).sum(0) == 0).all())]
-        return sorted([i for i, k in enumerate(self.kind) if k == "fallback"] + zero)
+        exact_ids = set(exact)
+        return result, [i for i in fallbacks if i not in exact_ids]
 
 
 def piece_weights(texts: Sequence[Optional[bytes]]) -> list[float]:

@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import EMBEDDING, FINAL_NORM, OUTPUT_LAYER, WORD_EMBEDDINGS, layer_prefix, parameter_specs
+from megatron_ru.model.spec import (EMBEDDING, FINAL_NORM, OUTPUT_LAYER, VOCAB_WEIGHTS, WORD_EMBEDDINGS, layer_prefix,
+                                    parameter_specs)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -337,7 +338,7 @@ def to_canonical(name: str, hf_tensors: dict[str, torch.Tensor], cfg: ModelConfi
     missing = [n for n in sources if n not in hf_tensors]
     if missing:
         raise ValueError(f"{name} is made of {', '.join(sources)}: tensor {', '.join(missing)} is missing")
-    vocab = hf_tensors[sources[0]].shape[0] if name in (f"{EMBEDDING}.{WORD_EMBEDDINGS}", f"{OUTPUT_LAYER}.weight") \
+    vocab = hf_tensors[sources[0]].shape[0] if name in VOCAB_WEIGHTS \
         else 1
     shapes = _memo("shapes", cfg, vocab, lambda: _hf_shapes(cfg, vocab))
     for n in sources:
@@ -357,7 +358,7 @@ def to_canonical(name: str, hf_tensors: dict[str, torch.Tensor], cfg: ModelConfi
 def from_canonical(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The HF tensors of canonical tensor ``name`` (exact inverse of :func:`to_canonical`)."""
     sources = _sources(name, cfg)
-    vocab = tensor.shape[0] if name in (f"{EMBEDDING}.{WORD_EMBEDDINGS}", f"{OUTPUT_LAYER}.weight") else 1
+    vocab = tensor.shape[0] if name in VOCAB_WEIGHTS else 1
     want = _memo("specs", cfg, vocab, lambda: {spec.name: spec.shape for spec in parameter_specs(cfg, vocab)})[name]
     _check_shape(name, tensor, want, "the model configuration")
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):

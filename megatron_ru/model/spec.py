@@ -40,6 +40,10 @@ FINAL_NORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer"
 TIED_KEY = "embed"
 WORD_EMBEDDINGS = "word_embeddings.weight"
+#: canonical names of the two matrices with a row per vocabulary entry
+WORD_EMBEDDING_WEIGHT = f"{EMBEDDING}.{WORD_EMBEDDINGS}"
+OUTPUT_WEIGHT = f"{OUTPUT_LAYER}.weight"
+VOCAB_WEIGHTS = (WORD_EMBEDDING_WEIGHT, OUTPUT_WEIGHT)
 
 KINDS = ("embedding", "transformer", "final_norm", "output")
 

@@ -10,9 +10,9 @@ every other row (the kept vocabulary, and the padding rows of the layout) stays 
   the trained rows only;
 * AdamW's decoupled weight decay would still shrink them (``p *= 1 - lr·wd`` touches every row), so
   after each inner optimizer step their fp32 master values are put back: on the parameter itself
-  when the optimizer works on it (fp32, ZeRO 0), else through DeepSpeed's high-precision mapping
-  (``safe_get/set_full_fp32_param``: bf16, ZeRO 1/2), before DeepSpeed copies the masters into the
-  model's weights.
+  when the optimizer works on it (fp32, ZeRO 0), else in this rank's fragment of DeepSpeed's fp32
+  master partition (``_hp_mapping``: bf16, ZeRO 1/2), before DeepSpeed copies the masters into the
+  model's weights — a local copy, no communication.
 """
 from __future__ import annotations
 
@@ -21,12 +21,10 @@ from typing import Any, Optional
 import torch
 
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import EMBEDDING, OUTPUT_LAYER, canonical_named_parameters
+from megatron_ru.model.spec import VOCAB_WEIGHTS, canonical_named_parameters
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 log = get_logger(__name__)
-
-ROW_PARAMS = (f"{EMBEDDING}.word_embeddings.weight", f"{OUTPUT_LAYER}.weight")
 
 
 def new_rows_of(meta: Any, load: Optional[str]) -> list[tuple[int, int]]:
@@ -39,45 +37,53 @@ def new_rows_of(meta: Any, load: Optional[str]) -> list[tuple[int, int]]:
 
 
 class KeptRows:
-    """The rows of this rank's embedding/output shards that must not change, and their values."""
+    """The values of this rank's embedding/output shards that must not change: for each, the fp32
+    tensor the optimizer updates (the parameter itself, or this rank's fragment of DeepSpeed's fp32
+    master partition), the flat positions of kept values in it, and those values as loaded."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, vocab_size: int, new_rows: list[tuple[int, int]],
                  tp_rank: int) -> None:
-        self.entries: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         trained = 0
         for name, p in canonical_named_parameters(model, cfg):
-            if name not in ROW_PARAMS or id(p) in seen or not p.requires_grad:
+            if name not in VOCAB_WEIGHTS or id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
             rows = p.shape[0]
-            first = tp_rank * rows
-            global_rows = torch.arange(first, first + rows)
+            global_rows = torch.arange(tp_rank * rows, (tp_rank + 1) * rows)
             train = torch.zeros(rows, dtype=torch.bool)
             for a, b in new_rows:
                 train |= (global_rows >= a) & (global_rows < min(b, vocab_size))
-            keep = (~train).nonzero().flatten().to(p.device)
             trained += int(train.sum())
-            if len(keep) == 0:
+            if bool(train.all()):
                 continue
-            values = p.detach()[keep].to(torch.float32).clone()
-            mask = (~train).to(device=p.device, dtype=p.dtype).unsqueeze(1)
-            p.register_hook(lambda g, m=mask: g * (1 - m).to(g.dtype))
-            self.entries.append((p, keep, values))
+            trained_rows = train.to(device=p.device, dtype=p.dtype).unsqueeze(1)
+            p.register_hook(lambda g, m=trained_rows: g * m)
+            keep = (~train).unsqueeze(1).expand(p.shape).reshape(-1)     # per flat element
+            target, start = self._master(p)
+            if target is None or target.numel() == 0:
+                continue
+            idx = keep[start:start + target.numel()].nonzero().flatten().to(target.device)
+            if len(idx):
+                self.entries.append((target, idx, target[idx].clone()))
         log_rank0(log, f"--train-embedding-rows new: {trained} rows train on this rank's shards; the others are "
                        f"kept as loaded")
 
+    @staticmethod
+    def _master(p: torch.nn.Parameter) -> tuple[Optional[torch.Tensor], int]:
+        """(flat fp32 tensor the optimizer updates for ``p`` on this rank, its offset in ``p``'s elements)."""
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is not None:       # bf16 / ZeRO 1-2: this rank's fragment of the fp32 master partition
+            return mapping.hp_fragment.data.view(-1), int(mapping.lp_fragment_address.start)
+        return p.data.view(-1), 0     # fp32 without ZeRO: the parameter itself
+
     @torch.no_grad()
     def restore(self) -> None:
-        """Put the kept rows' fp32 master values back (after an inner optimizer step)."""
-        for p, keep, values in self.entries:
-            if hasattr(p, "_hp_mapping") and p._hp_mapping is not None:
-                from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
-                full = safe_get_full_fp32_param(p)
-                full[keep] = values.to(full.device)
-                safe_set_full_fp32_param(p, full)
-            else:
-                p.data[keep] = values.to(p.dtype)
+        """Put the kept values back into the fp32 masters (after an inner optimizer step, before
+        DeepSpeed copies the masters into the model's weights); local, no communication."""
+        for target, idx, values in self.entries:
+            target[idx] = values
 
 
 def restore_after_step(optimizer: torch.optim.Optimizer, kept: KeptRows) -> None:

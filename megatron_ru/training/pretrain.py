@@ -80,9 +80,10 @@ def model_vocab_size(args: Arguments, tokenizer_size: int) -> int:
     return vocab
 
 
-def checkpoint_record(args: Arguments, vocab_size: int) -> dict[str, Any]:
-    """What every checkpoint of this run records about the model: the ModelConfig, V and the
-    tokenizer flags (paths made absolute, so ``--use-checkpoint-args`` finds them from anywhere)."""
+def checkpoint_record(args: Arguments, vocab_size: int, loaded: Any = None) -> dict[str, Any]:
+    """What every checkpoint of this run records about the model: the ModelConfig, V, the tokenizer
+    flags (paths made absolute, so ``--use-checkpoint-args`` finds them from anywhere) and the
+    vocabulary adaptation recorded by the checkpoint it started from (``loaded``, its CheckpointMeta)."""
     import dataclasses
     import os
 
@@ -93,28 +94,18 @@ def checkpoint_record(args: Arguments, vocab_size: int) -> dict[str, Any]:
             tokenizer[key] = os.path.abspath(tokenizer[key])
     record: dict[str, Any] = {"model_args": model_args_dict(args.model), "vocab_size": vocab_size,
                               "tokenizer": tokenizer}
-    adaptation = _loaded_vocab_adaptation(args)
+    adaptation = getattr(loaded, "vocab_adaptation", None)
     if adaptation is not None:  # which rows a vocabulary adaptation initialised: kept for later runs
         record["vocab_adaptation"] = adaptation
     return record
 
 
-def _loaded_vocab_adaptation(args: Arguments) -> Optional[dict[str, Any]]:
-    if not args.checkpoint.load:
-        return None
-    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
-    meta = read_checkpoint_meta(args.checkpoint.load)
-    return None if meta is None else meta.vocab_adaptation
-
-
-def _train_new_rows_only(engine: "DeepSpeedEngine", model: torch.nn.Module, state: ParallelState, args: Arguments,
-                         vocab_size: int) -> None:
+def _train_new_rows_only(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments, vocab_size: int,
+                         loaded: Any) -> None:
     """--train-embedding-rows new: the rows outside the adaptation's new rows stay as loaded."""
-    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
     from megatron_ru.training.embedding_rows import KeptRows, new_rows_of, restore_after_step
-    load = args.checkpoint.load
-    rows = new_rows_of(read_checkpoint_meta(load) if load else None, load)
-    kept = KeptRows(model, args.model, vocab_size, rows, state.tp_rank)
+    rows = new_rows_of(loaded, args.checkpoint.load)
+    kept = KeptRows(engine.module, args.model, vocab_size, rows, state.tp_rank)
     restore_after_step(getattr(engine.optimizer, "optimizer", engine.optimizer), kept)
 
 
@@ -170,14 +161,16 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
     engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
+    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
+    loaded = read_checkpoint_meta(args.checkpoint.load) if args.checkpoint.load else None
     if args.training.train_embedding_rows == "new":
-        _train_new_rows_only(engine, engine.module, state, args, vocab_size)
+        _train_new_rows_only(engine, state, args, vocab_size, loaded)
     metrics = MetricsWriter(args.logging, active=state.rank == 0)
     if exit_signal is None and args.training.exit_signal_handler:
         exit_signal = ExitSignal().install()
     return Trainer(engine, state, batch_plan(args), args.training, args.checkpoint, args.logging, train_ds, valid_ds,
                    throughput(args, vocab_size), metrics, progress, exit_signal, run_config=args.to_dict(),
-                   checkpoint_record=checkpoint_record(args, vocab_size),
+                   checkpoint_record=checkpoint_record(args, vocab_size, loaded),
                    text_tables=text_tables(tokenizer, vocab_size, state.device) if valid_ds is not None else None)
 
 
