@@ -129,30 +129,22 @@ def windows(n_tokens: int, length: int, stride: int) -> Iterator[tuple[int, int,
 
 
 def _read_jsonl(path: str, keys: Sequence[str], group_key: Optional[str], limit: Optional[int]) -> list[tuple[str, Optional[str]]]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--input {path}: no such file")
+    from megatron_ru.utils.jsonl import json_objects
     out: list[tuple[str, Optional[str]]] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--input {path}, line {n}: not JSON ({e})") from None
-            group = None
-            if group_key is not None:
-                if group_key not in rec:
-                    raise ValueError(f"--group-by-key {group_key}: line {n} of {path} has no such key")
-                group = str(rec[group_key])
-            for key in keys:
-                if key not in rec:
-                    raise ValueError(f"--json-keys {key}: line {n} of {path} has no such key (it has "
-                                     f"{', '.join(rec)})")
-                if isinstance(rec[key], str) and rec[key]:
-                    out.append((rec[key], group))
-            if limit is not None and len(out) >= limit:
-                return out[:limit]
+    for n, rec in json_objects(path, "--input"):
+        group = None
+        if group_key is not None:
+            if group_key not in rec:
+                raise ValueError(f"--group-by-key {group_key}: line {n} of {path} has no such key")
+            group = str(rec[group_key])
+        for key in keys:
+            if key not in rec:
+                raise ValueError(f"--json-keys {key}: line {n} of {path} has no such key (it has "
+                                 f"{', '.join(rec)})")
+            if isinstance(rec[key], str) and rec[key]:
+                out.append((rec[key], group))
+        if limit is not None and len(out) >= limit:
+            return out[:limit]
     return out
 
 

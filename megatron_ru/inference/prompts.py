@@ -6,32 +6,26 @@ import json
 import os
 from typing import Any, Iterable, Optional, Sequence
 
+from megatron_ru.utils.jsonl import json_objects
+
 JSONL_SUFFIXES = (".jsonl", ".json")
 
 
 def read_prompt_file(path: str) -> list[str]:
     """Prompts from ``path``: a ``.jsonl``/``.json`` file holds one JSON object per line with a
     ``"prompt"`` string; any other file holds one prompt per line (blank lines are skipped)."""
+    if path.lower().endswith(JSONL_SUFFIXES):
+        prompts: list[str] = []
+        for n, obj in json_objects(path, "--prompt-file", example='{"prompt": "..."}'):
+            if not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"--prompt-file {path}, line {n}: expected an object with a \"prompt\" string, got "
+                                 f"{json.dumps(obj)[:80]!r}")
+            prompts.append(obj["prompt"])
+        return prompts
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--prompt-file {path}: no such file")
     with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    if not path.lower().endswith(JSONL_SUFFIXES):
-        return [line for line in lines if line.strip()]
-    prompts: list[str] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--prompt-file {path}, line {n}: not valid JSON ({e.msg}); a .jsonl prompt file "
-                             f"holds one object per line such as {{\"prompt\": \"...\"}}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise ValueError(f"--prompt-file {path}, line {n}: expected an object with a \"prompt\" string, got "
-                             f"{line[:80]!r}")
-        prompts.append(obj["prompt"])
-    return prompts
+        return [line for line in f.read().splitlines() if line.strip()]
 
 
 def collect_prompts(prompts: Optional[Sequence[str]], prompt_file: Optional[str]) -> list[str]:
