@@ -18,6 +18,7 @@ import torch
 
 from megatron_ru.config.base import explicit_dests, parse_configs, validate_all
 from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
+from megatron_ru.config.lora import LoraConfig, LoraSpec
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
 from megatron_ru.config.parallel import ParallelConfig
 from megatron_ru.config.tokenizer import TokenizerConfig
@@ -26,10 +27,10 @@ from megatron_ru.data.checks import DataBlend
 from megatron_ru.parallel.topology import ParallelLayout, layout_problems
 
 CONFIG_CLASSES: tuple[type, ...] = (ParallelConfig, ModelConfig, DataConfig, TokenizerConfig, TrainingConfig,
-                                    OptimizerConfig, CheckpointConfig, LoggingConfig)
+                                    OptimizerConfig, CheckpointConfig, LoggingConfig, LoraConfig)
 _FIELD_OF = {ParallelConfig: "parallel", ModelConfig: "model", DataConfig: "data", TokenizerConfig: "tokenizer",
              TrainingConfig: "training", OptimizerConfig: "optimizer", CheckpointConfig: "checkpoint",
-             LoggingConfig: "logging"}
+             LoggingConfig: "logging", LoraConfig: "lora"}
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Arguments:
     optimizer: OptimizerConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    lora: LoraConfig
     world_size: int
     device_type: str
     # ---- resolved once by parse_arguments (after validation); consumers never re-check them ----
@@ -238,6 +240,31 @@ def _freeze_rule(a: Arguments) -> list[str]:
     return []
 
 
+def _lora_rule(a: Arguments) -> list[str]:
+    """--lora-* flags: the adapters resolve on this model (targets and patterns match), and they agree
+    with adapters a --use-checkpoint-args checkpoint already has; sets ``a.model.lora``."""
+    if a.lora.problems() or a.model.problems():
+        return []
+    recorded = a.model.lora
+    if not a.lora.enabled:
+        return []
+    spec = LoraSpec.from_config(a.lora)
+    if recorded is not None and LoraSpec.from_dict(recorded) != spec:
+        return [f"--lora-* flags give {spec.to_dict()} but the checkpoint in --load already has adapters "
+                f"{recorded}; drop the --lora-* flags to continue with the checkpoint's adapters"]
+    from megatron_ru.config.lora import resolve_adapters
+    try:
+        resolve_adapters(spec, a.model.num_layers, a.model.swiglu)
+    except ValueError as e:
+        return [str(e)]
+    out = []
+    if a.training.train_only_embeddings or a.training.freeze:
+        out.append("--lora-rank freezes the base model itself: use --lora-modules-to-save to train the embeddings "
+                   "next to the adapters, not --train-only-embeddings/--freeze")
+    a.model.lora = spec.to_dict()
+    return out
+
+
 def _checkpoint_rule(a: Arguments) -> list[str]:
     c = a.checkpoint
     out = []
@@ -280,8 +307,8 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
 
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
-    _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _freeze_rule, _checkpoint_rule,
-    _deepspeed_config_rule, _data_rule)
+    _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _freeze_rule, _lora_rule,
+    _checkpoint_rule, _deepspeed_config_rule, _data_rule)
 
 
 def default_world_size() -> int:

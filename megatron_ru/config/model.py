@@ -1,10 +1,13 @@
 """Model architecture configuration (Megatron flag names)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_ru.config.base import arg
+
+if TYPE_CHECKING:
+    from megatron_ru.config.lora import LoraSpec
 
 
 @dataclass
@@ -59,8 +62,16 @@ class ModelConfig:
         None, "Activation recomputation: 'full' recomputes each transformer layer in backward.",
         choices=("full",))
     checkpoint_activations: bool = arg(False, "Alias of --recompute-granularity full.")
+    #: LoRA/DoRA adapters the model is built with (LoraSpec as a dict; set from the --lora-* flags or a
+    #: checkpoint's model arguments; not a flag itself). None: no adapters.
+    lora: Optional[dict[str, Any]] = field(default=None, metadata={"cli": False})
 
     # ---- derived values (resolved from the flags above) ----
+    @property
+    def lora_spec(self) -> Optional["LoraSpec"]:
+        from megatron_ru.config.lora import LoraSpec
+        return LoraSpec.from_dict(self.lora)
+
     @property
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:

@@ -173,6 +173,24 @@ def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tu
     out.append(("mlp.linear_fc2.weight", (h, ffn), 1, 1, False))
     if bias:
         out.append(("mlp.linear_fc2.bias", (h,), None, 1, False))
+    return out + _adapter_params(desc, cfg)
+
+
+def _adapter_params(desc: LayerDesc, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], Optional[int], int, bool]]:
+    """LoRA/DoRA parameters of a decoder layer (megatron_ru/model/lora.py)."""
+    spec = cfg.lora_spec
+    if spec is None:
+        return []
+    from megatron_ru.config.lora import LINEARS
+    from megatron_ru.model.lora import adapter_param_shapes, b_stride, is_column, linear_inputs, model_adapters, part_rows
+    rows, inputs = part_rows(cfg), linear_inputs(cfg)
+    out = []
+    for a in model_adapters(cfg):
+        if a.layer != desc.layer_number:
+            continue
+        for pname, shape, dim, st in adapter_param_shapes(a, inputs[a.linear], rows[a.part], is_column(a.linear),
+                                                          spec.use_dora, b_stride(cfg, a.part)):
+            out.append((f"{LINEARS[a.linear][0]}.lora.{a.part}.{pname}", shape, dim, st, False))
     return out
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init, scaled_std
 from megatron_ru.model.kv_cache import LayerKVCache
+from megatron_ru.model.lora import add_layer_adapters
 from megatron_ru.model.rope import RopeSpec, apply_rotary, rotary_cos_sin
 from megatron_ru.model.spec import layer_prefix
 from megatron_ru.parallel import random as tp_random
@@ -105,6 +106,9 @@ class Attention(nn.Module):
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size, input_is_parallel=True,
             init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_proj.weight"),
             **common)
+        add_layer_adapters(cfg, layer_number, "linear_qkv", self.linear_qkv, seed=seed,
+                           groups_local=self.groups_per_rank, heads_per_group=self.heads_per_group)
+        add_layer_adapters(cfg, layer_number, "linear_proj", self.linear_proj, seed=seed)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,6 +179,8 @@ class MLP(nn.Module):
             ffn, cfg.hidden_size, input_is_parallel=True,
             init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_fc2.weight"),
             **common)
+        add_layer_adapters(cfg, layer_number, "linear_fc1", self.linear_fc1, seed=seed)
+        add_layer_adapters(cfg, layer_number, "linear_fc2", self.linear_fc2, seed=seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

@@ -86,7 +86,12 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        lora = getattr(self, "lora", None)
+        if lora is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:  # adapters (megatron_ru/model/lora.py) see the output without bias, as peft's DoRA
+            y = lora.add_to(x, F.linear(x, self.weight), self.weight)
+            y = y if self.bias is None else y + self.bias
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y
@@ -130,6 +135,9 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        lora = getattr(self, "lora", None)
+        if lora is not None:  # adapters (megatron_ru/model/lora.py) add to the summed output
+            y = lora.add_to(x, y, self.weight)
         if self.bias is not None:
             # under sequence parallelism each rank adds the bias to a different sequence
             # chunk, so its gradient is partial: copy_to sums it across ranks in backward

@@ -85,6 +85,39 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+#: calls per key of :func:`keyed_dropout` (part of the RNG state: saved, replayed by recomputation)
+_KEYED_CALLS: dict[str, int] = {}
+#: (data-parallel size, rank): call n of a DP rank is the global micro-batch n * size + rank
+_KEYED_DP = (1, 0)
+
+
+def set_keyed_dropout_data_parallel(size: int, rank: int) -> None:
+    """Number :func:`keyed_dropout` calls as global micro-batches: the pretraining sampler gives DP rank
+    ``r`` every ``size``-th micro-batch of one process's sequence (same micro-batch size), so the masks
+    equal one process's at any DP size."""
+    global _KEYED_DP
+    _KEYED_DP = (size, rank)
+
+
+def keyed_dropout(key: str, x: torch.Tensor, p: float, *, full_shape: tuple[int, ...] | None = None,
+                  columns: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dropout whose mask depends only on ``key`` (e.g. an adapter's canonical name), how many times
+    it was called before, and the element's position in the full tensor — not on the layout or on the
+    other random streams, so every TP/PP layout drops what one process drops. ``full_shape``/
+    ``columns`` (start, width): ``x`` holds these last-dimension columns of a tensor of that shape.
+    A call counts as one micro-batch (:func:`set_keyed_dropout_data_parallel`)."""
+    from megatron_ru.model.init import name_seed
+    n = _KEYED_CALLS.get(key, 0)
+    _KEYED_CALLS[key] = n + 1
+    gen = torch.Generator(device=x.device).manual_seed(name_seed(n * _KEYED_DP[0] + _KEYED_DP[1], key))
+    keep = torch.rand(full_shape or tuple(x.shape), generator=gen, device=x.device) >= p
+    if columns is not None:
+        keep = keep.narrow(-1, columns[0], columns[1])
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def reset_keyed_calls() -> None:
+    _KEYED_CALLS.clear()
 
 
 def get_rng_tracker() -> RNGStatesTracker:
@@ -98,12 +131,14 @@ def model_parallel_seed(seed: int, tp_rank: int) -> None:
     model-parallel stream with ``seed + 2718 + tp_rank`` (different on each TP rank)."""
     torch.manual_seed(seed)
     _TRACKER.reset()
+    reset_keyed_calls()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
 
 
 def get_rng_state() -> dict[str, Any]:
     """Every generator that affects training: CPU, CUDA (if present) and the tracker."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": _TRACKER.get_states()}
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": _TRACKER.get_states(),
+                             "keyed_calls": dict(_KEYED_CALLS)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -114,6 +149,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     _TRACKER.set_states(state["tracker"])
+    _KEYED_CALLS.clear()
+    _KEYED_CALLS.update(state.get("keyed_calls", {}))
 
 
 def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -124,16 +161,21 @@ def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.A
     @contextlib.contextmanager
     def forward_ctx() -> Iterator[None]:
         snapshot["states"] = _TRACKER.get_states()
+        snapshot["keyed"] = dict(_KEYED_CALLS)
         yield
 
     @contextlib.contextmanager
     def recompute_ctx() -> Iterator[None]:
-        current = _TRACKER.get_states()
+        current, keyed = _TRACKER.get_states(), dict(_KEYED_CALLS)
         _TRACKER.set_states(snapshot["states"])
+        _KEYED_CALLS.clear()
+        _KEYED_CALLS.update(snapshot["keyed"])
         try:
             yield
         finally:
             _TRACKER.set_states(current)
+            _KEYED_CALLS.clear()
+            _KEYED_CALLS.update(keyed)
 
     return forward_ctx(), recompute_ctx()
 

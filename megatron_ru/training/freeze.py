@@ -80,6 +80,40 @@ def apply_freezing(model: torch.nn.Module, cfg: ModelConfig, *, train_only_embed
     return frozen
 
 
+def apply_lora_freezing(model: torch.nn.Module, cfg: ModelConfig, group: Any = None) -> list[str]:
+    """With adapters (``cfg.lora``): freeze every parameter except the adapters and the modules of
+    ``--lora-modules-to-save``; a modules-to-save entry matching nothing on any pipeline stage is an
+    error. Returns the frozen canonical names."""
+    from megatron_ru.config.lora import modules_to_save_patterns
+    spec = cfg.lora_spec
+    if spec is None:
+        return []
+    named = list(canonical_named_parameters(model, cfg))
+    patterns = modules_to_save_patterns(spec)
+    hits = [[n for n, _ in named if fnmatch.fnmatchcase(n, pat)] for pat in patterns]
+    totals = _matched_anywhere([len(h) for h in hits], group)
+    for entry, total in zip(spec.modules_to_save, totals):
+        if total == 0:
+            raise ValueError(f"--lora-modules-to-save {entry!r} matches no parameter; use embedding, output_layer, "
+                             f"final_layernorm or a pattern over canonical names like {_sample(n for n, _ in named)}")
+    saved = {n for h in hits for n in h}
+    frozen = []
+    for name, p in named:
+        train = ".lora." in name or name in saved
+        p.requires_grad_(train)
+        if not train:
+            frozen.append(name)
+    trainable = sum(p.numel() for _, p in named if p.requires_grad)
+    (everywhere,) = _matched_anywhere([trainable], group)
+    log_rank0(log, f"LoRA: froze {len(frozen)} base parameter tensors; {trainable} trainable parameters on this rank "
+                   f"(adapters{' and ' + ', '.join(spec.modules_to_save) if spec.modules_to_save else ''})")
+    if everywhere == 0:
+        raise ValueError("--lora-target-modules/--lora-modules-to-save leave nothing to train")
+    if trainable == 0:
+        keep_optimizer_busy(named)
+    return frozen
+
+
 #: set on the parameter :func:`keep_optimizer_busy` leaves in the optimizer (no weight decay, zero gradient)
 ANCHOR_ATTR = "megatron_ru_anchor"
 

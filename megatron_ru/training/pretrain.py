@@ -136,10 +136,11 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     one is installed here when --exit-signal-handler is given."""
     from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.parallel.env import init_distributed
-    from megatron_ru.parallel.random import model_parallel_seed
+    from megatron_ru.parallel.random import model_parallel_seed, set_keyed_dropout_data_parallel
     from megatron_ru.training.data import build_datasets
     from megatron_ru.training.engine import attach_deepspeed_comm, initialize_engine
-    from megatron_ru.training.freeze import apply_freezing
+    from megatron_ru.model.lora import init_dora_magnitudes
+    from megatron_ru.training.freeze import apply_freezing, apply_lora_freezing
     from megatron_ru.training.lr import schedule_from_config
 
     p = args.parallel
@@ -149,15 +150,18 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
                                 sequence_parallel=args.sequence_parallel, timeout_minutes=p.distributed_timeout_minutes)
     # Megatron: a different dropout stream per pipeline stage, the TP stream inside the tracker
     model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
+    set_keyed_dropout_data_parallel(state.dp_size, state.dp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
                                            vocab_size=vocab_size)
     attach_deepspeed_comm()
     model = build_model(args, state, vocab_size)
+    pp_group = state.pp_group if state.pp_size > 1 else None
     apply_freezing(model, args.model, train_only_embeddings=args.training.train_only_embeddings,
-                   freeze=args.training.freeze,
-                   group=state.pp_group if state.pp_size > 1 else None)
+                   freeze=args.training.freeze, group=pp_group)
+    apply_lora_freezing(model, args.model, group=pp_group)
+    init_dora_magnitudes(model)
     schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
     engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
