@@ -129,6 +129,8 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
     params = list(canonical_named_parameters(engine.module, cfg))
     hp = _hp_optimizer(engine)
     step = int(common.get("step", 0))
+    if cfg.lora is None:  # a base checkpoint under a run with adapters: the adapters start fresh
+        params = [(n, p) for n, p in params if ".lora." not in n]
     with torch.no_grad():
         for name, p in params:  # weights
             spec = specs.get(name)

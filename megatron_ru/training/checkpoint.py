@@ -385,10 +385,13 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     if pp > 1:
         dsc.install_exact_layer_loading(engine.module)
     try:
+        # a base checkpoint (no adapters) under a run with LoRA adapters: they are not in the files
+        base_only = (meta.model_args or {}).get("lora") is None and any(
+            ".lora." in n for n, _ in engine.module.named_parameters())
         path, _ = engine.load_checkpoint(load_dir, tag=iteration_dir_name(iteration),
                                          load_optimizer_states=not weights_only,
                                          load_lr_scheduler_states=not weights_only,
-                                         load_module_only=weights_only)
+                                         load_module_only=weights_only, load_module_strict=not base_only)
     except AssertionError as e:  # DeepSpeed's own consistency checks
         raise CheckpointError(f"DeepSpeed refused {ckpt_dir}: {e}; the checkpoint does not match this run or is "
                               f"damaged: restore it from a copy, or load an earlier one via {pointer}") from None

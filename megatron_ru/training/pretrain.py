@@ -109,6 +109,19 @@ def _train_new_rows_only(engine: "DeepSpeedEngine", state: ParallelState, args: 
     restore_after_step(getattr(engine.optimizer, "optimizer", engine.optimizer), kept)
 
 
+def _init_dora_after_load(engine: "DeepSpeedEngine") -> None:
+    """DoRA magnitudes start as the row norms of the loaded base weights (peft), also in the fp32
+    masters DeepSpeed made from the constructed weights."""
+    from megatron_ru.model.lora import init_dora_magnitudes, lora_adapters
+    if not init_dora_magnitudes(engine.module):
+        return
+    for _, adapters in lora_adapters(engine.module):
+        for ad in adapters.values():
+            if ad.use_dora and hasattr(ad.magnitude, "_hp_mapping"):
+                from deepspeed.utils import safe_set_full_fp32_param
+                safe_set_full_fp32_param(ad.magnitude, ad.magnitude.detach().float())
+
+
 def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) -> Progress:
     from megatron_ru.parallel.random import set_rng_state
     from megatron_ru.training.checkpoint import load_checkpoint
@@ -167,6 +180,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
     from megatron_ru.config.checkpoint_args import read_checkpoint_meta
     loaded = read_checkpoint_meta(args.checkpoint.load) if args.checkpoint.load else None
+    if loaded is not None and (loaded.model_args or {}).get("lora") is None:
+        _init_dora_after_load(engine)
     if args.training.train_embedding_rows == "new":
         _train_new_rows_only(engine, state, args, vocab_size, loaded)
     metrics = MetricsWriter(args.logging, active=state.rank == 0)
