@@ -111,6 +111,7 @@ class CheckpointReader:
         self._zero0: dict[int, dict[str, int]] = {}
         self._optim_checked = False
         self._frozen_logged: set[str] = set()
+        self._base: Optional["CheckpointReader"] = None
 
     # ---- files -----------------------------------------------------------------------------------
 
@@ -201,16 +202,33 @@ class CheckpointReader:
                 self._mp_layer = spec.layer_index
             module = self._mp_file(t).get("module") or {}
             where, key = mp_model_file(t), spec.name
+            if key not in module and self.meta.lora_base is not None:
+                return self._from_base(spec, t)
             if key not in module:
                 raise CheckpointError(f"{os.path.join(self.dir, where)} has no {key!r}: the file is damaged or "
                                       f"from another model")
             return self._checked(spec, module[key], where, key)
         shards = self._layer_shards(spec.layer_index)
         where, key = layer_file(spec.layer_index, t), spec.local_name
+        if key not in shards[t] and self.meta.lora_base is not None:
+            return self._from_base(spec, t)
         if key not in shards[t]:
             raise CheckpointError(f"{os.path.join(self.dir, where)} has no {key!r} (it holds "
                                   f"{', '.join(sorted(shards[t]))}): the file is damaged or from another model")
         return self._checked(spec, shards[t][key], where, key)
+
+    def _from_base(self, spec: ParamSpec, t: int) -> torch.Tensor:
+        """A frozen tensor of a LoRA checkpoint: read from its base checkpoint (any layout), as TP shard ``t``."""
+        from megatron_ru.model.spec import layout_shard
+        base = self.meta.lora_base or {}
+        if self._base is None:
+            try:
+                self._base = read_checkpoint(base["load"], int(base["iteration"]))
+            except (OSError, CheckpointError) as e:
+                raise CheckpointError(f"{self.dir} holds only the LoRA adapters and trained modules; its frozen weights "
+                                      f"are in {base.get('load')} iteration {base.get('iteration')} (lora_base in "
+                                      f"metadata.json), which cannot be read: {e}") from None
+        return layout_shard(spec, self._base.get(spec.name), self.rows, self.tp, t)
 
     def _join(self, spec: ParamSpec, shards: list[torch.Tensor]) -> torch.Tensor:
         shards = [s.detach() for s in shards]

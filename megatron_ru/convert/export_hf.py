@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-type", default=None, choices=(HF_TYPE,) + SP_TYPES,
                    help="tokenizer to export (default: the checkpoint's, or the one its run was given)")
     p.add_argument("--tokenizer-model", default=None, help="its file (SentencePiece) or directory (Hugging Face)")
+    p.add_argument("--lora", choices=("merge", "peft"), default=None,
+                   help="a checkpoint with LoRA/DoRA adapters: 'merge' writes the weights with the adapters merged "
+                        "in; 'peft' writes the base weights and a PEFT adapter directory (--lora-save) that "
+                        "peft.PeftModel.from_pretrained loads on top of them")
+    p.add_argument("--lora-save", default=None, metavar="DIR",
+                   help="with --lora peft: the adapter directory (default: <save>/adapter)")
     p.add_argument("--force", action="store_true", help="replace --save if it exists")
 
 
@@ -60,7 +66,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tok = TokenizerSource(args.tokenizer_type, args.tokenizer_model)
     report = export_hf(args.load, args.save, iteration=args.iteration, dtype=args.dtype,
                        max_shard_size=args.max_shard_size, hf_config=args.hf_config,
-                       architecture=args.architecture, tokenizer=tok, force=args.force)
+                       architecture=args.architecture, tokenizer=tok, force=args.force, lora=args.lora,
+                       lora_save=args.lora_save)
     return report.as_dict()
 
 
@@ -103,7 +110,7 @@ def export_plan(cfg: Any, vocab_size: int, dtype_of: Any) -> list[tuple[str, tup
 def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: Optional[str] = None,
               max_shard_size: str | int = "5GB", hf_config: Optional[str] = None,
               architecture: Optional[str] = None, tokenizer: Optional[TokenizerSource] = None,
-              force: bool = False) -> ExportReport:
+              force: bool = False, lora: Optional[str] = None, lora_save: Optional[str] = None) -> ExportReport:
     from megatron_ru.checkpointing import read_checkpoint
     from megatron_ru.convert.hf_mapping import SUPPORTED_ARCHITECTURES, architecture_for, export_problems
     from megatron_ru.model.spec import parameter_specs
@@ -114,6 +121,17 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
     shard_bytes = parse_size(max_shard_size)
     reader = read_checkpoint(load, iteration)
     cfg, vocab_size = reader.cfg, reader.vocab_size
+    source_reader, lora_cfg = reader, None
+    if cfg.lora is not None or lora is not None:
+        from megatron_ru.convert.lora_export import base_config, merged_weights
+        if cfg.lora is None:
+            raise ValueError(f"--lora {lora}: --load {load} holds no LoRA adapters (export it without --lora)")
+        if lora is None:
+            raise ValueError(f"--load {load} holds LoRA adapters: add --lora merge (weights with the adapters merged "
+                             f"in) or --lora peft (the base weights and a PEFT adapter directory)")
+        lora_cfg, cfg = cfg, base_config(cfg)
+        if lora == "merge":
+            reader = _Merged(merged_weights(reader.get, lora_cfg))
     problems = export_problems(cfg)
     if problems:
         raise ValueError(f"--load {load}: this model cannot be expressed as a Hugging Face Llama/Mistral/Qwen2 "
@@ -122,7 +140,7 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
     arch = architecture or ((source or {}).get("architectures") or [None])[0] or architecture_for(cfg)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    tok = tokenizer or recorded_tokenizer(load, reader.meta)
+    tok = tokenizer or recorded_tokenizer(load, source_reader.meta)
 
     specs = parameter_specs(cfg, vocab_size)
     target = DTYPES[dtype] if dtype else None
@@ -135,10 +153,27 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
                                dtype=out_dtype, architecture=arch, source_config=source, tokenizer=tok,
                                generation_config=_source_generation_config(source_path),
                                max_shard_size=shard_bytes)
+        if lora == "peft":
+            from megatron_ru.convert.lora_export import peft_adapter, write_peft_adapter
+            tensors, adapter_config = peft_adapter(source_reader.get, lora_cfg, save, out_dtype)
+            adapter_dir = os.path.join(tmp, "adapter") if lora_save is None else lora_save
+            write_peft_adapter(adapter_dir, tensors, adapter_config)
+            files.append("adapter/" if lora_save is None else lora_save)
     log.info("exported %s (%s, %d vocabulary rows, %s) to %s", load, arch, vocab_size, _DTYPE_NAMES[out_dtype], save)
     return ExportReport(save, arch, vocab_size, cfg.tied_embeddings, _DTYPE_NAMES.get(out_dtype, str(out_dtype)),
                         files,
                         None if tok is None else f"{tok.type} {tok.path}")
+
+
+class _Merged:
+    """A reader view whose linear weights have the adapters merged in (full tensors only)."""
+    tp = 1
+
+    def __init__(self, get: Callable[[str], torch.Tensor]) -> None:
+        self.get = get
+
+    def shard(self, name: str, tp_rank: int) -> torch.Tensor:
+        return self.get(name)
 
 
 def _hf_tensors(reader: Any, spec: Any, cfg: Any, dtype: torch.dtype) -> dict[str, Any]:

@@ -45,12 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of the written weights (default: as stored in the Hugging Face files)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="also read pytorch_model*.bin (pickle: only for files you trust)")
+    p.add_argument("--lora-adapter", default=None, metavar="PEFT_DIR",
+                   help="a PEFT LoRA/DoRA adapter directory (adapter_config.json + adapter_model.safetensors) trained "
+                        "on this model: the checkpoint starts with these adapters (and its modules_to_save)")
     p.add_argument("--force", action="store_true", help="replace --save if it exists")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     report = import_hf(args.load, args.save, args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
-                       dtype=args.dtype, allow_pickle=args.allow_pickle, force=args.force)
+                       dtype=args.dtype, allow_pickle=args.allow_pickle, force=args.force,
+                       lora_adapter=args.lora_adapter)
     return report.as_dict()
 
 
@@ -174,7 +178,7 @@ def _no_zip_crc32() -> ContextManager[Any]:
 
 
 def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional[str] = None,
-              allow_pickle: bool = False, force: bool = False) -> ImportReport:
+              allow_pickle: bool = False, force: bool = False, lora_adapter: Optional[str] = None) -> ImportReport:
     config = read_hf_config(load)
     check_output(save, load, force)
     from megatron_ru.checkpointing import write_checkpoint
@@ -192,9 +196,21 @@ def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional
     sources = hf_to_canonical_names(cfg)
     target = DTYPES[dtype] if dtype else None
 
+    adapter: dict[str, torch.Tensor] = {}
+    base_cfg = cfg
+    if lora_adapter is not None:
+        import dataclasses
+
+        from megatron_ru.convert.lora_export import read_peft_adapter
+        spec, adapter = read_peft_adapter(lora_adapter, cfg)
+        cfg = dataclasses.replace(cfg, lora=spec.to_dict())
+
     def get_tensor(name: str) -> torch.Tensor:
+        if name in adapter:
+            t = adapter[name]
+            return t if target is None else t.to(target)
         hf = {n: weights.get(n) for n in sources[name]}
-        t = to_canonical(name, hf, cfg)
+        t = to_canonical(name, hf, base_cfg)
         return t if target is None else t.to(target)
 
     tok_meta = {"tokenizer_type": HF_TYPE, "tokenizer_model": TOKENIZER_DIR}

@@ -147,6 +147,10 @@ class CheckpointMeta:
     #: written by tools/adapt_vocab.py and carried by every later save of the model: {"mode": "replace" |
     #: "extend", "old_vocab_size": int, "new_rows": [[start, stop], ...] (the rows adaptation initialised)}
     vocab_adaptation: Optional[dict[str, Any]] = None
+    #: a run with LoRA adapters that started from a checkpoint without them: {"load": dir, "iteration": N}
+    #: of that base; the files then hold only the trained tensors (adapters, --lora-modules-to-save) and
+    #: the frozen ones are read from the base
+    lora_base: Optional[dict[str, Any]] = None
 
     @classmethod
     def read(cls, ckpt_dir: str) -> "CheckpointMeta":
@@ -273,7 +277,8 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     dsc.install_checkpoint_io(engine, safe_load, recorder)
     try:
         recorder.run(ckpt_dir, lambda: engine.save_checkpoint(save_dir, tag=iteration_dir_name(iteration),
-                                                              save_latest=False))
+                                                              save_latest=False,
+                                                              exclude_frozen_parameters=meta.lora_base is not None))
     finally:
         dsc.install_checkpoint_io(engine, safe_load)
     rng_path = os.path.join(ckpt_dir, rng_file_name(rank))
@@ -334,14 +339,15 @@ def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str]) -> No
 
 def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, dp: int, zero_stage: int,
                     load_optim: bool, finetune: bool, load_rng: bool = True,
-                    save_dir: Optional[str] = None) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
+                    save_dir: Optional[str] = None, iteration: Optional[int] = None
+                    ) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
     """Load the checkpoint ``latest`` points at; None when ``load_dir`` has none and is also the
     ``save_dir`` (resume-or-start). With ``finetune``, or a ``load_dir`` other than ``save_dir``, a
     missing checkpoint is a :class:`CheckpointError`.
 
     Returns the metadata and this rank's saved RNG state (None when ``load_rng`` is off or with
     ``finetune``)."""
-    iteration = read_latest_iteration(load_dir)
+    iteration = read_latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         _no_checkpoint(load_dir, finetune, save_dir)
         return None
@@ -352,6 +358,8 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
                               f"iteration of an existing iter_* directory into {pointer}, or point --load elsewhere")
     meta = CheckpointMeta.read(ckpt_dir)
     weights_only = finetune or not load_optim
+    if meta.lora_base is not None:  # the frozen weights first, from the checkpoint the adapters were trained on
+        _load_lora_base(engine, ckpt_dir, meta.lora_base, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage)
     if meta.format is not None:
         return _load_layers(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, zero_stage=zero_stage,
                             weights_only=weights_only, finetune=finetune, pointer=pointer)
@@ -385,9 +393,10 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     if pp > 1:
         dsc.install_exact_layer_loading(engine.module)
     try:
-        # a base checkpoint (no adapters) under a run with LoRA adapters: they are not in the files
-        base_only = (meta.model_args or {}).get("lora") is None and any(
-            ".lora." in n for n, _ in engine.module.named_parameters())
+        # a base checkpoint (no adapters) under a run with LoRA adapters: they are not in the files; a
+        # checkpoint with a LoRA base holds only the trained tensors (the rest was loaded from the base)
+        base_only = meta.lora_base is not None or ((meta.model_args or {}).get("lora") is None and any(
+            ".lora." in n for n, _ in engine.module.named_parameters()))
         path, _ = engine.load_checkpoint(load_dir, tag=iteration_dir_name(iteration),
                                          load_optimizer_states=not weights_only,
                                          load_lr_scheduler_states=not weights_only,
@@ -402,6 +411,20 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     log_rank0(log, f"loaded checkpoint {ckpt_dir} (iteration {meta.iteration}, "
                    f"{'weights only' if weights_only else 'full state'})")
     return meta, rng
+
+
+def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: int, tp: int, pp: int, dp: int,
+                    zero_stage: int) -> None:
+    where = f"{ckpt_dir} holds only the LoRA adapters and trained modules; its frozen weights are in {base['load']} " \
+            f"iteration {base['iteration']} (lora_base in metadata.json)"
+    if not os.path.isdir(os.path.join(base["load"], iteration_dir_name(int(base["iteration"])))):
+        raise CheckpointError(f"{where}, which does not exist: restore that checkpoint there, or write its path into "
+                              f"lora_base")
+    try:
+        load_checkpoint(engine, base["load"], rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, load_optim=False,
+                        finetune=True, load_rng=False, iteration=int(base["iteration"]))
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}, which cannot be loaded: {e}") from None
 
 
 def _load_layers(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,

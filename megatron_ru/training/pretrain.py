@@ -94,10 +94,26 @@ def checkpoint_record(args: Arguments, vocab_size: int, loaded: Any = None) -> d
             tokenizer[key] = os.path.abspath(tokenizer[key])
     record: dict[str, Any] = {"model_args": model_args_dict(args.model), "vocab_size": vocab_size,
                               "tokenizer": tokenizer}
+    base = _lora_base(args, loaded)
+    if base is not None:
+        record["lora_base"] = base
     adaptation = getattr(loaded, "vocab_adaptation", None)
     if adaptation is not None:  # which rows a vocabulary adaptation initialised: kept for later runs
         record["vocab_adaptation"] = adaptation
     return record
+
+
+def _lora_base(args: Arguments, loaded: Any) -> Optional[dict[str, Any]]:
+    """The base checkpoint a LoRA run's checkpoints refer to instead of storing the frozen weights: the
+    --load checkpoint when it has no adapters, else the one it refers to (None: save everything)."""
+    import os
+    if args.model.lora is None or loaded is None:
+        return None
+    if getattr(loaded, "lora_base", None) is not None:
+        return loaded.lora_base
+    if (loaded.model_args or {}).get("lora") is None:
+        return {"load": os.path.abspath(args.checkpoint.load), "iteration": int(loaded.iteration)}
+    return None
 
 
 def _train_new_rows_only(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments, vocab_size: int,

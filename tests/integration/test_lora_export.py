@@ -1,0 +1,121 @@
+"""LoRA acceptance 3: a tiny Hugging Face Llama imported, trained with LoRA (or DoRA) at TP = 2 x PP = 2
+for a few iterations and exported with ``--lora peft`` gives the same logits through peft +
+transformers as megatron_ru computes (<= 1e-5); ``--lora merge`` gives the same logits through a plain
+transformers model; the PEFT adapter imports back (``import-hf --lora-adapter``) to the same tensors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.integration._train_helpers import REPO, TINY_MODEL_FLAGS, make_corpus, tiny_argv, train_body, without_flags
+
+ENV = {"DS_ACCELERATOR": "cpu"}
+TOL = 1e-5
+
+
+def _convert(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+
+
+def _our_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the checkpoint (adapters included) computed by megatron_ru in one process."""
+    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.model import GPTModel
+    from megatron_ru.checkpointing.layout import specs_by_name
+    from megatron_ru.model.spec import canonical_named_parameters, layout_shard, padded_vocab_rows
+    src = open_model(ckpt)
+    model = GPTModel(src.cfg, src.vocab_size, None, seed=1).eval()
+    specs = specs_by_name(src.cfg, src.vocab_size)
+    rows = padded_vocab_rows(src.cfg, src.vocab_size, 1)
+    with torch.no_grad():
+        for name, p in canonical_named_parameters(model, src.cfg):
+            p.copy_(layout_shard(specs[name], src.get(name).float(), rows, 1, 0))
+        return model(tokens)[..., :src.vocab_size].float()
+
+
+def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two LoRA runs from one imported model: fused adapters with a rank pattern and the embeddings
+    and output layer trained alongside; DoRA on peft-style parts with rsLoRA."""
+    from tests.integration.test_continue_hf import _tiny_llama
+    d = tmp_path_factory.mktemp("lora_export")
+    hf, imported = str(d / "hf"), str(d / "imported")
+    _tiny_llama(hf, tied=False)
+    proc = _convert("import-hf", "--load", hf, "--save", imported, "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pattern = d / "ranks.json"
+    pattern.write_text(json.dumps({"*.layers.3.*": 8}))
+    prefix = make_corpus(str(d))
+    base = without_flags(tiny_argv(prefix, str(d / "cache"), iters=3), *TINY_MODEL_FLAGS) + [
+        "--load", imported, "--use-checkpoint-args", "--finetune", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--seq-length", "32", "--lora-rank", "4", "--lora-dropout", "0.1",
+        "--lr", "1e-2"]
+    runs = {"lora": base + ["--save", str(d / "lora"), "--lora-alpha", "8", "--lora-rank-pattern", str(pattern),
+                            "--lora-modules-to-save", "embedding", "output_layer"],
+            "dora": base + ["--save", str(d / "dora"), "--use-dora", "--use-rslora", "--lora-target-modules",
+                            "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
+    results = run_distributed(train_body, 4, args=(list(runs.values()),), timeout=600, env=ENV)[0]
+    assert all(r["iteration"] == 3 for r in results)
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
+    return {"dir": d, "hf": hf, "tokens": tokens, **{k: str(d / k) for k in runs}}
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_peft_export_gives_our_logits(trained, kind):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    out = str(trained["dir"] / f"{kind}_peft")
+    proc = _convert("export-hf", "--load", trained[kind], "--save", out, "--lora", "peft")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(out, "adapter"))) == ["adapter_config.json", "adapter_model.safetensors"]
+    ours = _our_logits(trained[kind], trained["tokens"])
+    base = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    plain = _hf_logits(base, trained["tokens"])
+    model = PeftModel.from_pretrained(base, os.path.join(out, "adapter")).eval()
+    theirs = _hf_logits(model, trained["tokens"])
+    assert _rel(plain, ours) > 1e-3          # the adapters (and trained embeddings) change the logits
+    assert _rel(theirs, ours) <= TOL, _rel(theirs, ours)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_merged_export_gives_our_logits(trained, kind):
+    from transformers import AutoModelForCausalLM
+    out = str(trained["dir"] / f"{kind}_merged")
+    proc = _convert("export-hf", "--load", trained[kind], "--save", out, "--lora", "merge")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not os.path.exists(os.path.join(out, "adapter"))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    assert _rel(_hf_logits(model, trained["tokens"]), _our_logits(trained[kind], trained["tokens"])) <= TOL
+
+
+def test_lora_checkpoint_needs_a_lora_mode(trained):
+    proc = _convert("export-hf", "--load", trained["lora"], "--save", str(trained["dir"] / "x"))
+    assert proc.returncode == 2 and "holds LoRA adapters" in proc.stderr and "--lora merge" in proc.stderr
+
+
+def test_peft_adapter_imports_back(trained):
+    """import-hf --lora-adapter: the exported PEFT adapter on its base becomes a checkpoint whose logits
+    are ours again (at another layout, TP = 1 x PP = 2)."""
+    out = str(trained["dir"] / "dora_peft_rt")
+    assert _convert("export-hf", "--load", trained["dora"], "--save", out, "--lora", "peft").returncode == 0
+    back = str(trained["dir"] / "dora_back")
+    proc = _convert("import-hf", "--load", out, "--save", back, "--lora-adapter", os.path.join(out, "adapter"),
+                    "--target-pipeline-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _our_logits(back, trained["tokens"]), _our_logits(trained["dora"], trained["tokens"])
+    assert _rel(got, want) <= TOL
