@@ -1,7 +1,8 @@
 """LoRA/DoRA acceptance 1: at (TP, PP) = (2, 1), (1, 2), (2, 2) the loss and every trained gradient
 (adapters, and the embeddings and output layer trained alongside) equal the single-process run to
 1e-5 (fp32; per tensor, |g - g_ref| / |g_ref|), for LoRA, rsLoRA and DoRA, with a rank pattern and dropout on; (2, 2) also with
-sequence parallelism and full recomputation.
+sequence parallelism and full recomputation; also DP = 2 with ZeRO 2, and ZeRO 3 (whose partitioned
+checkpoint cannot be read offline: its second iteration's loss, which depends on the update, is compared).
 
 Each run takes one SGD step at learning rate LR without clipping or weight decay from the same
 layout-independent initialisation and saves it, so ``(w0 - w1) / LR`` is the gradient; the checkpoints are
@@ -21,7 +22,8 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 TOL = 1e-5
 LR = 1000.0   # w0 - w1 = LR * grad: large enough that fp32 rounding of w1 stays far below TOL
 VARIANTS = {"lora": [], "rslora": ["--use-rslora"], "dora": ["--use-dora"]}
-LAYOUTS = {2: [(2, 1, []), (1, 2, [])], 4: [(2, 2, []), (2, 2, ["--sequence-parallel", "--recompute-granularity", "full"])]}
+LAYOUTS = {2: [(2, 1, []), (1, 2, ["--zero-stage", "1"]), (1, 1, ["--zero-stage", "2"])],
+           4: [(2, 2, []), (2, 2, ["--sequence-parallel", "--recompute-granularity", "full", "--zero-stage", "1"])]}
 
 
 def _argv(prefix, cache, save, tp, pp, variant, pattern, extra):
@@ -33,6 +35,15 @@ def _argv(prefix, cache, save, tp, pp, variant, pattern, extra):
         "--lora-target-modules", "q_proj", "k_proj", "v_proj", "linear_proj", "gate_proj", "up_proj", "linear_fc2",
         "--lora-rank-pattern", pattern, "--lora-modules-to-save", "embedding", "output_layer",
         *VARIANTS[variant], *extra])
+
+
+def _two(argv: list[str]) -> list[str]:
+    """The same run for two iterations at a small learning rate (no checkpoint)."""
+    out = list(argv)
+    for flag, value in (("--train-iters", "2"), ("--lr", "0.1"), ("--min-lr", "0.1")):
+        out[out.index(flag) + 1] = value
+    i = out.index("--save")
+    return out[:i] + out[i + 2:]
 
 
 def _grads(save: str) -> tuple[dict[str, torch.Tensor], int]:
@@ -64,6 +75,11 @@ def test_lora_layouts_equal_single_process(tmp_path):
                 save = str(tmp_path / f"{variant}_{tp}x{pp}_{i}")
                 by_world[world].append(_argv(prefix, cache, save, tp, pp, variant, str(pattern), extra))
                 names.append((variant, world, save, f"TP{tp} PP{pp} {' '.join(extra)}".strip()))
+    zero3 = {v: _argv(prefix, cache, str(tmp_path / f"{v}_z3"), 1, 1, v, str(pattern), ["--zero-stage", "3"])
+             for v in VARIANTS}
+    for v in VARIANTS:  # two iterations: the second loss depends on the first update
+        by_world[1].append(_two(_argv(prefix, cache, str(tmp_path / f"{v}_ref2"), 1, 1, v, str(pattern), [])))
+        by_world[2].append(_two(zero3[v]))
     results = {w: run_distributed(train_body, w, args=(runs,), timeout=600, env=ENV)[0] for w, runs in by_world.items()}
     refs = {v: (results[1][i]["losses"][1], _grads(str(tmp_path / f"{v}_ref"))) for i, v in enumerate(VARIANTS)}
     index = {2: 0, 4: 0}
@@ -85,4 +101,10 @@ def test_lora_layouts_equal_single_process(tmp_path):
             err = float((g - r).norm() / r.norm())   # relative to the tensor's norm
             if err > TOL:
                 failures.append(f"{variant} {label}: {n} gradient differs by {err:.2e}")
+    for i, v in enumerate(VARIANTS):
+        ref2 = results[1][len(VARIANTS) + i]["losses"]
+        z3 = results[2][-len(VARIANTS) + i]["losses"]   # appended after the world-2 runs of ``names``
+        for k in (1, 2):
+            if abs(z3[k] - ref2[k]) > TOL * abs(ref2[k]):
+                failures.append(f"{v} ZeRO 3 DP 2: loss {k} {z3[k]} vs {ref2[k]}")
     assert not failures, "\n".join(failures)
