@@ -3,6 +3,8 @@ an in-process rank body for ``run_distributed``."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -96,3 +98,9 @@ def train_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[s
 def relative_diff(a: dict[int, float], b: dict[int, float]) -> float:
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in a)
+
+
+def convert_cli(*argv: str) -> subprocess.CompletedProcess:
+    """``tools/convert_checkpoint.py ARGV`` as users run it (CPU, one thread), output captured."""
+    return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})

@@ -3,14 +3,10 @@ LlamaForCausalLM at TP = 2 x PP = 2, train with ``--use-checkpoint-args --finetu
 iteration's loss is the loss transformers computes on the same batch (fp32, <= 1e-5)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.integration._train_helpers import (REPO, TINY_MODEL_FLAGS, VOCAB, make_corpus, tiny_argv, train_body,
+from tests.integration._train_helpers import (TINY_MODEL_FLAGS, VOCAB, convert_cli, make_corpus, tiny_argv, train_body,
                                               without_flags)
 
 HF_VOCAB = 101  # more rows than the tokenizer's 96 ids, as Qwen's config.json has
@@ -57,10 +53,8 @@ def test_first_loss_after_import_equals_transformers_tp2_pp2(tmp_path):
     hf = str(tmp_path / "hf")
     _tiny_llama(hf, tied=False)
     ckpt = str(tmp_path / "imported")
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "import-hf", "--load", hf, "--save", ckpt,
-                           "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
-                           "--dtype", "fp32"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    proc = convert_cli("import-hf", "--load", hf, "--save", ckpt, "--target-tensor-parallel-size", "2",
+                       "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     prefix = make_corpus(str(tmp_path))
     base = tiny_argv(prefix, str(tmp_path / "cache"), iters=3)

@@ -4,22 +4,16 @@ transformers as megatron_ru computes (<= 1e-5); ``--lora merge`` gives the same 
 transformers model; the PEFT adapter imports back (``import-hf --lora-adapter``) to the same tensors."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.integration._train_helpers import REPO, TINY_MODEL_FLAGS, make_corpus, tiny_argv, train_body, without_flags
+from tests.integration._train_helpers import (TINY_MODEL_FLAGS, convert_cli, make_corpus, tiny_argv, train_body,
+                                              without_flags)
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 TOL = 1e-5
-
-
-def _convert(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 
 
 def _our_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -55,7 +49,7 @@ def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_export")
     hf, imported = str(d / "hf"), str(d / "imported")
     _tiny_llama(hf, tied=False)
-    proc = _convert("import-hf", "--load", hf, "--save", imported, "--target-tensor-parallel-size", "2",
+    proc = convert_cli("import-hf", "--load", hf, "--save", imported, "--target-tensor-parallel-size", "2",
                     "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     pattern = d / "ranks.json"
@@ -80,7 +74,7 @@ def test_peft_export_gives_our_logits(trained, kind):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     out = str(trained["dir"] / f"{kind}_peft")
-    proc = _convert("export-hf", "--load", trained[kind], "--save", out, "--lora", "peft")
+    proc = convert_cli("export-hf", "--load", trained[kind], "--save", out, "--lora", "peft")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(os.listdir(os.path.join(out, "adapter"))) == ["adapter_config.json", "adapter_model.safetensors"]
     ours = _our_logits(trained[kind], trained["tokens"])
@@ -96,7 +90,7 @@ def test_peft_export_gives_our_logits(trained, kind):
 def test_merged_export_gives_our_logits(trained, kind):
     from transformers import AutoModelForCausalLM
     out = str(trained["dir"] / f"{kind}_merged")
-    proc = _convert("export-hf", "--load", trained[kind], "--save", out, "--lora", "merge")
+    proc = convert_cli("export-hf", "--load", trained[kind], "--save", out, "--lora", "merge")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not os.path.exists(os.path.join(out, "adapter"))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
@@ -104,7 +98,7 @@ def test_merged_export_gives_our_logits(trained, kind):
 
 
 def test_lora_checkpoint_needs_a_lora_mode(trained):
-    proc = _convert("export-hf", "--load", trained["lora"], "--save", str(trained["dir"] / "x"))
+    proc = convert_cli("export-hf", "--load", trained["lora"], "--save", str(trained["dir"] / "x"))
     assert proc.returncode == 2 and "holds LoRA adapters" in proc.stderr and "--lora merge" in proc.stderr
 
 
@@ -112,9 +106,9 @@ def test_peft_adapter_imports_back(trained):
     """import-hf --lora-adapter: the exported PEFT adapter on its base becomes a checkpoint whose logits
     are ours again (at another layout, TP = 1 x PP = 2)."""
     out = str(trained["dir"] / "dora_peft_rt")
-    assert _convert("export-hf", "--load", trained["dora"], "--save", out, "--lora", "peft").returncode == 0
+    assert convert_cli("export-hf", "--load", trained["dora"], "--save", out, "--lora", "peft").returncode == 0
     back = str(trained["dir"] / "dora_back")
-    proc = _convert("import-hf", "--load", out, "--save", back, "--lora-adapter", os.path.join(out, "adapter"),
+    proc = convert_cli("import-hf", "--load", out, "--save", back, "--lora-adapter", os.path.join(out, "adapter"),
                     "--target-pipeline-parallel-size", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, want = _our_logits(back, trained["tokens"]), _our_logits(trained["dora"], trained["tokens"])

@@ -107,18 +107,12 @@ def test_lora_on_an_imported_model_starts_as_the_base_tp2_pp2(tmp_path):
     """--finetune from an imported Hugging Face Llama (no adapters in the checkpoint) with DoRA adapters
     at TP = 2 x PP = 2: the adapters start fresh (B = 0, magnitudes = the loaded rows' norms), so the
     first loss is transformers' loss on the same batches."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.integration._train_helpers import REPO, TINY_MODEL_FLAGS, train_body, without_flags
+    from tests.integration._train_helpers import TINY_MODEL_FLAGS, convert_cli, train_body, without_flags
     from tests.integration.test_continue_hf import _first_batches, _hf_loss, _tiny_llama
     hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "imported")
     _tiny_llama(hf, tied=False)
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "import-hf", "--load", hf, "--save", ckpt,
-                           "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
-                           "--dtype", "fp32"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    proc = convert_cli("import-hf", "--load", hf, "--save", ckpt, "--target-tensor-parallel-size", "2",
+                       "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     prefix = make_corpus(str(tmp_path))
     argv = without_flags(tiny_argv(prefix, str(tmp_path / "cache"), iters=3), *TINY_MODEL_FLAGS) + [
