@@ -123,3 +123,14 @@ def test_lora_on_an_imported_model_starts_as_the_base_tp2_pp2(tmp_path):
     want = _hf_loss(hf, _first_batches(argv, 4))
     assert abs(result["losses"][1] - want) / want <= 1e-5, (result["losses"][1], want)
     assert result["iteration"] == 3
+
+
+def test_modules_to_save_matching_nothing_is_refused_on_every_stage(tmp_path):
+    """Checked where the model exists (a pipeline: over all stages), before any training."""
+    from tests.integration._train_helpers import train_body
+    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+    argv = tiny_argv(prefix, cache, iters=3, extra=["--pipeline-model-parallel-size", "2", "--lora-rank", "4",
+                                                    "--lora-modules-to-save", "embedding.position_embeddings.*"])
+    out = run_distributed(train_body, 2, args=([["expect-error", *argv]],), timeout=300, env=ENV)
+    for (r,) in out:
+        assert "--lora-modules-to-save 'embedding.position_embeddings.*' matches no parameter" in r["error"]
