@@ -248,6 +248,8 @@ def test_cli_exit_codes_progress_and_summary(tmp_path, corpus, tok_files):
     assert re.search(r"processed \d+ documents \([\d.]+ docs/s\), \d+ tokens \(\d+ tokens/s\), [\d.]+ MB "
                      r"\([\d.]+ MB/s\)", p.stderr)
     assert f"{len(TEXTS)} documents" in p.stderr and "skipped nothing" in p.stderr
+    worker_type = re.search(r"2 worker (processes|threads), ", p.stderr)
+    assert worker_type and "processs" not in p.stderr, p.stderr
     p = subprocess.run(cmd + ["--tokenizer-type", "WordPiece"], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "--tokenizer-type: invalid choice: 'WordPiece'" in p.stderr
     bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])

@@ -66,10 +66,13 @@ def test_sentencepiece_megatron_special_ids(files):
 
 
 def test_gpt2_bpe_matches_independent_implementation(files):
-    """Our regex-based byte-level BPE gives the same ids as the HF tokenizers library (Rust)
-    loading the same vocab.json/merges.txt."""
+    """GPT2BPETokenizer encodes with the tokenizers library built from vocab.json/merges.txt; its ids
+    equal both the pure-Python reference (regex pre-tokenizer + merge loop) and the library loading
+    the files itself, on edge cases and on a long-tail corpus (pseudo-words: rare words that a word
+    cache would not hold)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    from tests.fixtures.tokenizers import language_texts
     ref = Tokenizer(models.BPE.from_file(files["vocab"], files["merges"]))
     ref.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     ref.decoder = decoders.ByteLevel()
@@ -77,9 +80,23 @@ def test_gpt2_bpe_matches_independent_implementation(files):
     with open(files["vocab"], encoding="utf-8") as f:
         vocab = json.load(f)
     assert ours.eod == vocab["<|endoftext|>"] and ours.vocab_size == len(vocab)
-    extra = ["don't we'll 've 're", "x  \n\n  y", "123456 7.5", "tab\tnew\r\nline   ", "ёжик «в» тумане"]
-    for t in TEXTS + extra:
-        assert ours.tokenize(t) == ref.encode(t).ids, t
+    extra = ["don't we'll 've 're", "x  \n\n  y", "123456 7.5", "tab\tnew\r\nline   ", "ёжик «в» тумане",
+             "emoji 🙂🙂 and <|endoftext|> as text", "  leading and trailing  ", "", "'s'S'LL", "a\u00a0b\u2003c"]
+    texts = TEXTS + extra + language_texts("mixed", 150, seed=11)
+    fast = ours.tokenize_batch(texts)
+    for t, ids in zip(texts, fast):
+        assert ids == ours.tokenize(t) == ours.reference_tokenize(t) == ref.encode(t).ids, t
+        assert ours.detokenize(ids) == t
+
+
+def test_gpt2_bpe_long_tail_vocabulary(tmp_path):
+    """A larger vocabulary trained on long-tail text: the library's merges equal the reference's on
+    held-out documents full of words neither saw."""
+    from tests.fixtures.tokenizers import language_texts
+    vocab, merges = make_gpt2_bpe_files(tmp_path, vocab=2000, texts=language_texts("mixed", 300, seed=1))
+    tok = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))
+    held_out = language_texts("mixed", 100, seed=99)
+    assert tok.tokenize_batch(held_out) == [tok.reference_tokenize(t) for t in held_out]
 
 
 def test_hf_tokenizer_special_ids(files):
@@ -125,6 +142,11 @@ def test_mismatched_gpt2_files(files, tmp_path):
     with pytest.raises(ValueError, match="no <\\|endoftext\\|> token"):
         build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json"),
                                         merge_file=files["merges"]))
+    (tmp_path / "v2.json").write_text(json.dumps({"<|endoftext|>": 0, "a": 1, "b": 2}))
+    (tmp_path / "m2.txt").write_text("#version: 0.2\na c\n")
+    with pytest.raises(ValueError, match="--merge-file and --vocab-file do not belong together"):
+        build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=str(tmp_path / "v2.json"),
+                                        merge_file=str(tmp_path / "m2.txt")))
     (tmp_path / "m.txt").write_text("#version: 0.2\na b c\n")
     with pytest.raises(ValueError, match="line 2: expected two symbols"):
         build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=files["vocab"], merge_file=str(tmp_path / "m.txt")))

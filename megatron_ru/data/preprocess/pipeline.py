@@ -378,7 +378,8 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
                     "'pip install --no-build-isolation -e .' or 'python setup.py build_ext --inplace'")
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    workers = f"{cfg.workers} worker {worker_type}s" if cfg.workers > 1 else "1 worker (the main process)"
+    plural = {"process": "processes", "thread": "threads"}.get(worker_type, f"{worker_type}s")
+    workers = f"{cfg.workers} worker {plural}" if cfg.workers > 1 else "1 worker (the main process)"
     log.info(f"{len(files)} input file(s); tokenizer {tokenizer.describe()}; token dtype {np.dtype(dtype).name}; "
              f"{workers}, {cfg.partitions} partition(s)")
     t0 = time.perf_counter()
