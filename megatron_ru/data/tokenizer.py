@@ -32,6 +32,32 @@ class Tokenizer(ABC):
     releases_gil: bool = False
     # True when tokenize_batch_arrays also takes UTF-8 ``bytes`` (same ids as for the str).
     accepts_utf8_bytes: bool = False
+    _cut_mode: object = ...  # computed on first use (see cut_mode)
+    # special-token strings no cut may touch (see megatron_ru/data/preprocess/cuts.py)
+    cut_guards: tuple[str, ...] = ()
+    _tie_runs = None  # a compiled regex: no cut before the end of its last match (cut_start)
+
+    def cut_start(self, text: str | bytes) -> int:
+        """Position before which ``text`` must not be cut (cuts.py: SentencePiece Unigram ties)."""
+        if self.cut_mode is None or self._tie_runs is None:
+            return 0
+        last = -1
+        pattern = self._tie_runs[isinstance(text, bytes)]
+        for m in pattern.finditer(text):
+            last = m.end()
+        return last + 1 if last >= 0 else 0
+
+    @property
+    def cut_mode(self) -> Optional[str]:
+        """How a huge document may be cut into pieces whose ids concatenate to the whole text's:
+        ``"keep"``, ``"drop"`` or ``None`` (never cut); see megatron_ru/data/preprocess/cuts.py.
+        Worked out on first use (it may read the tokenizer's files): ``self.cut_reason`` says why."""
+        if self._cut_mode is ...:
+            self._cut_mode, self.cut_reason = self._find_cut_mode()
+        return self._cut_mode
+
+    def _find_cut_mode(self) -> tuple[Optional[str], str]:
+        return None, f"{self.name}: no proof that its ids are unchanged by a cut"
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -41,9 +67,10 @@ class Tokenizer(ABC):
         """Token ids of every text; subclasses use the library's batch call."""
         return [self.tokenize(t) for t in texts]
 
-    def tokenize_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def tokenize_batch_arrays(self, texts: Sequence[str], num_threads: Optional[int] = None) -> list[np.ndarray]:
         """Like :meth:`tokenize_batch` but numpy int arrays (avoids Python int lists where the
-        library can hand out buffers directly)."""
+        library can hand out buffers directly). ``num_threads``: threads for this call where the
+        library takes a per-call count (the pieces of one huge document), else ignored."""
         return [np.asarray(ids, dtype=np.int64) for ids in self.tokenize_batch(texts)]
 
     @abstractmethod
@@ -106,8 +133,11 @@ class GPTSentencePieceTokenizer(Tokenizer):
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), num_threads=self.num_threads)
 
-    def tokenize_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return self.sp.encode(list(texts), num_threads=self.num_threads, return_type="numpy")
+    def tokenize_batch_arrays(self, texts: Sequence[str | bytes], num_threads: Optional[int] = None) -> list[np.ndarray]:
+        return self.sp.encode(list(texts), num_threads=num_threads or self.num_threads, return_type="numpy")
+
+    def _find_cut_mode(self) -> tuple[Optional[str], str]:
+        return sentencepiece_cut_mode(self)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.sp.decode(_ids(ids))
@@ -143,6 +173,7 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
             add(f"<extra_id_{i}>")
         self.vocab_size = len(pieces)
         self.special_tokens = specials
+        self.cut_guards = tuple(specials)  # each text between specials is encoded on its own
         self._special_of_id = {v: k for k, v in specials.items()}
         # Longest first so that a special token that is a prefix of another never wins.
         self._special_re = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
@@ -173,9 +204,9 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
                 out[i] = self.tokenize(t)
         return out
 
-    def tokenize_batch_arrays(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+    def tokenize_batch_arrays(self, texts: Sequence[str | bytes], num_threads: Optional[int] = None) -> list[np.ndarray]:
         texts = list(texts)
-        out = self.sp.encode(texts, num_threads=self.num_threads, return_type="numpy")
+        out = self.sp.encode(texts, num_threads=num_threads or self.num_threads, return_type="numpy")
         for i, t in enumerate(texts):
             if isinstance(t, bytes):
                 if b"<" not in t:
@@ -196,6 +227,35 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
                 start = i + 1
         parts.append(self.sp.decode(ids[start:]))
         return "".join(parts)
+
+
+# Three or more spaces (U+0020, or characters that NFKC turns into one), for str and UTF-8 bytes.
+_SPACE_RUNS = (re.compile("[ \u00a0\u2000-\u200a\u202f\u205f\u3000]{3,}"),
+               re.compile(rb"(?: |\xc2\xa0|\xe2\x80[\x80-\x8a\xaf]|\xe2\x81\x9f|\xe3\x80\x80){3,}"))
+
+
+def sentencepiece_cut_mode(tok: "GPTSentencePieceTokenizer") -> tuple[Optional[str], str]:
+    """Cut mode of a SentencePiece model, from its normalizer settings and pieces: a word-boundary
+    space starts a new piece when no piece holds a ``▁`` after another character (true of every
+    model trained with whitespace splitting); the dummy prefix and whitespace collapsing decide
+    how the right piece must start (docstring of megatron_ru/data/preprocess/cuts.py)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    name = tok.name
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tok.sp.serialized_model_proto())
+    for p in proto.pieces:
+        if "\u2581" in p.piece.lstrip("\u2581"):  # a word start after another character
+            return None, f"{name}: piece {p.piece!r} spans a word start (model trained without whitespace splitting)"
+    spec = proto.normalizer_spec
+    if proto.trainer_spec.model_type == proto.trainer_spec.UNIGRAM and not spec.remove_extra_whitespaces and any(
+            len(p.piece) > 1 and not p.piece.strip("\u2581") for p in proto.pieces):
+        tok._tie_runs = _SPACE_RUNS
+    if spec.add_dummy_prefix:
+        return ("keep" if spec.remove_extra_whitespaces else "drop"), f"{name}: dummy prefix"
+    if spec.remove_extra_whitespaces:
+        return None, f"{name}: whitespace collapsing without a dummy prefix drops a piece's leading space"
+    return "keep", f"{name}: whitespace kept, no dummy prefix"
 
 
 class NullTokenizer(Tokenizer):
@@ -222,6 +282,9 @@ class NullTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def _find_cut_mode(self) -> tuple[Optional[str], str]:
+        return "keep", "NullTokenizer: ids are whitespace-separated"
 
 
 def _opt(i: int) -> Optional[int]:

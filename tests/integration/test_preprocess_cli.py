@@ -232,10 +232,6 @@ def test_tokenizer_problems_fail_before_any_work(tmp_path, corpus, tok_files):
     with pytest.raises(ValueError, match="--split-sentences and --split-paragraphs exclude each other"):
         run(corpus, tmp_path / "sub" / "out", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "5"],
             "--split-sentences", "--split-paragraphs")
-    with pytest.raises(ValueError, match=r"--worker-type thread: GPT2BPETokenizer holds the GIL while tokenizing, so "
-                                         r"threads would run one at a time; use --worker-type process \(or auto\)\. "
-                                         r"\(SentencePiece tokenizers release it from sentencepiece 0\.2\.2 on\.\)$"):
-        run(corpus, tmp_path / "sub" / "out", tok_files["gpt2"], "--workers", "2", "--worker-type", "thread")
     assert not os.path.exists(tmp_path / "sub")
 
 
@@ -248,8 +244,18 @@ def test_cli_exit_codes_progress_and_summary(tmp_path, corpus, tok_files):
     assert re.search(r"processed \d+ documents \([\d.]+ docs/s\), \d+ tokens \(\d+ tokens/s\), [\d.]+ MB "
                      r"\([\d.]+ MB/s\)", p.stderr)
     assert f"{len(TEXTS)} documents" in p.stderr and "skipped nothing" in p.stderr
-    worker_type = re.search(r"2 worker (processes|threads), ", p.stderr)
-    assert worker_type and "processs" not in p.stderr, p.stderr
+    assert re.search(r": 1 input file; tokenizer .*; 2 worker threads, 1 partition\n", p.stderr), p.stderr
+    n = len(TEXTS)
+    assert re.search(rf"done in [\d.]+ s: {n} documents, {n} sequences, \d+ tokens from {n} lines ", p.stderr), p.stderr
+    # one document, one line, and a tokenizer that holds the GIL: threads fall back to processes, said once
+    one = write_jsonl(tmp_path / "one.jsonl", [{"text": "1 2 3"}])
+    p = subprocess.run([sys.executable, TOOL, "--input", one, "--output-prefix", str(tmp_path / "one"),
+                        "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "3",
+                        "--worker-type", "thread", "--partitions", "2"], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("holds the GIL") == 1 and "using worker processes instead" in p.stderr, p.stderr
+    assert "3 worker processes, 2 partitions" in p.stderr
+    assert re.search(r"done in [\d.]+ s: 1 document, 1 sequence, 3 tokens from 1 line ", p.stderr), p.stderr
     p = subprocess.run(cmd + ["--tokenizer-type", "WordPiece"], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "--tokenizer-type: invalid choice: 'WordPiece'" in p.stderr
     bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])

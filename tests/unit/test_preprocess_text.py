@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.data.preprocess.reader import MIN_TAIL_BATCH, expand_inputs, plan_partitions, read_batches, Segment
-from megatron_ru.data.preprocess.text import chunk_text, sanitize_name, split_paragraphs, split_sentences
+from megatron_ru.data.preprocess.text import sanitize_name, split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import build_tokenizer
 from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_sentencepiece, sample_texts
 
@@ -45,36 +45,6 @@ def test_sentences():
         assert "".join(split_sentences(text, keep_newlines=True)) == text
         # without --keep-newlines only the whitespace between sentences is dropped
         assert re.sub(r"\s", "", "".join(split_sentences(text))) == re.sub(r"\s", "", text)
-
-
-def test_chunking_is_exact_and_bounded():
-    rng = random.Random(2)
-    for _ in range(200):
-        text = random_text(rng, rng.randint(0, 400))
-        m = rng.randint(5, 60)
-        parts = chunk_text(text, m)
-        assert "".join(parts) == text
-        assert all(len(p) <= 2 * m for p in parts)
-    assert chunk_text("short", 10) == ["short"]
-
-
-@pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    vocab, merges = make_gpt2_bpe_files(d)
-    return [build_tokenizer(TokenizerConfig("GPTSentencePieceTokenizer", make_sentencepiece(d))),
-            build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))]
-
-
-def test_chunked_tokenization_equals_whole_text(tokenizers):
-    """The reason for the cut rule: for these tokenizers, ids of the chunks == ids of the text."""
-    text = "\n\n".join(sample_texts(30, seed=4)) + "\n \n  tail  \n"
-    for tok in tokenizers:
-        whole = tok.tokenize(text)
-        for m in (50, 200, 1000):
-            chunks = chunk_text(text, m)
-            assert len(chunks) > 1
-            assert [i for c in chunks for i in tok.tokenize(c)] == whole, (tok.name, m)
 
 
 def test_sanitize_name():

@@ -15,7 +15,8 @@ from typing import Optional
 import numpy as np
 
 from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch
-from megatron_ru.data.preprocess.text import chunk_text, split_paragraphs, split_sentences
+from megatron_ru.data.preprocess.cuts import cut_document
+from megatron_ru.data.preprocess.text import split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import Tokenizer
 
 try:  # csrc/jsonl.cpp: string values straight from the line's bytes (see Encoder._fields)
@@ -33,8 +34,11 @@ class EncodeOptions:
     split_paragraphs: bool = False
     append_eod: bool = False
     skip_invalid: bool = False
-    chunk_chars: int = 1_000_000
+    chunk_chars: int = 100_000
     dtype: str = "uint16"
+    # threads for the tokenizer call that encodes the pieces of a cut (huge) document: the pieces
+    # of one document are spread over all of them (tools/preprocess_data.py: --workers)
+    spread_threads: int = 1
 
 
 @dataclass
@@ -56,6 +60,7 @@ class BatchResult:
     skipped: Counter = field(default_factory=Counter)
     first_skipped: dict[str, str] = field(default_factory=dict)
     error: Optional[str] = None
+    uncut: int = 0  # texts over chunk_chars tokenized whole (the tokenizer has no safe cut)
 
 
 _NON_SPACE = re.compile(r"\S")
@@ -171,16 +176,14 @@ class Encoder:
         return [text]
 
     def _chunks(self, seg: str | bytes) -> list:
-        """``seg`` in pieces of at most ``chunk_chars`` characters (see chunk_text), of the same
-        type as ``seg``; UTF-8 is never longer in bytes than in characters, so a short ``bytes``
-        needs no decoding."""
+        """``seg`` in pieces of about ``chunk_chars`` (bytes for ``bytes``), cut only where the
+        tokenizer's ids of the pieces are those of the whole text (cuts.py); ``[seg]`` when it is
+        short or the tokenizer has no safe cut."""
         n = self.opts.chunk_chars
-        if isinstance(seg, bytes):
-            if len(seg) <= n:
-                return [seg]
-            return [p.encode("utf-8") for p in chunk_text(seg.decode("utf-8"), n)]
-        return chunk_text(seg, n)
-
+        if len(seg) <= n:
+            return [seg]
+        tok = self.tok
+        return cut_document(seg, n, tok.cut_mode, tok.cut_guards, tok.cut_start(seg))
     def encode(self, batch: Batch) -> BatchResult:
         res = BatchResult(bytes=len(batch.data))
         o = self.opts
@@ -221,10 +224,14 @@ class Encoder:
         for _, _, _, segs in docs:
             for seg in segs:
                 pieces = self._chunks(seg)
+                res.uncut += len(pieces) == 1 and len(seg) > self.opts.chunk_chars
                 counts.append(len(pieces))
                 chunks.extend(pieces)
+        # the pieces of a cut document go to every thread (one call); other batches use the
+        # tokenizer's own setting (the workers already run in parallel)
+        threads = self.opts.spread_threads if len(counts) < len(chunks) else None
         try:
-            flat = self.tok.tokenize_batch_arrays(chunks)
+            flat = self.tok.tokenize_batch_arrays(chunks, num_threads=threads)
         except Exception:  # find the line that failed, to name it
             return self._tokenize_one_by_one(docs, res, path)
         del chunks  # copies of the text: free them before the arrays are concatenated

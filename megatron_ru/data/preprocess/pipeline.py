@@ -149,11 +149,14 @@ def choose_worker_type(requested: str, workers: int, tokenizer: Tokenizer) -> st
     in C++ without the GIL) holds the GIL: about 2 % of the CPU time with SentencePiece on the
     benchmark corpus (cProfile), and every hand-over of the GIL costs more with more threads.
     ``MAX_AUTO_THREADS`` keeps ``auto`` to counts where that is clearly small; above it, and for
-    tokenizers that hold the GIL, processes (measured here on 2 cores only)."""
+    tokenizers that hold the GIL, processes (measured here on 2 cores only). ``thread`` with a
+    tokenizer that holds the GIL falls back to processes, and says so (once)."""
     if requested == "thread" and not tokenizer.releases_gil:
-        raise ValueError(f"--worker-type thread: {tokenizer.name} holds the GIL while tokenizing, so threads "
-                         "would run one at a time; use --worker-type process (or auto). (SentencePiece "
-                         "tokenizers release it from sentencepiece 0.2.2 on.)")
+        if workers > 1:
+            log.warning(f"--worker-type thread: {tokenizer.describe()} holds the GIL while tokenizing, so threads "
+                        "would run one at a time; using worker processes instead (SentencePiece releases it "
+                        "from sentencepiece 0.2.2 on; Hugging Face tokenizers with a tokenizer.json always do)")
+        return "process"
     if requested != "auto":
         return requested
     return "thread" if tokenizer.releases_gil and workers <= MAX_AUTO_THREADS else "process"
@@ -252,9 +255,14 @@ def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer,
     encoder = Encoder(tokenizer, opts)
     t0 = time.perf_counter()
     try:
+        warned_uncut = False
         for r in _results(read_batches(segments, batch_bytes), encoder, workers, worker_type):
             if r.error is not None:
                 raise ValueError(r.error)
+            if r.uncut and not warned_uncut:
+                warned_uncut = True
+                log.warning(f"texts over --tokenize-chunk-chars {opts.chunk_chars} are tokenized whole, on one thread "
+                            f"(no cut is proven to keep the ids for {tokenizer.cut_reason})")
             summary.add(r)
             writers.write(r)
             progress.update(summary)
@@ -364,13 +372,16 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
     if problems:
         raise ValueError("invalid arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     files = expand_inputs(cfg.input)
+    # The Rust pool of Hugging Face tokenizers (read once, at its first use): one thread per
+    # worker, shared by worker threads; worker processes each keep to one (see docs/data_format.md).
+    os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.workers if cfg.worker_type != "process" else 1))
     tokenizer = build_tokenizer(tok_cfg)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     opts = EncodeOptions(json_keys=tuple(cfg.json_keys), group_by_key=cfg.group_by_key,
                          split_sentences=cfg.split_sentences, keep_newlines=cfg.keep_newlines,
                          split_paragraphs=cfg.split_paragraphs, append_eod=cfg.append_eod,
                          skip_invalid=cfg.skip_invalid, chunk_chars=cfg.tokenize_chunk_chars,
-                         dtype=np.dtype(dtype).name)
+                         dtype=np.dtype(dtype).name, spread_threads=max(cfg.workers, tok_cfg.tokenizer_num_threads))
     worker_type = choose_worker_type(cfg.worker_type, cfg.workers, tokenizer)
     if encode_module.extract_strings_batch is None:
         log.warning("the C++ JSONL fast path (megatron_ru.data.preprocess._jsonl, csrc/jsonl.cpp) is not built: "
@@ -378,10 +389,8 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
                     "'pip install --no-build-isolation -e .' or 'python setup.py build_ext --inplace'")
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    plural = {"process": "processes", "thread": "threads"}.get(worker_type, f"{worker_type}s")
-    workers = f"{cfg.workers} worker {plural}" if cfg.workers > 1 else "1 worker (the main process)"
-    log.info(f"{len(files)} input file(s); tokenizer {tokenizer.describe()}; token dtype {np.dtype(dtype).name}; "
-             f"{workers}, {cfg.partitions} partition(s)")
+    log.info(f"{_count(len(files), 'input file')}; tokenizer {tokenizer.describe()}; token dtype "
+             f"{np.dtype(dtype).name}; {_workers_phrase(cfg.workers, worker_type)}, {_count(cfg.partitions, 'partition')}")
     t0 = time.perf_counter()
     parts = plan_partitions(files, cfg.partitions)
     if len(parts) == 1:
@@ -393,9 +402,23 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
     return summary
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 partition``, ``2 partitions``, ``3 processes``."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "sh", "ch", "x")) else f"{n} {noun}s"
+
+
+def _workers_phrase(workers: int, worker_type: str) -> str:
+    if workers == 1:
+        return "1 worker (the main process)"
+    return f"{workers} worker {_count(workers, worker_type).split(' ', 1)[1]}"
+
+
 def format_summary(s: Summary) -> str:
-    lines = [f"done in {s.seconds:.2f} s: {s.documents} documents, {s.sequences} sequences, {s.tokens} tokens "
-             f"from {s.lines} lines ({s.bytes / 1e6:.2f} MB; {s.tokens / max(s.seconds, 1e-9):.0f} tokens/s)"]
+    lines = [f"done in {s.seconds:.2f} s: {_count(s.documents, 'document')}, {_count(s.sequences, 'sequence')}, "
+             f"{_count(s.tokens, 'token')} from {_count(s.lines, 'line')} ({s.bytes / 1e6:.2f} MB; "
+             f"{s.tokens / max(s.seconds, 1e-9):.0f} tokens/s)"]
     if s.skipped:
         for reason, n in sorted(s.skipped.items()):
             where = s.first_skipped.get(reason)
@@ -403,6 +426,6 @@ def format_summary(s: Summary) -> str:
     else:
         lines.append("  skipped nothing")
     for pre, o in s.outputs.items():
-        lines.append(f"  wrote {pre}.bin/.idx: {o['documents']} documents, {o['sequences']} sequences, "
-                     f"{o['tokens']} tokens")
+        lines.append(f"  wrote {pre}.bin/.idx: {_count(o['documents'], 'document')}, "
+                     f"{_count(o['sequences'], 'sequence')}, {_count(o['tokens'], 'token')}")
     return "\n".join(lines)

@@ -72,46 +72,6 @@ def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
     return [s for s in out if s]
 
 
-_NEWLINE_RUN = re.compile(r"[^\S\n]*\n\s*(?=\S)")
-_SPACE_RUN = re.compile(r"\s+(?=\S)")
-
-
-def _cut_in(text: str, lo: int, hi: int, pattern: re.Pattern) -> int:
-    """Last cut in ``text[lo:hi]``: just before the final character of a whitespace run that is
-    followed by non-whitespace; -1 if none."""
-    cut = -1
-    for m in pattern.finditer(text, lo, hi):  # the lookahead cannot see past hi: runs end inside
-        cut = m.end() - 1
-    return cut if cut > lo else -1
-
-
-def chunk_text(text: str, max_chars: int) -> list[str]:
-    """Cut ``text`` (exactly) into pieces of at most ``max_chars`` for tokenization, so that a
-    100 MB document never reaches the tokenizer in one call.
-
-    A cut goes inside a whitespace run (one with a newline if there is one in the second half
-    of the window, else any), just before the run's last character; only text without any
-    whitespace in reach is cut hard. Tokenizers whose pieces never cross such a point
-    (GPT-2/byte-level BPE, whose pre-tokenizer already splits there; SentencePiece without a
-    dummy prefix, which splits at whitespace) give the same ids for the pieces as for the whole
-    text (tested); see docs/data_format.md."""
-    if len(text) <= max_chars:
-        return [text]
-    parts = []
-    start = 0
-    while len(text) - start > max_chars:
-        lo, hi = start + max_chars // 2, start + max_chars
-        cut = _cut_in(text, lo, hi, _NEWLINE_RUN)
-        if cut < 0:
-            cut = _cut_in(text, start, hi, _SPACE_RUN)
-        if cut <= start:
-            cut = hi
-        parts.append(text[start:cut])
-        start = cut
-    parts.append(text[start:])
-    return parts
-
-
 _UNSAFE = re.compile(r"[^\w.\-]+")
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from typing import Sequence
+from typing import Optional, Sequence
 
+import numpy as np
 import regex
 
 from megatron_ru.data.tokenizer import Tokenizer
@@ -45,6 +46,7 @@ class GPT2BPETokenizer(Tokenizer):
     """Megatron's ``GPT2BPETokenizer``: ``eod`` is ``<|endoftext|>``; vocab size is len(vocab.json)."""
 
     name = "GPT2BPETokenizer"
+    releases_gil = True  # the library encodes batches in Rust with the GIL released
 
     def __init__(self, vocab_file: str, merge_file: str, cache_size: int = 1 << 16) -> None:
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
@@ -127,6 +129,14 @@ class GPT2BPETokenizer(Tokenizer):
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]
+
+    def tokenize_batch_arrays(self, texts: Sequence[str], num_threads: Optional[int] = None) -> list[np.ndarray]:
+        from megatron_ru.data.tokenizers.huggingface import fast_batch_arrays
+
+        return fast_batch_arrays(self._fast, texts)  # threads: the library's pool (RAYON_NUM_THREADS)
+
+    def _find_cut_mode(self) -> tuple[Optional[str], str]:
+        return "keep", f"{self.name}: GPT-2's pre-tokenizer starts a token at ' word'"
 
     def reference_tokenize(self, text: str) -> list[int]:
         """The pure-Python encoding (``regex`` pre-tokenizer and merge loop): the reference the
