@@ -16,7 +16,8 @@ import pytest
 
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.data.tokenizer import build_tokenizer
-from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts
+from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts,
+                                      tricky_text)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
@@ -51,6 +52,8 @@ def tok_files(tmp_path_factory):
     vocab, merges = make_gpt2_bpe_files(d)
     return {"sp": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", make_sentencepiece(d)],
             "gptsp": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", make_sentencepiece(d)],
+            "unigram": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                        make_sentencepiece(d, "unigram")],
             "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
             "hf": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", make_hf_tokenizer_dir(d)]}
 
@@ -134,14 +137,17 @@ def test_int32_and_hf_and_two_keys(tmp_path, tok_files):
     assert [tok.detokenize(s[0]) for s in got] == [f"{i} {i}" for i in range(40)]
 
 
-def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, tok_files):
+@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf"])
+def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, tok_files, tok_name):
     base = ["--split-paragraphs", "--append-eod", "--group-by-key", "domain", "--batch-bytes", "2000"]
     variants = {"w1": [], "w2": ["--workers", "2"], "w2proc": ["--workers", "2", "--worker-type", "process"],
                 "w3thread": ["--workers", "3", "--worker-type", "thread"],
                 "w2p3": ["--workers", "2", "--partitions", "3"],
-                "chunked": ["--tokenize-chunk-chars", "40"], "batch7k": ["--batch-bytes", "7000"]}
+                "chunked": ["--tokenize-chunk-chars", "40"], "batch7k": ["--batch-bytes", "7000"],
+                "w2chunked": ["--workers", "2", "--tokenize-chunk-chars", "25"],
+                "w2procchunked": ["--workers", "2", "--worker-type", "process", "--tokenize-chunk-chars", "60"]}
     for name, extra in variants.items():
-        s = run(corpus, tmp_path / name, tok_files["gptsp"], *base, *extra)
+        s = run(corpus, tmp_path / name, tok_files[tok_name], *base, *extra)
         assert sorted(s.outputs) == [str(tmp_path / f"{name}_{g}_text_document") for g in ("ru_news", "wiki")]
     for g in ("ru_news", "wiki"):
         for ext in (".bin", ".idx"):
@@ -151,6 +157,24 @@ def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, 
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
     _, news = read_dataset(str(tmp_path / "w1_ru_news_text_document"))
     assert len(news) == (len(TEXTS) + 1) // 2
+
+
+@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf"])
+def test_huge_documents_equal_the_whole_text_encoding(tmp_path, tok_files, tok_name):
+    """Documents of several MB are cut into pieces spread over the workers; their ids are exactly
+    the tokenizer's ids of the whole text, for every tokenizer type and worker layout."""
+    tok = tokenizer_of(tok_files[tok_name])
+    big = "\n\n".join(sample_texts(9000, seed=11))  # ~3 MB, double spaces included
+    odd = tricky_text(5, 60000)  # runs of spaces, emoji, special-token text, Unicode spaces
+    docs = [big, "a short one", odd]
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in docs])
+    expected = [tok.tokenize(t) + [tok.eod] for t in docs]
+    for name, extra in {"w1": [], "w2": ["--workers", "2"], "w2proc": ["--workers", "2", "--worker-type", "process"],
+                        "w2small": ["--workers", "2", "--tokenize-chunk-chars", "5000", "--partitions", "2"]}.items():
+        run(path, tmp_path / name, tok_files[tok_name], "--append-eod", *extra)
+        _, got = read_dataset(str(tmp_path / f"{name}_text_document"))
+        assert [s[0].tolist() for s in got] == expected, name
+    assert len(big) > 3_000_000 and tok.cut_mode is not None
 
 
 def test_gz_glob_and_several_files_equal_one_file(tmp_path, corpus, tok_files):

@@ -10,29 +10,12 @@ import pytest
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.data.preprocess.cuts import cut_document
 from megatron_ru.data.tokenizer import build_tokenizer
-from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts
+from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts,
+                                      tricky_text)
 
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-# Everything a cut could trip over: scripts, digits, contractions, punctuation runs, emoji, a
-# combining mark, NBSP and other Unicode spaces, tabs, runs of spaces and of blank lines, CRLF,
-# special-token text.
-ODD = ["it's", "they'll", "don't", "«Привет»,", "—", "...", "😀", "😀😀", "e\u0301", "x\u00a0y", "\u3000", "\t", "  ",
-       "   ", "\n", "\n\n", "\n \n", "\r\n", "12345", "3.14", "<EOD>", "</s>", "<|endoftext|>", "a-b", "(x)", "ёжик",
-       "Ünïcödé", "日本語", "'", "''", ")", "#", "$5"]
-
-
-def tricky_text(seed: int, words: int = 3000) -> str:
-    rng = random.Random(seed)
-    base = " ".join(sample_texts(40, seed=seed)).split(" ")
-    out = []
-    for _ in range(words):
-        out.append(rng.choice(ODD) if rng.random() < 0.25 else rng.choice(base))
-        out.append(rng.choice([" ", " ", " ", " ", "", "  ", "\n", "\n\n"]))
-    return "".join(out)
-
-
 def boundary_ok(text: str, i: int) -> bool:
     return text[i] == " " and not text[i - 1].isspace() and not text[i + 1].isspace()
 
