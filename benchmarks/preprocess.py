@@ -1,16 +1,30 @@
 #!/usr/bin/env python
-"""tools/preprocess_data.py end to end vs the tokenizer's own batch throughput (issue 2, item 7).
+"""tools/preprocess_data.py end to end vs each tokenizer's own fastest batch throughput: a matrix.
 
-    python benchmarks/preprocess.py --size-mb 50 --workdir /tmp/bench_preprocess
+    python benchmarks/preprocess.py --repeat 3                      # the whole matrix (~30 min on 2 cores)
+    python benchmarks/preprocess.py --tokenizers sp-bpe --shapes huge --huge-mb 20 --repeat 1
 
-Generates a synthetic corpus of long multi-paragraph documents (cached in --workdir), trains a
-SentencePiece BPE model on its first few MB (or takes --tokenizer-model), then in the same run:
-  limit(k)  = tokens/s of SentencePieceProcessor.encode(batch, num_threads=k) over the same
-              texts already in memory as str (no JSON, no I/O, no start-up), k = 1, 2;
-  tool(k)   = tokens/s of `python tools/preprocess_data.py --workers k` as a subprocess, wall
-              clock including interpreter start-up, imports, reading, JSON and writing.
-Prints ratio(k) = tool(k) / limit(k) -- of the best runs, and the median of per-round ratios
-(each tool run against the limit run next to it) -- and one JSON line with every figure.
+Rows: tokenizer type (SentencePiece BPE and Unigram 16k, GPT-2 BPE 32k from vocab.json/merges.txt,
+Hugging Face byte-level BPE 32k with LLaMA-3's split pattern, and tiktoken with that vocabulary when
+tiktoken is installed) × corpus shape (``ordinary``: multi-paragraph documents; ``longtail``: the
+same with ~30 % of the words replaced by fresh pseudo-words, so that no word cache helps;
+``huge``: one document of --huge-mb MB in one JSON line) × workers (1, 2). Everything is built
+in --workdir by the script (tokenizers trained on the first documents of the ordinary corpus).
+
+  limit(k): the tokenizer alone, in a fresh process, on the same texts already in memory as str
+            (read untimed): SentencePiece ``encode(batch, num_threads=k, return_type="numpy")``,
+            tokenizers ``encode_batch_fast(batch)`` and each encoding's ``ids`` with a Rust pool of
+            k threads (RAYON_NUM_THREADS), tiktoken ``encode_ordinary_batch(batch, num_threads=k)``;
+            4 MB batches, and for the huge document the text cut into ~100 k-character pieces
+            encoded as one batch.
+  tool(k):  ``python tools/preprocess_data.py --workers k --append-eod`` as a subprocess: wall
+            clock from launch to exit (start-up, reading, JSON, tokenizing, writing), and its peak
+            RSS (the largest process of the tool's tree, from wait4).
+
+Rounds: each runs limit and tool back to back for every cell, the order reversed every other
+round; the figure is the median over rounds of the per-round ratio limit_wall / tool_wall (token
+counts are equal but for the tool's one end-of-document token per document, which is counted).
+The outputs of all tool runs of a tokenizer × shape are checked byte-identical across workers.
 """
 from __future__ import annotations
 
@@ -18,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -27,7 +40,26 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ru.data.preprocess.synthetic import write_corpus  # noqa: E402
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+TOKENIZERS = ("sp-bpe", "sp-unigram", "gpt2-bpe", "hf-bytelevel", "tiktoken")
+SHAPES = ("ordinary", "longtail", "huge")
+BATCH_CHARS = 4 << 20
+SIZE_MB = {"sp-bpe": 100, "sp-unigram": 300, "gpt2-bpe": 50, "hf-bytelevel": 50, "tiktoken": 50}
+PIECE_CHARS = 100_000
+
+
+def corpus_path(workdir: str, shape: str, size_mb: float, huge_mb: float) -> str:
+    from megatron_ru.data.preprocess.synthetic import write_corpus
+
+    mb = huge_mb if shape == "huge" else size_mb
+    path = os.path.join(workdir, f"corpus_{shape}_{mb:g}mb.jsonl")
+    if not os.path.exists(path):
+        t0 = time.perf_counter()
+        write_corpus(path, int(mb * 1e6), seed={"ordinary": 1, "longtail": 2, "huge": 3}[shape], paragraphs=(10, 60),
+                     rare_words=0.3 if shape == "longtail" else 0.0, one_document=shape == "huge")
+        print(f"generated {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return path
 
 
 def load_texts(path: str) -> list[str]:
@@ -35,147 +67,232 @@ def load_texts(path: str) -> list[str]:
         return [json.loads(line)["text"] for line in f]
 
 
-def tokenizer_limit(model: str, corpus: str, threads: int, batch_chars: int) -> tuple[float, float, int]:
-    """Wall seconds, CPU seconds and tokens for the tokenizer alone, batches of ``batch_chars``.
+def _byte_level_bpe(texts: list[str], vocab: int, special: str, llama3: bool):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    The texts are read again (untimed) for every run: sentencepiece converts each ``str`` to
-    UTF-8 in the calling thread, and CPython caches that conversion on the string object, so a
-    second run over the same objects skips work that tokenizing any new text includes (measured:
-    3-4 % of the 2-thread time on the benchmark corpus)."""
-    import sentencepiece as spm
+    tok = Tokenizer(models.BPE())
+    if llama3:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=[special], show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
 
-    sp = spm.SentencePieceProcessor(model_file=model)
+
+def tokenizer_flags(name: str, workdir: str, train_corpus: str) -> list[str]:
+    """Build (once, cached in ``workdir``) tokenizer ``name``; its preprocess_data.py flags."""
+    d = os.path.join(workdir, "tokenizers")
+    os.makedirs(d, exist_ok=True)
+    texts = None
+    if name.startswith("sp-"):
+        kind = name[3:]
+        model = os.path.join(d, f"sp_{kind}_16k.model")
+        if not os.path.exists(model):
+            from megatron_ru.data.tokenizers.train import train_sentencepiece
+
+            train_sentencepiece(load_texts(train_corpus)[:400], model[:-len(".model")], kind, 16000, num_threads=2,
+                                hard_vocab_limit=False)
+        return ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model]
+    if name == "gpt2-bpe":
+        out = os.path.join(d, "gpt2_32k")
+        if not os.path.exists(os.path.join(out, "merges.txt")):
+            os.makedirs(out, exist_ok=True)
+            model = json.loads(_byte_level_bpe(load_texts(train_corpus)[:400], 32000, "<|endoftext|>", False).to_str())
+            with open(os.path.join(out, "vocab.json"), "w", encoding="utf-8") as f:
+                json.dump(model["model"]["vocab"], f, ensure_ascii=False)
+            with open(os.path.join(out, "merges.txt"), "w", encoding="utf-8") as f:
+                f.write("#version: 0.2\n")
+                f.writelines((m if isinstance(m, str) else " ".join(m)) + "\n" for m in model["model"]["merges"])
+        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(out, "vocab.json"),
+                "--merge-file", os.path.join(out, "merges.txt")]
+    out = os.path.join(d, "hf_llama3_32k")
+    if not os.path.exists(os.path.join(out, "tokenizer_config.json")):
+        os.makedirs(out, exist_ok=True)
+        texts = texts or load_texts(train_corpus)[:400]
+        _byte_level_bpe(texts, 32000, "<|end_of_text|>", True).save(os.path.join(out, "tokenizer.json"))
+        with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"eos_token": "<|end_of_text|>"}, f)
+    if name == "hf-bytelevel":
+        return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", out]
+    if name == "tiktoken":  # the same vocabulary as ranks of token bytes (tiktoken's file format)
+        ranks = os.path.join(d, "llama3_style_32k.tiktoken")
+        if not os.path.exists(ranks):
+            _write_tiktoken_ranks(os.path.join(out, "tokenizer.json"), ranks)
+        return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", ranks]
+    raise SystemExit(f"unknown tokenizer {name!r}; choose from {', '.join(TOKENIZERS)}")
+
+
+def _write_tiktoken_ranks(tokenizer_json: str, path: str) -> None:
+    import base64
+
+    from megatron_ru.data.tokenizers.gpt2_bpe import byte_to_symbol
+
+    s2b = {s: b for b, s in byte_to_symbol().items()}
+    spec = json.load(open(tokenizer_json, encoding="utf-8"))
+    added = {t["content"] for t in spec["added_tokens"]}
+    by_id = sorted((kv for kv in spec["model"]["vocab"].items() if kv[0] not in added), key=lambda kv: kv[1])
+    with open(path + ".tmp", "w", encoding="ascii") as f:
+        for rank, (sym, _) in enumerate(by_id):
+            f.write(f"{base64.b64encode(bytes(s2b[c] for c in sym)).decode()} {rank}\n")
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------- the limit (subprocess)
+def limit_main(flags: list[str], corpus: str, shape: str, threads: int) -> None:
+    """Runs in a fresh process (RAYON_NUM_THREADS set by the parent); prints one JSON line."""
     texts = load_texts(corpus)
-    batches, cur, size = [], [], 0
-    for t in texts:
-        cur.append(t)
-        size += len(t)
-        if size >= batch_chars:
-            batches.append(cur)
-            cur, size = [], 0
-    if cur:
-        batches.append(cur)
-    t0, c0 = time.perf_counter(), time.process_time()
-    tokens = 0
-    for b in batches:
-        tokens += sum(a.size for a in sp.encode(b, num_threads=threads, return_type="numpy"))
-    return time.perf_counter() - t0, time.process_time() - c0, tokens
+    if shape == "huge":
+        from megatron_ru.data.preprocess.cuts import cut_document
 
+        texts = [p for t in texts for p in cut_document(t, PIECE_CHARS, "keep")]
+        batches = [texts]
+    else:
+        batches, cur, size = [], [], 0
+        for t in texts:
+            cur.append(t)
+            size += len(t)
+            if size >= BATCH_CHARS:
+                batches.append(cur)
+                cur, size = [], 0
+        batches += [cur] if cur else []
+    kind = flags[1]
+    if kind == "GPTSentencePieceTokenizer":
+        import sentencepiece as spm
 
-def run_tool(corpus: str, model: str, out: str, workers: int, extra: list[str]) -> tuple[float, float]:
-    """Wall seconds and CPU seconds (the tool and its worker processes) of one run."""
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", out, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model,
-           "--append-eod", "--workers", str(workers), "--log-interval", "100000000"] + extra
-    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        sp = spm.SentencePieceProcessor(model_file=flags[3])
+        encode = lambda b: sum(a.size for a in sp.encode(b, num_threads=threads, return_type="numpy"))  # noqa: E731
+    elif kind in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
+        from tokenizers import Tokenizer as Fast
+
+        if kind == "HuggingFaceTokenizer":
+            fast = Fast.from_file(os.path.join(flags[3], "tokenizer.json"))
+        else:
+            from megatron_ru.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+
+            fast = GPT2BPETokenizer(flags[3], flags[5])._fast
+        encode = lambda b: sum(len(e.ids) for e in fast.encode_batch_fast(b, add_special_tokens=False))  # noqa: E731
+    elif kind == "TikTokenizer":
+        from megatron_ru.config.tokenizer import TokenizerConfig
+        from megatron_ru.data.tokenizer import build_tokenizer
+
+        enc = build_tokenizer(TokenizerConfig("TikTokenizer", flags[3])).encoding
+        encode = lambda b: sum(map(len, enc.encode_ordinary_batch(b, num_threads=threads)))  # noqa: E731
+    else:
+        raise SystemExit(f"no limit for {kind}")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    dt = time.perf_counter() - t0
-    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise SystemExit(f"preprocess_data.py failed:\n{proc.stderr}")
-    return dt, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    tokens = sum(encode(b) for b in batches)
+    print(json.dumps({"wall": time.perf_counter() - t0, "tokens": tokens, "texts": len(texts)}))
+
+
+def run_limit(flags: list[str], corpus: str, shape: str, threads: int) -> dict:
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_limit", json.dumps([flags, corpus, shape, threads])],
+                       capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"limit run failed:\n{p.stderr}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_tool(flags: list[str], corpus: str, out: str, workers: int) -> dict:
+    """Wall seconds and peak RSS (MB) of one tools/preprocess_data.py run."""
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus, "--output-prefix", out,
+           *flags, "--append-eod", "--workers", str(workers), "--log-interval", "100000000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RAYON_NUM_THREADS", None)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    err = p.stderr.read().decode()
+    p.stderr.close()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"preprocess_data.py failed ({' '.join(cmd)}):\n{err}")
+    return {"wall": wall, "rss_mb": usage.ru_maxrss / 1024}
 
 
 def _same_files(a: str, b: str) -> bool:
     return all(open(a + e, "rb").read() == open(b + e, "rb").read() for e in (".bin", ".idx"))
 
 
-def _variant_key(i: int) -> str:
-    return "" if i == 0 else f"_v{i}"
-
-
-def _keep_best(results: dict, name: str, wall: float, cpu: float) -> None:
-    if wall < results.get(f"{name}_seconds", float("inf")):
-        results[f"{name}_seconds"] = wall
-        results[f"{name}_cpu_seconds"] = cpu
-
-
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_limit":
+        limit_main(*json.loads(sys.argv[2]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=float, default=50.0)
-    ap.add_argument("--workdir", default="/tmp/bench_preprocess")
-    ap.add_argument("--tokenizer-model", default=None)
-    ap.add_argument("--vocab-size", type=int, default=16000)
+    ap.add_argument("--tokenizers", nargs="+", default=list(TOKENIZERS), choices=TOKENIZERS)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batch-chars", type=int, default=4 << 20, help="text per tokenizer call in the limit run")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds; each measures the limit and every tool variant once")
-    ap.add_argument("--extra", default="", help="extra preprocess_data.py flags, e.g. '--split-paragraphs'")
-    ap.add_argument("--variant", action="append", default=[],
-                    help="also measure the tool with these extra flags in the same rounds, e.g. "
-                         "'--worker-type process' (repeatable)")
+    ap.add_argument("--size-mb", type=float, default=None,
+                    help="ordinary and longtail corpora (default per tokenizer: SIZE_MB, about 10 s of the "
+                         "tokenizer alone on 2 threads here, so that the tool's fixed start-up of 0.2-0.4 s is "
+                         "a few per cent)")
+    ap.add_argument("--huge-mb", type=float, default=100.0, help="the one-document corpus")
+    ap.add_argument("--repeat", type=int, default=3, help="paired rounds")
+    ap.add_argument("--workdir", default="/tmp/bench_preprocess_matrix")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    corpus = os.path.join(args.workdir, f"corpus_{args.size_mb:g}mb.jsonl")
-    if not os.path.exists(corpus):
-        t0 = time.perf_counter()
-        n = write_corpus(corpus, int(args.size_mb * 1e6), seed=1, paragraphs=(10, 60))
-        print(f"generated {corpus}: {n} documents in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    model = args.tokenizer_model
-    if model is None:
-        model = os.path.join(args.workdir, f"sp_bpe_{args.vocab_size}.model")
-        if not os.path.exists(model):
-            from megatron_ru.data.tokenizers.train import train_sentencepiece
-
-            texts = load_texts(corpus)[:400]
-            train_sentencepiece(texts, model[:-len(".model")], "bpe", args.vocab_size, num_threads=2)
-    mb = os.path.getsize(corpus) / 1e6
-    with open(corpus, "rb") as f:
-        documents = sum(1 for _ in f)
-    results: dict = {"corpus_mb": round(mb, 1), "documents": documents, "machine": platform.processor() or
-                     platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    # Rounds of (tokenizer alone, then each tool variant), the order flipped every other round so
-    # that a slow drift of the machine's speed hits both sides alike. Two summaries: best of the
-    # rounds for each (the least disturbed runs) and the median of the per-round ratios (each
-    # tool run against the limit measured next to it).
-    variants = [("default", args.extra.split())] + [(v, args.extra.split() + v.split()) for v in args.variant]
-    results["load_average_before"] = os.getloadavg()[0]
-    paired: dict = {}
+    if "tiktoken" in args.tokenizers:
+        try:
+            import tiktoken  # noqa: F401
+            from megatron_ru.config.tokenizer import TOKENIZER_TYPES
+            assert "TikTokenizer" in TOKENIZER_TYPES
+        except (ImportError, AssertionError):
+            print("tiktoken (or TikTokenizer) not available: row skipped", file=sys.stderr)
+            args.tokenizers.remove("tiktoken")
+    train = corpus_path(args.workdir, "ordinary", 20, args.huge_mb)
+    flags = {t: tokenizer_flags(t, args.workdir, train) for t in args.tokenizers}
+    corpora = {(t, s): corpus_path(args.workdir, s, args.size_mb or SIZE_MB[t], args.huge_mb)
+               for t in args.tokenizers for s in args.shapes}
+    cells = [(t, s, k) for t in args.tokenizers for s in args.shapes for k in args.workers]
+    data: dict = {c: {"ratios": [], "limit": [], "tool": [], "rss": []} for c in cells}
+    load_before = os.getloadavg()[0]
     for r in range(args.repeat):
-        for k in args.workers:
-            steps = ["limit"] + list(range(len(variants)))
-            if r % 2:
-                steps.reverse()
-            limit_wall, tool_walls = None, {}
+        for t, s, k in cells:
+            out = os.path.join(args.workdir, f"out_{t}_{s}_w{k}")
+            steps = ["limit", "tool"] if r % 2 == 0 else ["tool", "limit"]
+            res = {}
             for step in steps:
-                if step == "limit":
-                    limit_wall, cpu, tokens = tokenizer_limit(model, corpus, k, args.batch_chars)
-                    results["tokens"] = tokens
-                    _keep_best(results, f"limit_{k}", limit_wall, cpu)
-                    continue
-                name = _variant_key(step)
-                wall, cpu = run_tool(corpus, model, os.path.join(args.workdir, f"out_w{k}{name}"), k,
-                                     variants[step][1])
-                _keep_best(results, f"tool{name}_{k}", wall, cpu)
-                tool_walls[name] = wall
-            for name, wall in tool_walls.items():
-                paired.setdefault(f"{name}_{k}", []).append(limit_wall / wall)  # token counts cancel (+eod below)
-            results.setdefault("rounds", []).append({"workers": k, "limit_seconds": round(limit_wall, 3),
-                                                     **{f"tool{n}_seconds": round(w, 3) for n, w in tool_walls.items()}})
-    results["load_average_after"] = os.getloadavg()[0]
-    toks = results["tokens"] + results["documents"]  # --append-eod adds one token per document
-    for k in args.workers:
-        lw, lc = results[f"limit_{k}_seconds"], results[f"limit_{k}_cpu_seconds"]
-        results[f"limit_{k}_tokens_per_s"] = results["tokens"] / lw
-        for i, (label, _) in enumerate(variants):
-            name = _variant_key(i)
-            tw, tc = results[f"tool{name}_{k}_seconds"], results[f"tool{name}_{k}_cpu_seconds"]
-            ratios = [x * toks / results["tokens"] for x in paired[f"{name}_{k}"]]
-            results[f"tool{name}_{k}_tokens_per_s"] = toks / tw
-            results[f"ratio{name}_{k}"] = (toks / tw) / (results["tokens"] / lw)
-            results[f"paired_ratios{name}_{k}"] = [round(x, 4) for x in ratios]
-            results[f"median_paired_ratio{name}_{k}"] = statistics.median(ratios)
-            results[f"cpu_ratio{name}_{k}"] = (toks / tc) / (results["tokens"] / lc)
-            print(f"--workers {k}{'' if label == 'default' else ' ' + label}: tool {tw:.2f} s wall "
-                  f"({toks / tw:,.0f} tokens/s), tokenizer alone with {k} thread(s) {lw:.2f} s "
-                  f"({results['tokens'] / lw:,.0f} tokens/s): ratio of the bests {results[f'ratio{name}_{k}']:.3f}, "
-                  f"median of {len(ratios)} paired ratios {statistics.median(ratios):.3f} "
-                  f"(min {min(ratios):.3f}, max {max(ratios):.3f}); tokens per CPU-second ratio "
-                  f"{results[f'cpu_ratio{name}_{k}']:.3f}", file=sys.stderr)
-    outs = [os.path.join(args.workdir, f"out_w{k}{_variant_key(i)}_text_document")
-            for k in args.workers for i in range(len(variants))]
-    results["outputs_identical"] = all(_same_files(outs[0], o) for o in outs[1:])
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items()}))
+                res[step] = (run_limit(flags[t], corpora[(t, s)], s, k) if step == "limit"
+                             else run_tool(flags[t], corpora[(t, s)], out, k))
+            cell = data[(t, s, k)]
+            cell["tokens"] = res["limit"]["tokens"]
+            cell["limit"].append(res["limit"]["wall"])
+            cell["tool"].append(res["tool"]["wall"])
+            cell["rss"].append(res["tool"]["rss_mb"])
+            print(f"round {r + 1} {t:13s} {s:9s} workers {k}: limit {res['limit']['wall']:7.2f} s, tool "
+                  f"{res['tool']['wall']:7.2f} s ({res['tool']['rss_mb']:.0f} MB), ratio "
+                  f"{res['limit']['wall'] / res['tool']['wall']:.3f}", file=sys.stderr, flush=True)
+    results = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+               "python": platform.python_version(), "load_before": load_before, "load_after": os.getloadavg()[0],
+               "cells": []}
+    documents = {c: sum(1 for _ in open(p, "rb")) for c, p in corpora.items()}
+    print(f"\n| tokenizer | corpus (MB) | workers | limit (median s) | tool (median s) | **median paired ratio** | "
+          f"min-max | tool peak RSS (MB) |\n|---|---|---|---|---|---|---|---|")
+    for t, s, k in cells:
+        c = data[(t, s, k)]
+        eod = (c["tokens"] + documents[(t, s)]) / c["tokens"]
+        mb = os.path.getsize(corpora[(t, s)]) / 1e6
+        ratios = [lim / tool * eod for lim, tool in zip(c["limit"], c["tool"])]
+        row = {"tokenizer": t, "shape": s, "corpus_mb": round(mb, 1), "workers": k, "tokens": c["tokens"],
+               "documents": documents[(t, s)],
+               "limit_s": [round(x, 3) for x in c["limit"]], "tool_s": [round(x, 3) for x in c["tool"]],
+               "ratios": [round(x, 4) for x in ratios], "median_ratio": round(statistics.median(ratios), 4),
+               "peak_rss_mb": round(max(c["rss"]))}
+        results["cells"].append(row)
+        print(f"| {t} | {s} ({mb:.0f}) | {k} | {statistics.median(c['limit']):.2f} | {statistics.median(c['tool']):.2f} | "
+              f"**{row['median_ratio']:.3f}** | {min(ratios):.3f}-{max(ratios):.3f} | {row['peak_rss_mb']} |")
+    identical = {}
+    for t in args.tokenizers:
+        for s in args.shapes:
+            outs = [os.path.join(args.workdir, f"out_{t}_{s}_w{k}_text_document") for k in args.workers]
+            identical[f"{t}/{s}"] = all(_same_files(outs[0], o) for o in outs[1:])
+    results["outputs_identical_across_workers"] = identical
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -62,10 +62,22 @@ def _language_vocab(language: str, common_only: bool = False) -> tuple[list[str]
     return words, list(itertools.accumulate(1.0 / (i + 1) for i in range(len(words))))
 
 
-def _sentence(rng: random.Random, language: str = "mixed", common_only: bool = False) -> str:
+def _rare_word(rng: random.Random) -> str:
+    """A fresh pseudo-word (3-6 syllables and a random letter, ~10^6-10^11 possibilities): almost
+    never seen twice."""
+    ru = rng.random() < 0.5
+    syl = _SYLLABLES_RU if ru else _SYLLABLES_EN
+    word = [rng.choice(syl) for _ in range(rng.randint(3, 6))]
+    word.insert(rng.randrange(len(word) + 1), rng.choice("бгджзйфхцчшщэюя" if ru else "bcfgjkpqvwxyz"))
+    return "".join(word)
+
+
+def _sentence(rng: random.Random, language: str = "mixed", common_only: bool = False, rare_words: float = 0.0) -> str:
     n = rng.randint(4, 18)
     vocab, weights = _language_vocab(language, common_only)
     words = rng.choices(vocab, cum_weights=weights, k=n)
+    if rare_words:
+        words = [_rare_word(rng) if rng.random() < rare_words else w for w in words]
     if rng.random() < 0.15:
         words.insert(rng.randrange(n), str(rng.randint(1, 3000)))
     s = " ".join(words)
@@ -73,31 +85,37 @@ def _sentence(rng: random.Random, language: str = "mixed", common_only: bool = F
 
 
 def document(rng: random.Random, paragraphs: tuple[int, int] = (3, 30), language: str = "mixed",
-             common_only: bool = False) -> str:
+             common_only: bool = False, rare_words: float = 0.0) -> str:
+    """A title and paragraphs of sentences; ``rare_words``: the fraction of words replaced by fresh
+    pseudo-words (a long tail that defeats any word cache)."""
     paras = []
     for _ in range(rng.randint(*paragraphs)):
-        paras.append(" ".join(_sentence(rng, language, common_only) for _ in range(rng.randint(1, 8))))
+        paras.append(" ".join(_sentence(rng, language, common_only, rare_words) for _ in range(rng.randint(1, 8))))
     titles = _TITLES if language == "mixed" else [t for t in _TITLES if _is_cyrillic(t) == (language == "ru")]
     return rng.choice(titles) + "\n\n" + "\n\n".join(paras)
 
 
 def records(n_docs: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30),
-            language: str = "mixed", common_only: bool = False) -> Iterator[dict]:
+            language: str = "mixed", common_only: bool = False, rare_words: float = 0.0) -> Iterator[dict]:
     rng = random.Random(seed)
     domains = ("news", "wiki", "science")
     for i in range(n_docs):
-        yield {"id": i, "text": document(rng, paragraphs, language, common_only),
+        yield {"id": i, "text": document(rng, paragraphs, language, common_only, rare_words),
                "domain": domains[rng.randrange(len(domains))]}
 
 
 def write_corpus(path: str, target_bytes: int, seed: int = 0, paragraphs: tuple[int, int] = (3, 30),
-                 language: str = "mixed", common_only: bool = False) -> int:
-    """Write JSONL of at least ``target_bytes`` (UTF-8) to ``path`` atomically; returns documents."""
+                 language: str = "mixed", common_only: bool = False, rare_words: float = 0.0,
+                 one_document: bool = False) -> int:
+    """Write JSONL of at least ``target_bytes`` (UTF-8) to ``path`` atomically; returns documents.
+    ``one_document``: a single line whose text is all the documents joined by blank lines."""
+    if one_document:
+        return _write_one_document(path, target_bytes, seed, paragraphs, language, common_only, rare_words)
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     written = docs = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records(1 << 62, seed, paragraphs, language, common_only):
+        for rec in records(1 << 62, seed, paragraphs, language, common_only, rare_words):
             line = json.dumps(rec, ensure_ascii=False) + "\n"
             f.write(line)
             written += len(line.encode("utf-8"))
@@ -106,3 +124,18 @@ def write_corpus(path: str, target_bytes: int, seed: int = 0, paragraphs: tuple[
                 break
     os.replace(tmp, path)
     return docs
+
+
+def _write_one_document(path: str, target_bytes: int, seed: int, paragraphs: tuple[int, int], language: str,
+                        common_only: bool, rare_words: float) -> int:
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < target_bytes:
+        parts.append(document(rng, paragraphs, language, common_only, rare_words))
+        size += len(parts[-1].encode("utf-8")) + 2
+    tmp = f"{path}.tmp-{os.getpid()}"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"id": 0, "text": "\n\n".join(parts)}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return 1
