@@ -63,6 +63,8 @@ class BatchResult:
     uncut: int = 0  # texts over chunk_chars tokenized whole (the tokenizer has no safe cut)
 
 
+# a cut document goes to the tokenizer this many pieces per thread at a time (see Encoder._encode_pieces)
+GROUP_PIECES_PER_THREAD = 8
 _NON_SPACE = re.compile(r"\S")
 _NON_SPACE_BYTES = re.compile(rb"\S")
 # In UTF-8 text: an ASCII byte that is not whitespace for ``\s``, or the lead byte of a character
@@ -185,9 +187,12 @@ class Encoder:
         tok = self.tok
         return cut_document(seg, n, tok.cut_mode, tok.cut_guards, tok.cut_start(seg))
     def encode(self, batch: Batch) -> BatchResult:
+        """Tokenize ``batch``; its ``data`` is released (set to ``b""``) once split into lines, so
+        that a 100 MB line is not held twice."""
         res = BatchResult(bytes=len(batch.data))
         o = self.opts
         lines = batch.data.split(b"\n")
+        batch.data = b""
         if lines and lines[-1] == b"":
             lines.pop()
         res.lines = len(lines)
@@ -203,6 +208,8 @@ class Encoder:
             try:
                 group, texts = self._fields(raw, fast[i] if fast is not None else None)
                 del raw
+                if fast is not None:
+                    fast[i] = None
             except Invalid as e:
                 if not self._skip(res, e, batch.path, line_no):
                     return res
@@ -212,29 +219,33 @@ class Encoder:
                     self._count(res, f"empty '{key}'", batch.path, line_no)
                     continue
                 docs.append((line_no, group, key, self._segments(text)))
+            texts = text = None  # (docs holds the texts: _tokenize replaces them by their pieces)
         arrays = self._tokenize(docs, res, batch.path)
         if res.error is None:
             self._assemble(docs, arrays, res)
         return res
 
     def _tokenize(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
-        """Per document, one id array per segment; None for a document the tokenizer refused."""
-        chunks: list[str] = []
+        """Per document, one id array (of the output dtype) per segment; None for a document the
+        tokenizer refused. The documents' texts are replaced by their pieces (``docs[i][3]``
+        becomes a list of piece lists), so a huge text is not held twice."""
+        chunks: list = []
         counts: list[int] = []
         for _, _, _, segs in docs:
-            for seg in segs:
+            for j, seg in enumerate(segs):
                 pieces = self._chunks(seg)
                 res.uncut += len(pieces) == 1 and len(seg) > self.opts.chunk_chars
                 counts.append(len(pieces))
                 chunks.extend(pieces)
-        # the pieces of a cut document go to every thread (one call); other batches use the
-        # tokenizer's own setting (the workers already run in parallel)
+                segs[j] = pieces
+        # the pieces of a cut document go to every thread; other batches use the tokenizer's own
+        # setting (the workers already run in parallel)
         threads = self.opts.spread_threads if len(counts) < len(chunks) else None
         try:
-            flat = self.tok.tokenize_batch_arrays(chunks, num_threads=threads)
+            flat = self._encode_pieces(chunks, threads or 1, cut=len(counts) < len(chunks))
         except Exception:  # find the line that failed, to name it
             return self._tokenize_one_by_one(docs, res, path)
-        del chunks  # copies of the text: free them before the arrays are concatenated
+        del chunks
         out: list[Optional[list[np.ndarray]]] = []
         k = 0
         n_iter = iter(counts)
@@ -243,19 +254,35 @@ class Encoder:
             for _ in segs:
                 n = next(n_iter)
                 per_seg.append(flat[k] if n == 1 else np.concatenate(flat[k:k + n]))
+                flat[k:k + n] = [None] * n
                 k += n
             out.append(per_seg)
+        return out
+
+    def _encode_pieces(self, chunks: list, threads: int, cut: bool) -> list[np.ndarray]:
+        """Ids of every chunk as arrays of the output dtype; when a document was ``cut``, in
+        tokenizer calls of ``GROUP_PIECES_PER_THREAD × threads`` chunks (bounds what the tokenizer
+        holds for a huge document — its result objects for all of it took 2.0 GB for 100 MB with
+        the tokenizers library — while every thread still gets several pieces per call)."""
+        vocab = self.tok.vocab_size
+        out: list[np.ndarray] = []
+        step = GROUP_PIECES_PER_THREAD * threads if cut else len(chunks)
+        for i in range(0, len(chunks), max(step, 1)):
+            for a in self.tok.tokenize_batch_arrays(chunks[i:i + step], num_threads=threads if threads > 1 else None):
+                if a.size and (a.min() < 0 or a.max() >= vocab):
+                    raise ValueError(f"token id {int(a.max())} outside the vocabulary of {vocab}")
+                out.append(a.astype(self.dtype, copy=False))
         return out
 
     def _tokenize_one_by_one(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
         out: list[Optional[list[np.ndarray]]] = []
         for line_no, _, key, segs in docs:
-            segs = [s.decode("utf-8") if isinstance(s, bytes) else s for s in segs]
+            pieces = [[p.decode("utf-8") if isinstance(p, bytes) else p for p in seg] for seg in segs]
             try:
-                out.append([np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64)
-                                            for c in self._chunks(seg)]) for seg in segs])
+                out.append([np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64) for c in seg]
+                                           ).astype(self.dtype) for seg in pieces])
             except Exception as e:
-                if _has_lone_surrogate(segs):
+                if _has_lone_surrogate([p for seg in pieces for p in seg]):
                     err = Invalid("invalid UTF-8", f"key '{key}' contains a lone surrogate escape (\\ud800-\\udfff)",
                                   "fix the escape sequences in that line")
                 else:
@@ -268,7 +295,7 @@ class Encoder:
 
     def _assemble(self, docs, arrays, res: BatchResult) -> None:
         parts: dict[tuple[Optional[str], str], tuple[list, list, list]] = {}
-        eod = np.asarray([self.tok.eod], dtype=np.int32) if self.opts.append_eod else None
+        eod = np.asarray([self.tok.eod], dtype=self.dtype) if self.opts.append_eod else None
         for (line_no, group, key, _), segs in zip(docs, arrays):
             if segs is None:
                 continue
@@ -285,12 +312,9 @@ class Encoder:
             counts.append(len(segs))
             res.documents += 1
         for k, (toks, lens, counts) in parts.items():
-            tokens = np.concatenate(toks)
-            if tokens.size and (tokens.min() < 0 or tokens.max() >= self.tok.vocab_size):
-                raise ValueError(f"token id {int(tokens.max())} outside the vocabulary of {self.tok.vocab_size}")
+            tokens = np.concatenate(toks) if len(toks) > 1 else toks[0]  # (ids checked in _encode_pieces)
             res.tokens += tokens.size
-            res.outputs[k] = Output(tokens.astype(self.dtype, copy=False), np.asarray(lens, dtype=np.int32),
-                                    np.asarray(counts, dtype=np.int64))
+            res.outputs[k] = Output(tokens, np.asarray(lens, dtype=np.int32), np.asarray(counts, dtype=np.int64))
 
     def _count(self, res: BatchResult, reason: str, path: str, line_no: int) -> None:
         res.skipped[reason] += 1

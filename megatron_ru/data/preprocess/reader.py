@@ -108,8 +108,10 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
                     continue
                 data = b"".join(pending + [block[:cut]]) if pending else block[:cut]
                 pending = [block[cut:]] if cut < len(block) else []
-                yield Batch(seg.path, line_no, data)
+                out = [Batch(seg.path, line_no, data)]
                 line_no += data.count(b"\n")
+                del data, block  # while suspended, the generator holds no copy of the batch (a 100 MB line)
+                yield out.pop()
 
 
 def _line_start_at_or_after(path: str, offset: int) -> tuple[int, int]:
