@@ -1,0 +1,77 @@
+"""One candidate layout of a training run: the parallel degrees, batch shape and memory-saving
+choices the planner predicts memory and time for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """TP x PP x DP ranks, micro/global batch in samples, sequence length in tokens."""
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    global_batch: int
+    seq_length: int
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    zero_stage: int = 0
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro batches per data-parallel rank per iteration (gradient accumulation steps)."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_length
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the model's parameters, gradients and activations."""
+        return 4 if self.precision == "fp32" else 2
+
+    def flags(self) -> list[str]:
+        """The pretrain_gpt.py flags of this layout."""
+        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+               "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.global_batch),
+               "--seq-length", str(self.seq_length), "--zero-stage", str(self.zero_stage)]
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.recompute == "full":
+            out += ["--recompute-granularity", "full"]
+        if self.precision != "fp32":
+            out.append(f"--{self.precision}")
+        return out
+
+    def short(self) -> str:
+        """``TP4 PP8 DP1 mb1 full-recompute ZeRO1 SP``-style label."""
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", f"mb{self.micro_batch}"]
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.recompute == "full":
+            parts.append("recompute")
+        parts.append(f"ZeRO{self.zero_stage}")
+        return " ".join(parts)
