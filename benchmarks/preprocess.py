@@ -127,18 +127,10 @@ def tokenizer_flags(name: str, workdir: str, train_corpus: str) -> list[str]:
 
 
 def _write_tiktoken_ranks(tokenizer_json: str, path: str) -> None:
-    import base64
+    from megatron_ru.data.tokenizers.tiktoken_file import ranks_from_tokenizer_json, write_ranks
 
-    from megatron_ru.data.tokenizers.gpt2_bpe import byte_to_symbol
-
-    s2b = {s: b for b, s in byte_to_symbol().items()}
-    spec = json.load(open(tokenizer_json, encoding="utf-8"))
-    added = {t["content"] for t in spec["added_tokens"]}
-    by_id = sorted((kv for kv in spec["model"]["vocab"].items() if kv[0] not in added), key=lambda kv: kv[1])
-    with open(path + ".tmp", "w", encoding="ascii") as f:
-        for rank, (sym, _) in enumerate(by_id):
-            f.write(f"{base64.b64encode(bytes(s2b[c] for c in sym)).decode()} {rank}\n")
-    os.replace(path + ".tmp", path)
+    with open(tokenizer_json, encoding="utf-8") as f:
+        write_ranks(ranks_from_tokenizer_json(json.load(f)), path)
 
 
 # ---------------------------------------------------------------------------- the limit (subprocess)

@@ -12,6 +12,7 @@ TOKENIZER_TYPES = (
     "GPTSentencePieceTokenizer",
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
+    "TikTokenizer",
     "NullTokenizer",
 )
 
@@ -24,8 +25,9 @@ class TokenizerConfig:
         None, "Tokenizer kind. SentencePiece*/HuggingFace need --tokenizer-model, GPT2BPETokenizer "
         "needs --vocab-file and --merge-file, NullTokenizer needs --vocab-size.", choices=TOKENIZER_TYPES)
     tokenizer_model: Optional[str] = arg(
-        None, "SentencePiece .model file, or a local directory with tokenizer.json/tokenizer_config.json "
-        "for HuggingFaceTokenizer (nothing is downloaded).")
+        None, "SentencePiece .model file, a local directory with tokenizer.json/tokenizer_config.json "
+        "for HuggingFaceTokenizer, or a tiktoken ranks file (LLaMA-3's original/tokenizer.model) for "
+        "TikTokenizer (nothing is downloaded).")
     vocab_file: Optional[str] = arg(None, "GPT-2 BPE vocabulary (vocab.json).")
     merge_file: Optional[str] = arg(None, "GPT-2 BPE merges (merges.txt).")
     vocab_size: Optional[int] = arg(
@@ -40,7 +42,7 @@ class TokenizerConfig:
         t = self.tokenizer_type
         if t is None:
             return [f"--tokenizer-type is required (one of: {', '.join(TOKENIZER_TYPES)})"]
-        if t in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        if t in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "TikTokenizer"):
             found += _file_problem("--tokenizer-model", self.tokenizer_model, t, want_dir=False)
         elif t == "HuggingFaceTokenizer":
             found += _file_problem("--tokenizer-model", self.tokenizer_model, t, want_dir=True)

@@ -178,6 +178,10 @@ class LoggingConfig:
     peak_tflops: Optional[float] = arg(
         None, "Peak TFLOP/s of one device for MFU (default: built-in table for V100/A100/H100/H200 "
               "in the training precision).")
+    comm_audit: Optional[str] = arg(
+        None, "Count the collectives and point-to-point messages of every training step (kind, group ranks, "
+              "bytes, call site) and append one JSON line per rank per iteration to this file ('{rank}' in the "
+              "name: one file per rank); docs/comm_audit.md.")
 
     def problems(self) -> list[str]:
         out = []

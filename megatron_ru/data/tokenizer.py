@@ -317,6 +317,10 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
         from megatron_ru.data.tokenizers.huggingface import HuggingFaceTokenizer
 
         return HuggingFaceTokenizer(cfg.tokenizer_model, cfg.tokenizer_num_threads)
+    if t == "TikTokenizer":
+        from megatron_ru.data.tokenizers.tiktoken_file import TikTokenizer
+
+        return TikTokenizer(cfg.tokenizer_model, cfg.tokenizer_num_threads)
     return NullTokenizer(cfg.vocab_size)
 
 

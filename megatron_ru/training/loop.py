@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ru.config.training import CheckpointConfig, LoggingConfig, TrainingConfig
+from megatron_ru.parallel.comm_audit import audit_for_run
 from megatron_ru.parallel.state import ParallelState
 from megatron_ru.training import checkpoint as ckpt
 from megatron_ru.training.data import Batch, SampleDataset, micro_batches, pipeline_items
@@ -117,6 +118,7 @@ class Trainer:
         if self.train_batches is None:
             raise ValueError("the training dataset is empty: check --data-path and --split")
         self._valid_batches: Optional[Iterator[Batch]] = None
+        self.comm_audit = audit_for_run(logging.comm_audit, state)  # per-iteration op counts (--comm-audit)
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -254,7 +256,8 @@ class Trainer:
         while p.iteration < plan.train_iters:
             self._last_lr = self.engine.lr_scheduler.get_lr()[0]  # the lr this step applies
             skipped_before = self.engine.skipped_steps
-            loss = self.train_step()
+            with self.comm_audit.window(p.iteration + 1):
+                loss = self.train_step()
             p.iteration += 1
             p.consumed_train_samples += plan.global_batch_size
             if not math.isfinite(loss):

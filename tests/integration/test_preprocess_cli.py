@@ -16,7 +16,8 @@ import pytest
 
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.data.tokenizer import build_tokenizer
-from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts,
+from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece,
+                                      make_tiktoken_file, sample_texts,
                                       tricky_text)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,7 +56,8 @@ def tok_files(tmp_path_factory):
             "unigram": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
                         make_sentencepiece(d, "unigram")],
             "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
-            "hf": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", make_hf_tokenizer_dir(d)]}
+            "hf": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", make_hf_tokenizer_dir(d)],
+            "tiktoken": ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", make_tiktoken_file(d)]}
 
 
 def tokenizer_of(args: list[str]):
@@ -137,7 +139,7 @@ def test_int32_and_hf_and_two_keys(tmp_path, tok_files):
     assert [tok.detokenize(s[0]) for s in got] == [f"{i} {i}" for i in range(40)]
 
 
-@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf"])
+@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf", "tiktoken"])
 def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, tok_files, tok_name):
     base = ["--split-paragraphs", "--append-eod", "--group-by-key", "domain", "--batch-bytes", "2000"]
     variants = {"w1": [], "w2": ["--workers", "2"], "w2proc": ["--workers", "2", "--worker-type", "process"],
@@ -159,7 +161,7 @@ def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, 
     assert len(news) == (len(TEXTS) + 1) // 2
 
 
-@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf"])
+@pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf", "tiktoken"])
 def test_huge_documents_equal_the_whole_text_encoding(tmp_path, tok_files, tok_name):
     """Documents of several MB are cut into pieces spread over the workers; their ids are exactly
     the tokenizer's ids of the whole text, for every tokenizer type and worker layout."""

@@ -10,8 +10,8 @@ import pytest
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.data.preprocess.cuts import cut_document
 from megatron_ru.data.tokenizer import build_tokenizer
-from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts,
-                                      tricky_text)
+from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece,
+                                      make_tiktoken_file, sample_texts, tricky_text)
 
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -121,6 +121,7 @@ def tokenizers(tmp_path_factory):
         "hf_no_regex": TokenizerConfig("HuggingFaceTokenizer", _hf_dir(d, "nr", pre_tokenizer="bytes_only")),
         "hf_unknown_split": TokenizerConfig("HuggingFaceTokenizer", _hf_dir(d, "us", pre_tokenizer="odd_split")),
         "sp_collapse_no_prefix": TokenizerConfig("GPTSentencePieceTokenizer", _sp_plain(d, add_dummy_prefix=False)),
+        "tiktoken_llama3": TokenizerConfig("TikTokenizer", make_tiktoken_file(d)),
         "null": TokenizerConfig("NullTokenizer", vocab_size=100000),
     }
     return {k: build_tokenizer(c) for k, c in cfg.items()}
@@ -129,7 +130,8 @@ def tokenizers(tmp_path_factory):
 EXPECTED_MODE = {"sp_bpe": "keep", "sp_megatron": "keep", "sp_unigram": "keep", "sp_dummy_prefix": "drop",
                  "sp_nfkc_collapse": "keep", "sp_nfkc_unigram": "keep", "gpt2": "keep", "hf_gpt2": "keep",
                  "hf_llama3": "keep", "hf_qwen2": "keep", "hf_metaspace": "keep", "hf_llama2": "drop",
-                 "hf_no_regex": None, "hf_unknown_split": None, "sp_collapse_no_prefix": None, "null": "keep"}
+                 "hf_no_regex": None, "hf_unknown_split": None, "sp_collapse_no_prefix": None, "null": "keep",
+                 "tiktoken_llama3": "keep"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_MODE))

@@ -13,7 +13,8 @@ import pytest
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.data.tokenizer import NullTokenizer, build_tokenizer, vocab_size_with_padding
 from megatron_ru.data.tokenizers.train import symbols_per_token, train_sentencepiece
-from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts
+from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece,
+                                      make_tiktoken_file, sample_texts, tricky_text)
 
 TEXTS = sample_texts(40, seed=11) + ["", " ", "a", "  двойной  пробел\n\n\tтаб", "emoji 🙂 ünïcödé 中文", "<EOD> x </s>"]
 
@@ -23,7 +24,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     vocab, merges = make_gpt2_bpe_files(d)
     return {"sp_bpe": make_sentencepiece(d, "bpe"), "sp_uni": make_sentencepiece(d, "unigram"),
-            "vocab": vocab, "merges": merges, "hf": make_hf_tokenizer_dir(d)}
+            "vocab": vocab, "merges": merges, "hf": make_hf_tokenizer_dir(d), "tiktoken": make_tiktoken_file(d)}
 
 
 def configs(files):
@@ -33,10 +34,11 @@ def configs(files):
         "gptsp_unigram": TokenizerConfig("GPTSentencePieceTokenizer", files["sp_uni"]),
         "gpt2": TokenizerConfig("GPT2BPETokenizer", vocab_file=files["vocab"], merge_file=files["merges"]),
         "hf": TokenizerConfig("HuggingFaceTokenizer", files["hf"]),
+        "tiktoken": TokenizerConfig("TikTokenizer", files["tiktoken"]),
     }
 
 
-@pytest.mark.parametrize("name", ["sp", "gptsp", "gptsp_unigram", "gpt2", "hf"])
+@pytest.mark.parametrize("name", ["sp", "gptsp", "gptsp_unigram", "gpt2", "hf", "tiktoken"])
 def test_round_trip_and_batch(files, name):
     tok = build_tokenizer(configs(files)[name])
     for t in TEXTS:
@@ -118,6 +120,34 @@ def test_null_tokenizer():
         NullTokenizer(10).tokenize("1 x")
 
 
+def test_tiktoken_equals_the_hugging_face_llama3_tokenizer_of_the_same_file(files):
+    """TikTokenizer on a LLaMA-3 style tokenizer.model gives the ids of the Hugging Face tokenizer
+    holding the same vocabulary with LLaMA-3's pattern and 256 special tokens; special-token text
+    inside a document is ordinary text."""
+    tik = build_tokenizer(TokenizerConfig("TikTokenizer", files["tiktoken"]))
+    hf_dir = os.path.join(os.path.dirname(files["tiktoken"]), "hf_llama3")
+    hf = build_tokenizer(TokenizerConfig("HuggingFaceTokenizer", hf_dir))
+    assert (tik.vocab_size, tik.eod, tik.bos) == (hf.vocab_size, hf.eod, hf.bos) == (600 + 256, 601, 600)
+    texts = [tricky_text(s, 2000) for s in range(3)] + TEXTS
+    assert [a.tolist() for a in tik.tokenize_batch_arrays(texts, num_threads=2)] == hf.tokenize_batch(texts)
+    assert tik.tokenize_batch(texts) == hf.tokenize_batch(texts)
+    special = "a <|end_of_text|> b"
+    assert tik.eod not in tik.tokenize(special) and tik.detokenize(tik.tokenize(special)) == special
+    assert hf.eod in hf.tokenize(special)  # (Hugging Face matches added tokens in the text)
+
+
+def test_tiktoken_file_errors(tmp_path):
+    bad = tmp_path / "tokenizer.model"
+    bad.write_text("IQ== 0\nnot-base64!! 1\n")
+    with pytest.raises(ValueError, match=r"tokenizer.model, line 2: not '<base64 token> <rank>'"):
+        build_tokenizer(TokenizerConfig("TikTokenizer", str(bad)))
+    bad.write_text("IQ== 0\nIg== 2\n")
+    with pytest.raises(ValueError, match="ranks are not 0..1 without gaps"):
+        build_tokenizer(TokenizerConfig("TikTokenizer", str(bad)))
+    with pytest.raises(ValueError, match="nope.model: no such file"):
+        build_tokenizer(TokenizerConfig("TikTokenizer", str(tmp_path / "nope.model")))
+
+
 def test_config_problems_name_flags(tmp_path):
     cases = [
         (TokenizerConfig(), "--tokenizer-type is required"),
@@ -193,7 +223,7 @@ def test_worker_type_follows_whether_the_tokenizer_releases_the_gil(files):
     # sentencepiece 0.2.0 and 0.2.1 hold the GIL in batch encode (two threads took as long as one).
     # the tokenizers library (GPT-2 BPE, tokenizer.json) encodes batches in Rust with the GIL released
     assert [n for n, t in toks.items() if t.releases_gil] == (["sp", "gptsp", "gptsp_unigram"] if new_sp else []) + [
-        "gpt2", "hf"]
+        "gpt2", "hf", "tiktoken"]
     expect_auto = "thread" if new_sp else "process"
     assert choose_worker_type("auto", 2, toks["gptsp"]) == expect_auto
     assert choose_worker_type("auto", MAX_AUTO_THREADS, toks["sp"]) == expect_auto
