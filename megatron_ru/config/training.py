@@ -182,6 +182,12 @@ class LoggingConfig:
         None, "Count the collectives and point-to-point messages of every training step (kind, group ranks, "
               "bytes, call site) and append one JSON line per rank per iteration to this file ('{rank}' in the "
               "name: one file per rank); docs/comm_audit.md.")
+    wandb_project: Optional[str] = arg(
+        None, "Log the TensorBoard scalars to this Weights & Biases project too (needs `pip install wandb`; "
+              "WANDB_MODE=offline writes the run files locally for a later `wandb sync`).")
+    wandb_exp_name: Optional[str] = arg(None, "Name of the Weights & Biases run (default: one W&B picks).")
+    wandb_save_dir: Optional[str] = arg(
+        None, "Directory for the Weights & Biases run files (default: --save/wandb, else ./wandb).")
 
     def problems(self) -> list[str]:
         out = []
@@ -189,4 +195,18 @@ class LoggingConfig:
             out.append(f"--log-interval must be >= 1 (got {self.log_interval})")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             out.append(f"--peak-tflops must be > 0 (got {self.peak_tflops})")
+        if not self.wandb_project and (self.wandb_exp_name or self.wandb_save_dir):
+            out.append("--wandb-exp-name and --wandb-save-dir need --wandb-project (the W&B project to log to)")
+        if self.wandb_project and not wandb_installed():
+            out.append(f"--wandb-project {self.wandb_project} needs the wandb package: pip install wandb "
+                       f"(or leave out --wandb-project)")
         return out
+
+
+def wandb_installed() -> bool:
+    """Whether ``import wandb`` can succeed (found without importing it: that takes a second)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("wandb") is not None
+    except ValueError:  # a module in sys.modules without a spec
+        return False

@@ -21,7 +21,7 @@ from megatron_ru.parallel.state import ParallelState
 from megatron_ru.training import checkpoint as ckpt
 from megatron_ru.training.data import Batch, SampleDataset, micro_batches, pipeline_items
 from megatron_ru.training.engine import grad_norm_of, loss_scale_of
-from megatron_ru.training.metrics import MetricsWriter, peak_memory_mib
+from megatron_ru.training.metrics import EtaClock, MetricsWriter, peak_memory_mib
 from megatron_ru.training.signals import ExitSignal
 from megatron_ru.utils.logging import get_logger, log_rank0
 
@@ -94,11 +94,13 @@ class Trainer:
                  metrics: MetricsWriter, progress: Progress, exit_signal: Optional[ExitSignal] = None,
                  run_config: Optional[dict[str, Any]] = None,
                  checkpoint_record: Optional[dict[str, Any]] = None,
-                 text_tables: Optional[torch.Tensor] = None) -> None:
+                 text_tables: Optional[torch.Tensor] = None,
+                 predicted_memory_mib: Optional[float] = None) -> None:
         """``checkpoint_record``: what every saved checkpoint records about the model (``model_args``,
         ``vocab_size``, ``tokenizer``: fields of :class:`CheckpointMeta`). ``text_tables``: [2, V] int64
         on the device, UTF-8 bytes and characters per token id (validation then reports bits per byte
-        and per character; None for a tokenizer without text)."""
+        and per character; None for a tokenizer without text). ``predicted_memory_mib``: the planner's
+        memory per GPU for this layout, logged next to the measured peak at the first logged iteration."""
         self.engine, self.state, self.plan = engine, state, plan
         self.training, self.checkpoint, self.logging = training, checkpoint, logging
         self.valid_ds = valid_ds
@@ -109,6 +111,9 @@ class Trainer:
         self.run_config = run_config or {}
         self.checkpoint_record = checkpoint_record or {}
         self.text_tables = text_tables
+        self.predicted_memory_mib = predicted_memory_mib
+        self._eta = EtaClock(plan.train_iters)
+        self._logged_memory = False
         self._text_counts = torch.zeros(2, dtype=torch.int64, device=state.device)
         self.device = state.device
         self.is_pipe = state.pp_size > 1
@@ -235,14 +240,31 @@ class Trainer:
         tflops = self.throughput.flops_per_iter / per_iter / self.state.world_size / 1e12
         peak = self.throughput.peak_tflops
         label, mem = peak_memory_mib()
+        eta = self._eta.update(it, time.perf_counter())
+        if not self._logged_memory:
+            self._logged_memory = True
+            self._log_memory(label, mem)
         self.metrics.log_train({
             "iteration": it, "train_iters": self.plan.train_iters,
-            "consumed_samples": self.progress.consumed_train_samples, "elapsed_ms": 1000.0 * per_iter,
+            "consumed_samples": self.progress.consumed_train_samples,
+            "consumed_tokens": self.progress.consumed_train_samples * self.plan.seq_length,
+            "elapsed_ms": 1000.0 * per_iter,
             "lr": self._last_lr, "global_batch_size": self.plan.global_batch_size,
             "lm_loss": sum(losses) / n, "loss_scale": loss_scale_of(self.engine), "grad_norm": grad_norm,
             "skipped_iterations": skipped, "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
             "mfu": (tflops / peak) if peak else None, "memory_label": label,
-            "peak_memory_mib": mem})
+            "peak_memory_mib": mem, "eta_seconds": eta})
+
+    def _log_memory(self, label: str, measured_mib: float) -> None:
+        """The measured peak after the first logged iteration (its optimizer step allocated the optimizer
+        state) next to the planner's prediction for the layout, on global rank 0."""
+        if self.predicted_memory_mib is None:
+            log_rank0(log, f"memory at the first logged iteration: {label} {measured_mib:.0f} MiB")
+            return
+        ratio = measured_mib / self.predicted_memory_mib if self.predicted_memory_mib else float("nan")
+        where = "" if self.device.type == "cuda" else " (CPU: the process's RSS, not comparable to a GPU's memory)"
+        log_rank0(log, f"memory at the first logged iteration: {label} {measured_mib:.0f} MiB, planner's prediction "
+                       f"{self.predicted_memory_mib:.0f} MiB per GPU (measured/predicted {ratio:.2f}){where}")
 
     def train(self, on_iteration: Optional[Callable[[int, float], None]] = None,
               job_started: Optional[float] = None) -> TrainResult:
@@ -291,4 +313,6 @@ class Trainer:
     def _eval_and_log(self, result: TrainResult) -> None:
         val = self.evaluate()
         if val is not None:
-            result.evals.append(self.metrics.log_eval(self.progress.iteration, val, text=self.text_metrics(val)))
+            tokens = self.progress.consumed_train_samples * self.plan.seq_length
+            result.evals.append(self.metrics.log_eval(self.progress.iteration, val, text=self.text_metrics(val),
+                                                      consumed_tokens=tokens))
