@@ -256,15 +256,19 @@ class Trainer:
             "peak_memory_mib": mem, "eta_seconds": eta})
 
     def _log_memory(self, label: str, measured_mib: float) -> None:
-        """The measured peak after the first logged iteration (its optimizer step allocated the optimizer
-        state) next to the planner's prediction for the layout, on global rank 0."""
-        if self.predicted_memory_mib is None:
-            log_rank0(log, f"memory at the first logged iteration: {label} {measured_mib:.0f} MiB")
-            return
-        ratio = measured_mib / self.predicted_memory_mib if self.predicted_memory_mib else float("nan")
-        where = "" if self.device.type == "cuda" else " (CPU: the process's RSS, not comparable to a GPU's memory)"
-        log_rank0(log, f"memory at the first logged iteration: {label} {measured_mib:.0f} MiB, planner's prediction "
-                       f"{self.predicted_memory_mib:.0f} MiB per GPU (measured/predicted {ratio:.2f}){where}")
+        """The measured peak after the first logged iteration (its optimizer steps allocated the optimizer
+        state), the largest over all ranks (one all-reduce, every rank logs the same iterations), next to
+        the planner's prediction for the layout; logged on global rank 0."""
+        peak = torch.tensor([measured_mib], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.state.world_size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        line = f"memory after the first logged iteration: {label} {peak.item():.0f} MiB (largest rank)"
+        if self.predicted_memory_mib:
+            line += (f", planner's prediction {self.predicted_memory_mib:.0f} MiB per GPU "
+                     f"(measured / predicted {peak.item() / self.predicted_memory_mib:.2f})")
+            if self.device.type != "cuda":
+                line += "; on CPU the measure is the process's RSS (libraries included), not an accelerator's memory"
+        log_rank0(log, line)
 
     def train(self, on_iteration: Optional[Callable[[int, float], None]] = None,
               job_started: Optional[float] = None) -> TrainResult:

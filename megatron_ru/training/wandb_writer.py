@@ -1,0 +1,63 @@
+"""Weights & Biases as a second scalar sink next to TensorBoard (Megatron's ``--wandb-project``,
+``--wandb-exp-name``, ``--wandb-save-dir``).
+
+It receives exactly the :class:`~megatron_ru.training.metrics.Scalars` TensorBoard receives, logged at
+``step = iteration``; the scalars TensorBoard puts on the consumed-samples axis
+(``train/lm_loss_vs_samples``) get ``train/consumed_samples`` as their W&B step metric, so both tools
+plot the same points. wandb is optional: it is imported only when --wandb-project is given, and a
+missing package is refused by name at validation (``LoggingConfig.problems``) and here.
+
+The run does not capture the console (``console="off"``: our log lines stay ours) and says nothing
+itself (``silent``); its directory is logged once. ``WANDB_MODE=offline`` (no network, e.g. on compute
+nodes) writes ``<dir>/wandb/offline-run-*/run-*.wandb`` for a later ``wandb sync``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from megatron_ru.training.metrics import SAMPLES_TAG, VS_SAMPLES_TAGS, Scalars
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as e:
+        raise ValueError("--wandb-project needs the wandb package: pip install wandb (or leave out "
+                         "--wandb-project)") from e
+    return wandb
+
+
+def wandb_dir(wandb_save_dir: Optional[str], save: Optional[str]) -> str:
+    """Where the run files go: --wandb-save-dir, else ``<--save>/wandb`` (Megatron's default), else ./wandb."""
+    if wandb_save_dir:
+        return wandb_save_dir
+    if save:
+        return os.path.join(save, "wandb")
+    return os.path.abspath("wandb")
+
+
+class WandbSink:
+    """One W&B run of this process (global rank 0 only: see :class:`MetricsWriter`)."""
+
+    def __init__(self, project: str, exp_name: Optional[str], wandb_save_dir: Optional[str], save: Optional[str],
+                 run_config: Optional[dict[str, Any]] = None) -> None:
+        wandb = import_wandb()
+        directory = wandb_dir(wandb_save_dir, save)
+        os.makedirs(directory, exist_ok=True)
+        self._run = wandb.init(project=project, name=exp_name, dir=directory, config=run_config or {},
+                               settings=wandb.Settings(console="off", silent=True))
+        self._run.define_metric(SAMPLES_TAG)
+        for tag in VS_SAMPLES_TAGS:
+            self._run.define_metric(tag, step_metric=SAMPLES_TAG)
+        log.info(f"Weights & Biases: project {project}, run {self._run.name} ({self._run.id}), "
+                 f"{'offline, ' if self._run.settings.mode == 'offline' else ''}files in {self._run.dir}")
+
+    def write(self, scalars: Scalars) -> None:
+        self._run.log(dict(scalars.values), step=scalars.iteration)
+
+    def close(self) -> None:
+        self._run.finish()
