@@ -241,9 +241,6 @@ class Trainer:
         peak = self.throughput.peak_tflops
         label, mem = peak_memory_mib()
         eta = self._eta.update(it, time.perf_counter())
-        if not self._logged_memory:
-            self._logged_memory = True
-            self._log_memory(label, mem)
         self.metrics.log_train({
             "iteration": it, "train_iters": self.plan.train_iters,
             "consumed_samples": self.progress.consumed_train_samples,
@@ -254,6 +251,9 @@ class Trainer:
             "skipped_iterations": skipped, "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
             "mfu": (tflops / peak) if peak else None, "memory_label": label,
             "peak_memory_mib": mem, "eta_seconds": eta})
+        if not self._logged_memory:
+            self._logged_memory = True
+            self._log_memory(label, mem)
 
     def _log_memory(self, label: str, measured_mib: float) -> None:
         """The measured peak after the first logged iteration (its optimizer steps allocated the optimizer

@@ -4,9 +4,10 @@ process that already initialised torch.distributed (tests).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from megatron_ru.training.failure import parse_on_rank0, report_failure
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
 from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
 from megatron_ru.training.signals import ExitSignal, install_if_requested
-from megatron_ru.utils.logging import get_logger, log_rank0
+from megatron_ru.utils.logging import forward_logger, get_logger, log_rank0, route_warnings, stdout_to_log
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -159,6 +160,18 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
 
 
+@contextlib.contextmanager
+def deepspeed_quiet() -> Iterator[None]:
+    """DeepSpeed's start-up chatter as debug records of ``megatron_ru.deepspeed``: what it prints while the
+    model and the engine are built (``SEED_LAYERS=...``, ``Using topology: ...``, the per-stage layer
+    listing of PipelineModule) and, from then on, its logger (warnings kept on rank 0, see
+    :func:`forward_logger`). MEGATRON_RU_LOG_LEVEL=DEBUG shows them."""
+    with stdout_to_log(get_logger("megatron_ru.deepspeed")):
+        import deepspeed  # noqa: F401 - its logger exists from the import on
+        forward_logger("DeepSpeed")
+        yield
+
+
 def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     """Everything before the first iteration: groups, seeds, tokenizer, data, model, engine, resume.
     ``exit_signal``: a handler installed earlier (by ``pretrain_gpt.py``, before its imports), else
@@ -170,6 +183,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     from megatron_ru.training.engine import attach_deepspeed_comm, initialize_engine
     from megatron_ru.model.lora import init_dora_magnitudes
     from megatron_ru.training.freeze import apply_freezing, apply_lora_freezing
+    from megatron_ru.training.banner import log_banner
     from megatron_ru.training.lr import schedule_from_config
 
     p = args.parallel
@@ -182,17 +196,18 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     set_keyed_dropout_data_parallel(state.dp_size, state.dp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
-    train_ds, valid_ds, _ = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
-                                           vocab_size=vocab_size)
-    attach_deepspeed_comm()
-    model = build_model(args, state, vocab_size)
-    pp_group = state.pp_group if state.pp_size > 1 else None
-    apply_freezing(model, args.model, train_only_embeddings=args.training.train_only_embeddings,
-                   freeze=args.training.freeze, group=pp_group)
-    apply_lora_freezing(model, args.model, group=pp_group)
-    init_dora_magnitudes(model)
-    schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
-    engine = initialize_engine(model, state, args, schedule)
+    train_ds, valid_ds, test_ds = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
+                                                 vocab_size=vocab_size)
+    with deepspeed_quiet():
+        attach_deepspeed_comm()
+        model = build_model(args, state, vocab_size)
+        pp_group = state.pp_group if state.pp_size > 1 else None
+        apply_freezing(model, args.model, train_only_embeddings=args.training.train_only_embeddings,
+                       freeze=args.training.freeze, group=pp_group)
+        apply_lora_freezing(model, args.model, group=pp_group)
+        init_dora_magnitudes(model)
+        schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
+        engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
     from megatron_ru.config.checkpoint_args import read_checkpoint_meta
     loaded = read_checkpoint_meta(args.checkpoint.load) if args.checkpoint.load else None
@@ -200,13 +215,16 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
         _init_dora_after_load(engine)
     if args.training.train_embedding_rows == "new":
         _train_new_rows_only(engine, state, args, vocab_size, loaded)
-    metrics = MetricsWriter(args.logging, active=state.rank == 0)
+    prediction = log_banner(args, engine.module, state, (train_ds, valid_ds, test_ds))
+    metrics = MetricsWriter(args.logging, active=state.rank == 0, run_config=args.to_dict(),
+                            save_dir=args.checkpoint.save)
     if exit_signal is None and args.training.exit_signal_handler:
         exit_signal = ExitSignal().install()
     return Trainer(engine, state, batch_plan(args), args.training, args.checkpoint, args.logging, train_ds, valid_ds,
                    throughput(args, vocab_size), metrics, progress, exit_signal, run_config=args.to_dict(),
                    checkpoint_record=checkpoint_record(args, vocab_size, loaded),
-                   text_tables=text_tables(tokenizer, vocab_size, state.device) if valid_ds is not None else None)
+                   text_tables=text_tables(tokenizer, vocab_size, state.device) if valid_ds is not None else None,
+                   predicted_memory_mib=None if prediction is None else prediction.total_bytes / 2 ** 20)
 
 
 def text_tables(tokenizer: Any, vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -250,6 +268,7 @@ def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = No
     on a peer that is stuck (``pretrain_gpt.py`` exits at once with :func:`flush_and_exit`)."""
     job_started = time.time() if job_started is None else job_started
     argv = sys.argv[1:] if argv is None else list(argv)
+    route_warnings()  # library deprecations to debug records, each warning once per process
     if exit_signal is None:
         exit_signal = install_if_requested(argv)
     timeout_minutes: Optional[float] = None

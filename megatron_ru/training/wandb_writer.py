@@ -48,13 +48,20 @@ class WandbSink:
         wandb = import_wandb()
         directory = wandb_dir(wandb_save_dir, save)
         os.makedirs(directory, exist_ok=True)
-        self._run = wandb.init(project=project, name=exp_name, dir=directory, config=run_config or {},
-                               settings=wandb.Settings(console="off", silent=True))
+        try:
+            self._run = wandb.init(project=project, name=exp_name, dir=directory, config=run_config or {},
+                                   settings=wandb.Settings(console="off", silent=True))
+        except Exception as e:  # noqa: BLE001 - wandb's own error types vary by version
+            raise ValueError(f"Weights & Biases could not start a run for --wandb-project {project}: "
+                             f"{type(e).__name__}: {e} Log in (`wandb login` or WANDB_API_KEY), or set "
+                             f"WANDB_MODE=offline to write the run files under {directory} for a later "
+                             f"`wandb sync`") from e
         self._run.define_metric(SAMPLES_TAG)
         for tag in VS_SAMPLES_TAGS:
             self._run.define_metric(tag, step_metric=SAMPLES_TAG)
         log.info(f"Weights & Biases: project {project}, run {self._run.name} ({self._run.id}), "
-                 f"{'offline, ' if self._run.settings.mode == 'offline' else ''}files in {self._run.dir}")
+                 f"{'offline, ' if self._run.settings.mode == 'offline' else ''}run files in "
+                 f"{os.path.dirname(self._run.dir)}")
 
     def write(self, scalars: Scalars) -> None:
         self._run.log(dict(scalars.values), step=scalars.iteration)

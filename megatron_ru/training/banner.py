@@ -1,0 +1,132 @@
+"""The start-up banner: what this run is, in a few lines logged once on global rank 0 before the first
+iteration: the layout, the parameters (counted from the tensors every rank holds), tokens per step, the
+dataset sizes and the planner's memory prediction for the layout.
+
+The parameter counts need one all-gather of three integers per rank (every rank calls
+:func:`parameter_counts`); everything else is local.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+if TYPE_CHECKING:
+    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.parallel.state import ParallelState
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """``total``/``trainable``: the model's parameters once (tensor-parallel shards summed, replicated
+    tensors and the pipeline's tied copy once, vocabulary padding included); ``per_rank[s]``: the most
+    elements one rank of pipeline stage ``s`` holds (its TP shard of the stage)."""
+
+    total: int
+    trainable: int
+    per_rank: tuple[int, ...]
+
+
+def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank in Megatron's order (TP fastest, then DP, then PP)."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def combine_counts(rows: Sequence[Sequence[int]], tp: int, dp: int, pp: int) -> ParameterCounts:
+    """``rows[rank] = (held, counted, counted trainable)``: elements the rank holds, and those it counts
+    for the model once (:func:`megatron_ru.training.engine._counts_here`). Data-parallel replicas are the
+    same model: only DP rank 0 is summed."""
+    total = trainable = 0
+    per_rank = [0] * pp
+    for rank, (held, counted, counted_trainable) in enumerate(rows):
+        _, dp_rank, pp_rank = rank_coordinates(rank, tp, dp)
+        per_rank[pp_rank] = max(per_rank[pp_rank], int(held))
+        if dp_rank == 0:
+            total += int(counted)
+            trainable += int(counted_trainable)
+    return ParameterCounts(total, trainable, tuple(per_rank))
+
+
+def parameter_counts(model: torch.nn.Module, state: "ParallelState") -> ParameterCounts:
+    """Counts of the model as built on every rank (a collective: every rank calls it)."""
+    from megatron_ru.training.engine import _counts_here
+    held = counted = counted_trainable = 0
+    for p in model.parameters():
+        held += p.numel()
+        if _counts_here(p, state.tp_rank):
+            counted += p.numel()
+            counted_trainable += p.numel() if p.requires_grad else 0
+    mine = torch.tensor([held, counted, counted_trainable], dtype=torch.int64, device=state.device)
+    if dist.is_initialized() and state.world_size > 1:
+        rows = [torch.zeros_like(mine) for _ in range(state.world_size)]
+        dist.all_gather(rows, mine)
+    else:
+        rows = [mine]
+    return combine_counts([r.tolist() for r in rows], state.tp_size, state.dp_size, state.pp_size)
+
+
+def _n(x: int) -> str:
+    """1,234,567 (1.23M)."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if x >= div:
+            return f"{x:,} ({x / div:.2f}{suffix})"
+    return f"{x:,}"
+
+
+def memory_prediction(args: "Arguments") -> Optional[Any]:
+    """The planner's prediction for this run's layout (``megatron_ru.plan.predict_for_arguments``), or None
+    where the planner cannot say (its reason is logged: a start-up banner must not stop a run)."""
+    try:
+        from megatron_ru.plan import predict_for_arguments
+    except ImportError:
+        return None
+    try:
+        return predict_for_arguments(args, args.layout.world_size)
+    except Exception as e:  # noqa: BLE001 - the banner reports, it does not decide
+        log_rank0(log, f"no memory prediction for this run: {type(e).__name__}: {e}")
+        return None
+
+
+def banner_lines(args: "Arguments", counts: ParameterCounts, dataset_sizes: Sequence[Optional[int]],
+                 prediction: Optional[Any] = None) -> list[str]:
+    """The banner, one string per line."""
+    t, m = args.training, args.model
+    seq = args.data.seq_length
+    tokens_per_step = args.global_batch_size * seq
+    recompute = "full" if m.recompute else "none"
+    lines = [
+        f"layout: TP {args.tp} x PP {args.pp} x DP {args.dp} = {args.layout.world_size} ranks | micro batch "
+        f"{t.micro_batch_size} x gradient accumulation {args.grad_accum} x DP {args.dp} = global batch "
+        f"{args.global_batch_size} | ZeRO {t.zero_stage} | {args.precision} | sequence parallel "
+        f"{'on' if args.sequence_parallel else 'off'} | recomputation {recompute}",
+        f"parameters: {_n(counts.total)} total, {_n(counts.trainable)} trainable | per rank: "
+        + ", ".join(f"stage {s} {_n(n)}" for s, n in enumerate(counts.per_rank)),
+        f"tokens per step: {tokens_per_step:,} (global batch {args.global_batch_size} x sequence {seq}) | "
+        f"training: {args.train_iters:,} iterations = {args.train_iters * args.global_batch_size:,} samples = "
+        f"{args.train_iters * tokens_per_step:,} tokens",
+        "datasets (samples): " + ", ".join(f"{name} {'none' if n is None else f'{n:,}'}"
+                                           for name, n in zip(("train", "valid", "test"), dataset_sizes)),
+    ]
+    if prediction is not None:
+        lines.append(f"memory predicted by the planner: {prediction.total_bytes / 2 ** 20:,.0f} MiB per GPU")
+        lines += [f"  {line}" for line in prediction.summary().splitlines() if line.strip()]
+    else:
+        lines.append("memory predicted by the planner: not available")
+    return lines
+
+
+def log_banner(args: "Arguments", model: torch.nn.Module, state: "ParallelState",
+               datasets: Sequence[Optional[Any]]) -> Optional[Any]:
+    """Count (a collective), predict and log the banner on global rank 0; returns the prediction."""
+    counts = parameter_counts(model, state)
+    prediction = memory_prediction(args)
+    sizes = [None if ds is None else len(ds) for ds in datasets]
+    for line in banner_lines(args, counts, sizes, prediction):
+        log_rank0(log, line)
+    return prediction
