@@ -11,12 +11,12 @@ process that never opens a window runs the unwrapped functions.
         loss = trainer.train_step()
     audit.history[-1]["dims"]                                  # {"tp": bytes, "dp": bytes, ...}
 
-Byte convention (docs/comm_audit.md): the payload of one op at one rank is the size of the whole
-buffer the op is about, as nccl-tests calls it "size" — ``all_reduce``/``reduce``/``broadcast``: the
-tensor; ``all_gather*``: the gathered output; ``reduce_scatter*``: the unscattered input;
-``send``/``recv``: the message. Ops in a one-rank group move nothing and are listed under ``local``.
-Multiply by the algorithm's factor (ring all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n)
-for the bytes that cross a link (:func:`megatron_ru.plan.comm.wire_factor`).
+Byte conventions (docs/comm_audit.md): the ``payload`` of one op at one rank is the size of the whole
+buffer the op is about (nccl-tests' "size"): ``all_reduce``/``reduce``/``broadcast``: the tensor;
+``all_gather*``: the gathered output; ``reduce_scatter*``: the unscattered input; ``send``/``recv``: the
+message. ``bytes`` are what the rank moves through its link with a bandwidth-optimal algorithm
+(nccl-tests' bus bytes, :func:`wire_bytes`): all-reduce 2(n-1)/n x payload, all-gather and
+reduce-scatter (n-1)/n, the rest 1. Ops in a one-rank group move nothing and are listed as ``local``.
 
 References captured at import time (``mappings._ALL_GATHER_SINGLE``, DeepSpeed's
 ``cdb.all_gather_function``/``reduce_scatter_function``) are swapped too; a call nested in another
@@ -79,6 +79,26 @@ _PLUMBING = (os.sep + os.path.join("torch", "distributed") + os.sep, os.sep + os
              os.sep + os.path.join("torch", "_compile") , os.sep + os.path.join("torch", "_dynamo") + os.sep)
 
 
+def wire_factor(kind: str, n: int) -> tuple[int, int]:
+    """(numerator, denominator) of the bus-bytes factor of one op of ``kind`` in an ``n``-rank group
+    (nccl-tests' busbw): all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n of the
+    full buffer, everything else 1 (broadcast, reduce, send, recv: the payload), barrier 0."""
+    if n <= 1 or kind == "barrier":
+        return 0, 1
+    if kind == "all_reduce":
+        return 2 * (n - 1), n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1, n
+    return 1, 1
+
+
+def wire_bytes(kind: str, payload: int, n: int) -> int:
+    """Bytes one rank moves through its link for one op of ``kind`` over ``payload`` bytes in an
+    ``n``-rank group (send and recv: 2-rank, the payload)."""
+    num, den = wire_factor(kind, n)
+    return num * payload // den
+
+
 def _nbytes(x: Any) -> int:
     if torch.is_tensor(x):
         return x.numel() * x.element_size()
@@ -108,21 +128,25 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
         return ()
 
 
-def _call_site() -> str:
-    """``path:line (function)`` of the innermost frame outside torch.distributed, deepspeed.comm and
-    this module (path relative to its package root)."""
+def _short(path: str) -> str:
+    parts = path.split(os.sep)
+    for root in ("megatron_ru", "deepspeed", "torch", "tests", "benchmarks"):
+        if root in parts:
+            return os.sep.join(parts[len(parts) - 1 - parts[::-1].index(root):])
+    return path
+
+
+def _call_site(depth: int = 1) -> str:
+    """``path:line (function)`` of the innermost ``depth`` frames outside torch.distributed,
+    deepspeed.comm and this module (paths relative to their package root), innermost first."""
     frame = sys._getframe(3)
-    while frame is not None:
+    found: list[str] = []
+    while frame is not None and len(found) < depth:
         name = frame.f_code.co_filename
         if name != __file__ and not any(p in name for p in _PLUMBING):
-            parts = name.split(os.sep)
-            for root in ("megatron_ru", "deepspeed", "torch", "tests", "benchmarks"):
-                if root in parts:
-                    name = os.sep.join(parts[len(parts) - 1 - parts[::-1].index(root):])
-                    break
-            return f"{name}:{frame.f_lineno} ({frame.f_code.co_name})"
+            found.append(f"{_short(name)}:{frame.f_lineno} ({frame.f_code.co_name})")
         frame = frame.f_back
-    return "?"
+    return " < ".join(found) or "?"
 
 
 class CommAudit:
@@ -134,18 +158,19 @@ class CommAudit:
     DIMENSION_ORDER = ("tp", "dp", "pp", "embedding", "mp")
 
     def __init__(self, groups: dict[str, Optional[Sequence[int]]], rank: int, path: Optional[str] = None,
-                 sites: bool = True) -> None:
+                 sites: int = 1) -> None:
         self.groups = {k: tuple(sorted(v)) for k, v in groups.items() if v}
         self.rank = rank
         self.path = path
-        self.sites = sites
+        #: frames of the call site to record per op (0: none); env MEGATRON_RU_COMM_AUDIT_STACK overrides
+        self.sites = int(os.environ.get("MEGATRON_RU_COMM_AUDIT_STACK", sites))
         self.history: list[dict[str, Any]] = []
-        self._ops: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+        self._ops: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # count, payload, wire bytes
         self._local = threading.local()
         self._saved: list[tuple[Any, str, Any]] = []
 
     @classmethod
-    def for_state(cls, state: Any, path: Optional[str] = None, sites: bool = True) -> "CommAudit":
+    def for_state(cls, state: Any, path: Optional[str] = None, sites: int = 1) -> "CommAudit":
         """An audit of ``state``'s (a :class:`~megatron_ru.parallel.state.ParallelState`) groups."""
         return cls({"tp": state.tp_ranks, "dp": state.dp_ranks, "pp": state.pp_ranks,
                     "embedding": state.embedding_ranks, "mp": state.mp_ranks}, state.rank, path, sites)
@@ -195,10 +220,11 @@ class CommAudit:
         self._add(kind, ranks, _nbytes(payload), _dtype(payload))
 
     def _add(self, kind: str, ranks: tuple[int, ...], nbytes: int, dtype: str) -> None:
-        site = _call_site() if self.sites else ""
+        site = _call_site(self.sites) if self.sites else ""
         entry = self._ops[(kind, ranks, dtype, site)]
         entry[0] += 1
         entry[1] += nbytes
+        entry[2] += wire_bytes(kind, nbytes, max(len(ranks), 2) if kind in ("send", "recv") else len(ranks))
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         audit = self
@@ -268,14 +294,16 @@ class CommAudit:
             self._write(record)
 
     def snapshot(self, iteration: int) -> dict[str, Any]:
-        ops, dims = [], defaultdict(int)
-        for (kind, ranks, dtype, site), (count, nbytes) in sorted(self._ops.items(), key=lambda kv: kv[0][:3]):
+        ops, dims, payloads = [], defaultdict(int), defaultdict(int)
+        for (kind, ranks, dtype, site), (count, nbytes, wire) in sorted(self._ops.items(), key=lambda kv: kv[0][:3]):
             dim = self.dimension(kind, ranks)
             ops.append({"kind": kind, "group": list(ranks), "dim": dim, "dtype": dtype, "count": count,
-                        "bytes": nbytes, **({"site": site} if site else {})})
+                        "payload": nbytes, "bytes": wire, **({"site": site} if site else {})})
             if dim != "local":
-                dims[dim] += nbytes
-        return {"iteration": iteration, "rank": self.rank, "dims": dict(dims), "ops": ops}
+                dims[dim] += wire
+                payloads[dim] += nbytes
+        return {"iteration": iteration, "rank": self.rank, "dims": dict(dims), "payload": dict(payloads),
+                "ops": ops}
 
     def _write(self, record: dict[str, Any]) -> None:
         path = self.path.format(rank=self.rank) if "{rank}" in self.path else self.path  # type: ignore[union-attr]

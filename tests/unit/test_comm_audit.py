@@ -1,4 +1,4 @@
-"""The communication audit's wrapper counts known ops exactly (kind, group ranks, bytes) in 2-rank and
+"""The communication audit's wrapper counts known ops exactly (kind, group ranks, payload and wire bytes) in 2-rank and
 4-rank gloo groups, counts a nested call once, and leaves torch.distributed unwrapped outside a window."""
 import json
 
@@ -52,7 +52,7 @@ def test_counts_kind_group_and_bytes(tmp_path):
         ops = {}
         for o in first["ops"]:  # one entry per call site: sum them
             count, nbytes, _ = ops.get((o["kind"], tuple(o["group"]), o["dtype"]), (0, 0, None))
-            ops[(o["kind"], tuple(o["group"]), o["dtype"])] = (count + o["count"], nbytes + o["bytes"], o["dim"])
+            ops[(o["kind"], tuple(o["group"]), o["dtype"])] = (count + o["count"], nbytes + o["payload"], o["dim"])
         expected = {("all_reduce", (0, 1, 2, 3), "float32"): (1, 4, "world"),
                     ("broadcast", (0, 1, 2, 3), "float32"): (1, 24, "world")}
         if rank < 2:
@@ -63,7 +63,9 @@ def test_counts_kind_group_and_bytes(tmp_path):
                 ("reduce_scatter", (0, 1), "bfloat16"): (1, 8, "tp"),
                 ("send" if rank == 0 else "recv", (rank, 1 - rank), "int64"): (1, 40, "other")})
         assert ops == expected, (rank, first["ops"])
-        assert first["dims"] == ({"world": 28, "tp": 160, "other": 40} if rank < 2 else {"world": 28})
+        assert first["payload"] == ({"world": 28, "tp": 160, "other": 40} if rank < 2 else {"world": 28})
+        # wire bytes: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast and p2p 1
+        assert first["dims"] == ({"world": 6 + 24, "tp": 40 + 24 + 32 + 4, "other": 40} if rank < 2 else {"world": 30})
         assert all("test_comm_audit.py" in o["site"] for o in first["ops"]), first["ops"]
     lines = [json.loads(line) for line in open(path)]
     assert sorted((r["rank"], r["iteration"]) for r in lines) == [(r, i) for r in range(4) for i in (1, 2)]

@@ -1,0 +1,272 @@
+"""Analytic communication volume of one training step, per rank, per parallel dimension.
+
+Every collective and point-to-point message our model, our loop and DeepSpeed 0.19 issue in one
+iteration is listed as a :class:`CommOp` (kind, group size, payload, count, dimension) for each
+pipeline stage; ``benchmarks/comm_audit.py`` checks the list against the ops counted by
+:mod:`megatron_ru.parallel.comm_audit` at several layouts (ratio 1.00). Formulas and byte
+conventions: docs/comm_audit.md.
+
+Bytes are "wire bytes" (what one rank sends or receives through its link, nccl-tests' bus bytes):
+all-reduce ``2(n-1)/n`` x payload, all-gather / reduce-scatter ``(n-1)/n`` x the full buffer,
+broadcast / reduce / send / recv the payload (send and recv both counted, on their own rank).
+``payload`` is the buffer size itself.
+
+Modelled exactly (and audited on CPU in fp32): TP with and without sequence parallelism, full
+recomputation, PP (DeepSpeed's 1F1B with its TP-partitioned activations and gradients), DP at
+ZeRO 0 and 1, tied embeddings, the small per-step terms (loss averaging for the log, gradient-norm
+all-reduces, the loss broadcast of the pipeline). bf16/fp16 use 2-byte activations and fp32
+gradient reduction (``grad_accum_dtype`` fp32, DeepSpeed's bf16 optimizer), not audited here.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.model import spec as model_spec
+from megatron_ru.parallel.comm_audit import wire_bytes, wire_factor  # noqa: F401  (the one byte convention)
+from megatron_ru.plan.layout import Layout
+
+#: keys of :func:`step_comm_bytes` (the planner's dimensions); ``mp`` = the TP x PP group
+DIMENSIONS = ("tp", "pp", "dp", "mp")
+
+_FP32 = 4
+_INT64 = 8
+#: the int64 meta tensor DeepSpeed sends before each TP-partitioned activation/gradient:
+#: [ndim, *shape(3), num_parts, rank, *partition offsets (tp + 1)]
+_PARTITION_META = lambda tp: (1 + 3 + 2 + tp + 1) * _INT64  # noqa: E731
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """``count`` ops of one kind and size at one rank per step."""
+    name: str
+    dim: str
+    kind: str
+    group_size: int
+    payload: int
+    count: int
+
+    @property
+    def bytes(self) -> int:
+        return self.count * wire_bytes(self.kind, self.payload, self.group_size)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.count * self.payload
+
+
+@dataclass(frozen=True)
+class _Stage:
+    layers: int
+    embedding: bool
+    output: bool
+    final_norm: bool
+    tied_copy: bool         # the last stage's copy of tied word embeddings (PP > 1)
+    groups: tuple[int, ...]  # padded flat sizes of the optimizer's parameter groups (decay, no decay)
+    trainable: int
+
+
+def _local_numel(p: model_spec.ParamSpec, rows: int, tp: int) -> int:
+    shape = list(p.shape)
+    if p.vocab:
+        shape[0] = rows
+    n = math.prod(shape)
+    return n // tp if p.partition_dim is not None and tp > 1 else n
+
+
+def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
+    """What each pipeline stage holds. (``megatron_ru.plan.params.stage_params`` counts the same
+    parameters; the optimizer's split into decay / no-decay groups is needed here as well.)"""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    rows = model_spec.padded_vocab_rows(cfg, vocab_size, tp)
+    descs = model_spec.model_description(cfg)
+    bounds = model_spec.stage_bounds(cfg, pp) if pp > 1 else [(0, len(descs))]
+    align = 2 * dp  # DeepSpeed ZeRO pads each flat group to a multiple of 2 x DP elements
+    out = []
+    for start, stop in bounds:
+        idx = range(start, stop)
+        decay = no_decay = 0
+        tied_copy = False
+        for j in idx:
+            specs = model_spec.layer_parameter_specs(descs[j], cfg, vocab_size)
+            if descs[j].tied_output:
+                if 0 in idx:
+                    continue  # the same matrix as the embedding's
+                tied_copy = True
+                specs = [p for p in model_spec.layer_parameter_specs(descs[0], cfg, vocab_size) if p.vocab]
+            for p in specs:
+                n = _local_numel(p, rows, tp)
+                if len(p.shape) >= 2:
+                    decay += n
+                else:
+                    no_decay += n
+        groups = tuple(-(-g // align) * align for g in (decay, no_decay) if g)
+        kinds = [descs[j].kind for j in idx]
+        out.append(_Stage(layers=kinds.count("transformer"), embedding="embedding" in kinds,
+                          output="output" in kinds, final_norm="final_norm" in kinds, tied_copy=tied_copy,
+                          groups=groups, trainable=decay + no_decay))
+    return out
+
+
+def _dim(group: str, layout: Layout) -> str:
+    """The audit's dimension of an op in ``group`` (a group whose ranks equal another's is named as
+    the audit names it: TP first, then DP, PP, the model-parallel group)."""
+    sizes = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "mp": layout.tp * layout.pp}
+    if sizes[group] <= 1:
+        return "local"
+    if group == "mp":
+        if layout.pp == 1:
+            return "tp"
+        if layout.tp == 1:
+            return "pp"
+    return group
+
+
+def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int,
+                   *, clip_grad: bool = True, extra_losses: int = 0) -> list[CommOp]:
+    """Every op one rank of pipeline stage ``stage`` issues in one training step (ops in one-rank
+    groups left out). ``clip_grad``: --clip-grad > 0 (our fp32 ZeRO-0 clipping all-reduces the norm)."""
+    t, p, d, m = layout.tp, layout.pp, layout.dp, layout.num_micro_batches
+    if layout.global_batch % (layout.micro_batch * d):
+        raise ValueError(f"global batch {layout.global_batch} is not a multiple of micro batch x DP "
+                         f"({layout.micro_batch} x {d})")
+    st = _stages(cfg, vocab_size, layout)[stage]
+    first, last = stage == 0, stage == p - 1
+    act = 4 if layout.precision == "fp32" else 2
+    h, s, b = cfg.hidden_size, layout.seq_length, layout.micro_batch
+    full = s * b * h * act                              # one [s, b, h] activation
+    sp = layout.sequence_parallel and t > 1
+    rc = 1 if layout.recompute == "full" else 0
+    ops: list[CommOp] = []
+
+    def add(name: str, group: str, kind: str, payload: int, count: int) -> None:
+        dim = _dim(group, layout)
+        n = {"tp": t, "dp": d, "pp": p, "mp": t * p}[group]
+        if dim != "local" and count > 0 and (payload > 0 or kind == "barrier"):
+            ops.append(CommOp(name, dim, kind, 2 if kind in ("send", "recv") else n, payload, count))
+
+    # ---- tensor parallelism: activations of every micro batch -----------------------------------
+    if t > 1:
+        # Recomputation replays a layer's forward in backward only up to its last saved tensor (torch's
+        # non-reentrant checkpoint stops early): the MLP output's reduction is not replayed.
+        if not sp:
+            add("tp.layers", "tp", "all_reduce", full, m * st.layers * 4)          # forward 2, backward 2
+            add("tp.layers.recompute", "tp", "all_reduce", full, m * st.layers * rc)
+            add("tp.embedding", "tp", "all_reduce", full, m * st.embedding)
+            add("tp.output_head", "tp", "all_reduce", full, m * st.output)
+        else:
+            add("sp.layers.all_gather", "tp", "all_gather", full, m * st.layers * 4)
+            add("sp.layers.reduce_scatter", "tp", "reduce_scatter", full, m * st.layers * 4)
+            add("sp.layers.recompute.all_gather", "tp", "all_gather", full, m * st.layers * 2 * rc)
+            add("sp.layers.recompute.reduce_scatter", "tp", "reduce_scatter", full, m * st.layers * rc)
+            add("sp.embedding.all_reduce", "tp", "all_reduce", full, m * st.embedding)
+            add("sp.embedding.all_gather", "tp", "all_gather", full, m * st.embedding)
+            add("sp.output_head.all_gather", "tp", "all_gather", full, m * st.output)
+            add("sp.output_head.reduce_scatter", "tp", "reduce_scatter", full, m * st.output)
+            norm = h * (2 if cfg.normalization == "LayerNorm" else 1) * act
+            norms = 2 * st.layers + st.final_norm
+            add("sp.norm_grads", "tp", "all_reduce", norm, m * norms)
+            if cfg.add_bias_linear:
+                add("sp.row_bias_grads", "tp", "all_reduce", h * act, m * 2 * st.layers)
+        if st.output:
+            add("tp.cross_entropy", "tp", "all_reduce", s * b * _FP32, 3 * m)
+
+    # ---- pipeline parallelism: activations forward, gradients backward, per micro batch -------------
+    if p > 1:
+        partitioned = t > 1 and not sp                  # DeepSpeed splits them over TP (pipe_partitioned)
+        boundary = full // t if (partitioned or sp) else full
+        meta = _PARTITION_META(t) if partitioned else 0
+        for direction, active in (("next", not last), ("prev", not first)):
+            if not active:
+                continue
+            for kind in ("send", "recv"):
+                add(f"pp.{'activations' if (kind == 'send') == (direction == 'next') else 'gradients'}.{kind}",
+                    "pp", kind, boundary, m)
+                if meta:
+                    add(f"pp.partition_meta.{kind}", "pp", kind, meta, m)
+        if partitioned:
+            # the receiving stage rebuilds the activation; the sending stage rebuilds its output and
+            # the received gradient before its backward (PartitionedTensor.full: all-gather over TP)
+            add("pp.partition_gather.input", "tp", "all_gather", full, m * (not first))
+            add("pp.partition_gather.backward", "tp", "all_gather", full, 2 * m * (not last))
+        add("pp.loss_broadcast", "pp", "broadcast", (2 + extra_losses) * _FP32, 1)
+        if cfg.tied_embeddings and (first or last):
+            rows = model_spec.padded_vocab_rows(cfg, vocab_size, t)
+            ops.append(CommOp("pp.tied_embedding_grad", "pp", "all_reduce", 2, rows // t * h * _FP32, 1))
+
+    # ---- data parallelism: gradients, ZeRO-1 parameters, loss for the log ------------------------
+    grad = st.trainable * _FP32                          # fp32 gradients (fp32 run, or grad_accum_dtype fp32)
+    if layout.zero_stage == 0:
+        add("dp.grads", "dp", "all_reduce", grad, 1)
+    else:
+        # DeepSpeed 0.19 ZeRO-1: all-reduce of the whole gradient at the boundary (allreduce_and_scatter),
+        # each rank keeps its partition; after the step an all-gather of each flat parameter group
+        add("dp.grads", "dp", "all_reduce", grad, 1)
+        for i, numel in enumerate(st.groups):
+            add(f"dp.params.group{i}", "dp", "all_gather", numel * act if layout.precision != "fp32" else numel * _FP32, 1)
+    if p == 1:
+        add("dp.loss_mean", "dp", "all_reduce", 8, 1)    # the loop's float64 mean loss for the log
+    elif last:
+        add("dp.loss_mean", "dp", "all_reduce", _FP32 * (1 + extra_losses), 1)  # DeepSpeed's agg_loss
+
+    # ---- gradient norm for clipping ---------------------------------------------------------------
+    if layout.zero_stage == 0 and layout.precision == "fp32":
+        if clip_grad:
+            add("grad_norm", "mp", "all_reduce", 8, 1)  # ours: float64 over TP x PP
+    else:
+        # DeepSpeed's get_grad_norm_direct, once per parameter group: DP then model-parallel group
+        add("grad_norm.dp", "dp", "all_reduce", _FP32, len(st.groups))
+        add("grad_norm.mp", "mp", "all_reduce", _FP32, len(st.groups))
+    return ops
+
+
+def rank_comm_bytes(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int, **kw: bool) -> dict[str, int]:
+    """Wire bytes per dimension of one rank of ``stage`` in one step."""
+    out: dict[str, int] = defaultdict(int)
+    for op in stage_comm_ops(cfg, vocab_size, layout, stage, **kw):
+        out[op.dim] += op.bytes
+    return {k: out.get(k, 0) for k in DIMENSIONS}
+
+
+def step_comm_bytes(cfg: ModelConfig, vocab_size: int, layout: Layout) -> dict[str, int]:
+    """Wire bytes per step of the busiest rank of each parallel dimension (the maximum over the
+    pipeline stages, taken per dimension): keys ``tp``, ``pp``, ``dp`` and ``mp`` (the small
+    gradient-norm all-reduce over TP x PP). Divide by a link's bandwidth for the time on it."""
+    per_stage = [rank_comm_bytes(cfg, vocab_size, layout, k) for k in range(layout.pp)]
+    return {k: max(r[k] for r in per_stage) for k in DIMENSIONS}
+
+
+def step_comm_terms(cfg: ModelConfig, vocab_size: int, layout: Layout,
+                    stage: Optional[int] = None) -> dict[str, int]:
+    """Wire bytes per named term (``tp.layers``, ``dp.grads``, ...) of ``stage`` (default: the sum
+    over stages divided by nothing: each stage's terms, the busiest value per name)."""
+    stages = range(layout.pp) if stage is None else [stage]
+    out: dict[str, int] = {}
+    for k in stages:
+        for op in stage_comm_ops(cfg, vocab_size, layout, k):
+            out[op.name] = max(out.get(op.name, 0), op.bytes)
+    return out
+
+
+def compare_with_audit(records: list[dict], cfg: ModelConfig, vocab_size: int, layout: Layout,
+                       **kw: bool) -> list[dict]:
+    """Counted (:class:`~megatron_ru.parallel.comm_audit.CommAudit` records of one iteration, one per
+    rank, rank order) against :func:`stage_comm_ops` for each rank's stage: one row per rank and
+    dimension with ``counted``, ``analytic`` (wire bytes) and the same for payload bytes."""
+    rows = []
+    per_stage = [stage_comm_ops(cfg, vocab_size, layout, k, **kw) for k in range(layout.pp)]
+    for rank, rec in enumerate(records):
+        stage = rank // (layout.tp * layout.dp)
+        wire: dict[str, int] = defaultdict(int)
+        payload: dict[str, int] = defaultdict(int)
+        for op in per_stage[stage]:
+            wire[op.dim] += op.bytes
+            payload[op.dim] += op.payload_bytes
+        for dim in sorted(set(wire) | set(rec["dims"])):
+            rows.append({"rank": rank, "stage": stage, "dim": dim, "counted": rec["dims"].get(dim, 0),
+                         "analytic": wire.get(dim, 0), "counted_payload": rec["payload"].get(dim, 0),
+                         "analytic_payload": payload.get(dim, 0)})
+    return rows
