@@ -7,6 +7,10 @@ Counts are per rank of a stage (one tensor-parallel shard): a parameter split by
 first), a replicated one (norms, row-parallel biases, position table) its whole size. With tied
 embeddings and PP > 1 the word embeddings live on the first stage (with the position table) and
 again on the last stage (DeepSpeed's TiedLayerSpec, built there without the position table).
+
+:func:`stage_tensors` also keeps the order in which the stage's module yields its parameters
+(DeepSpeed registers a pipeline's tied modules before its layers): DeepSpeed flattens the
+optimizer's parameter groups in that order, which decides where data-parallel partitions cut.
 """
 from __future__ import annotations
 
@@ -17,6 +21,27 @@ from typing import Optional
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import spec as model_spec
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One parameter tensor as one rank holds it."""
+    name: str
+    numel: int
+    ndim: int
+    trainable: bool
+    vocab: bool
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """One rank's parameters of one stage: ``total`` elements, of which ``trainable`` get gradients
+    and optimizer state, ``embedding`` are vocabulary rows (word embeddings / output layer)."""
+    total: int
+    trainable: int
+    embedding: int
+    tied_copy: int = 0
+    """elements of the last stage's copy of the tied word embeddings (PP > 1, tied)"""
 
 
 def _local_numel(p: model_spec.ParamSpec, rows: int, tp: int) -> int:
@@ -32,49 +57,54 @@ def _local_numel(p: model_spec.ParamSpec, rows: int, tp: int) -> int:
     return n
 
 
-@dataclass(frozen=True)
-class StageParams:
-    """One rank's parameters of one stage: ``total`` elements, of which ``trainable`` get gradients
-    and optimizer state, ``embedding`` are vocabulary rows (word embeddings / output layer)."""
-    total: int
-    trainable: int
-    embedding: int
-    tied_copy: int = 0
-    """elements of the last stage's copy of the tied word embeddings (PP > 1, tied)"""
-
-
-def _trainable(p: model_spec.ParamSpec, cfg: ModelConfig) -> bool:
+def _trainable_rule(cfg: ModelConfig):
+    """Which canonical names get gradients: all, or with LoRA the adapters and ``--lora-modules-to-save``
+    (as :func:`megatron_ru.training.freeze.apply_lora_freezing`)."""
     spec = cfg.lora_spec
     if spec is None:
-        return True
-    if ".lora." in p.name:
-        return True
+        return lambda name: True
     from megatron_ru.config.lora import modules_to_save_patterns
-    return any(fnmatch.fnmatchcase(p.name, pat) for pat in modules_to_save_patterns(spec))
+    patterns = modules_to_save_patterns(spec)
+    return lambda name: ".lora." in name or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
-def stage_params(cfg: ModelConfig, vocab_size: int, tp: int, pp: int) -> list[StageParams]:
-    """:class:`StageParams` of one rank of each pipeline stage (LoRA: only adapters and
-    ``--lora-modules-to-save`` are trainable, as :func:`megatron_ru.training.freeze.apply_lora_freezing`)."""
+def stage_tensors(cfg: ModelConfig, vocab_size: int, tp: int, pp: int) -> list[list[TensorInfo]]:
+    """The parameter tensors one rank of each pipeline stage holds, in its module's order."""
     rows = model_spec.padded_vocab_rows(cfg, vocab_size, tp)
     descs = model_spec.model_description(cfg)
     bounds = model_spec.stage_bounds(cfg, pp) if pp > 1 else [(0, len(descs))]
+    trainable = _trainable_rule(cfg)
+
+    def infos(specs: list[model_spec.ParamSpec]) -> list[TensorInfo]:
+        return [TensorInfo(p.name, _local_numel(p, rows, tp), len(p.shape), trainable(p.name), p.vocab)
+                for p in specs]
+
     out = []
     for start, stop in bounds:
-        total = trainable = embedding = tied = 0
-        indices = range(start, stop)
-        for j in indices:
-            specs = model_spec.layer_parameter_specs(descs[j], cfg, vocab_size)
-            if descs[j].tied_output and 0 not in indices:
-                # the tied head on a stage without the embedding: DeepSpeed builds word embeddings only
-                specs = [p for p in model_spec.layer_parameter_specs(descs[0], cfg, vocab_size) if p.vocab]
-                tied = sum(_local_numel(p, rows, tp) for p in specs)
-            for p in specs:
-                n = _local_numel(p, rows, tp)
-                total += n
-                embedding += n if p.vocab else 0
-                trainable += n if _trainable(p, cfg) else 0
-        out.append(StageParams(total, trainable, embedding, tied))
+        tied: list[TensorInfo] = []
+        layers: list[TensorInfo] = []
+        for j in range(start, stop):
+            desc = descs[j]
+            if desc.tied_output and start > 0:
+                # the tied head on a stage without the embedding: word embeddings only
+                tied += infos([p for p in model_spec.layer_parameter_specs(descs[0], cfg, vocab_size) if p.vocab])
+            elif desc.kind == "embedding" and cfg.tied_embeddings and pp > 1:
+                tied += infos(model_spec.layer_parameter_specs(desc, cfg, vocab_size))
+            else:
+                layers += infos(model_spec.layer_parameter_specs(desc, cfg, vocab_size))
+        # a PipelineModule registers its tied modules before its layers
+        out.append(tied + layers)
+    return out
+
+
+def stage_params(cfg: ModelConfig, vocab_size: int, tp: int, pp: int) -> list[StageParams]:
+    """:class:`StageParams` of one rank of each pipeline stage."""
+    out = []
+    for s, tensors in enumerate(stage_tensors(cfg, vocab_size, tp, pp)):
+        tied = sum(t.numel for t in tensors if t.vocab) if (s > 0 and cfg.tied_embeddings) else 0
+        out.append(StageParams(total=sum(t.numel for t in tensors),
+                               trainable=sum(t.numel for t in tensors if t.trainable),
+                               embedding=sum(t.numel for t in tensors if t.vocab), tied_copy=tied))
     return out
 
 

@@ -1,0 +1,141 @@
+"""Bytes one rank keeps for backward, per transformer layer and per micro batch, and the
+activation/logit buffers of a pipeline stage.
+
+The per-layer count follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4): every tensor autograd saves in the forward of one layer, adapted
+to what *our* layers (megatron_ru/model/transformer.py) save. For a GPT layer on CUDA (LayerNorm,
+GELU, dropout, PyTorch's fused SDPA) it is exactly the paper's ``sbh(10 + 24/t)`` bytes without
+its ``5as/h`` term: the fused attention kernels keep the log-sum-exp instead of the s x s scores.
+Per tensor (``T = s*b`` tokens, ``e`` bytes per activation element, ``t`` = TP, ``/t_sp`` = divided
+by TP only with sequence parallelism, ``m`` bytes per dropout-mask element):
+
+* LN1 input ``e*T*h/t_sp`` (+ statistics; RMSNorm without a fused kernel also keeps its normalised
+  output), LN1 output as the QKV input ``e*T*h`` (gathered, i.e. whole, under SP: our
+  ColumnParallelLinear saves the gathered input),
+* the fused QKV output ``e*T*(a+2g)*d/t`` (q, k, v are views of it; RoPE adds rotated q and k and
+  the cos/sin tables), the attention output ``e*T*a*d/t`` (also the projection's input) and the
+  log-sum-exp ``4*b*(a/t)*s``; the math attention path instead keeps a scaled q, k^T, the softmax
+  ``e*b*(a/t)*s^2``, its dropout mask and the dropped probabilities and a copy as projection input,
+* the attention dropout mask is not stored by the fused kernels (RNG state only),
+* residual dropout masks ``m*T*h/t_sp`` (x2), LN2 input ``e*T*h/t_sp``, LN2 output ``e*T*h``,
+* MLP: fc1 output ``e*T*f1/t`` (GELU input) and GELU output ``e*T*f/t``; SwiGLU keeps the fused
+  [gate; up] output ``e*T*2f/t``, silu(gate) and the product (``e*T*f/t`` each).
+
+``--recompute-granularity full`` keeps only each layer's input ``e*T*h/t_sp`` (plus, during the
+backward, one layer's full set, rebuilt). Dropout masks are ``bool`` on CUDA (``m = 1``) and of the
+input dtype on CPU (composite dropout). Checked on CPU with ``saved_tensors_hooks`` in
+tests/integration/test_plan_activations.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.plan.layout import Layout
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the device's kernels keep: ``attention`` "fused" (flash / memory-efficient SDPA) or
+    "math" (the s x s scores kept), dropout masks of 1 byte (CUDA) or of the dtype (CPU),
+    RMSNorm keeping its normalised output (CPU composite) or not (fused kernel)."""
+    device: str = "cuda"
+    attention: str = "fused"
+
+    @classmethod
+    def for_device(cls, device: str, cfg: ModelConfig) -> "Runtime":
+        if device == "cuda":
+            return cls("cuda", "fused")
+        # torch's CPU SDPA takes its flash kernel only without attention dropout
+        return cls(device, "math" if cfg.attention_dropout > 0 else "fused")
+
+    def mask_bytes(self, e: int) -> int:
+        return 1 if self.device == "cuda" else e
+
+    @property
+    def rms_keeps_output(self) -> bool:
+        return self.device != "cuda"
+
+
+def _norm_bytes(cfg: ModelConfig, tokens: int, h: int, e: int, rt: Runtime) -> int:
+    """Saved by one norm besides its input: statistics (fp32) and, for a composite RMSNorm, the
+    normalised tensor."""
+    if cfg.normalization == "LayerNorm":
+        return 8 * tokens  # mean and rstd
+    return 4 * tokens + (e * tokens * h if rt.rms_keeps_output else 0)
+
+
+def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]:
+    """Bytes one rank saves in the forward of one transformer layer for one micro batch, by tensor
+    group (no recomputation)."""
+    s, b, t = layout.seq_length, layout.micro_batch, layout.tp
+    h, a, g, d = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+    f = cfg.resolved_ffn_hidden_size
+    e = 4 if layout.precision == "fp32" else 2
+    m = rt.mask_bytes(e)
+    T = s * b
+    sp = t if layout.sequence_parallel else 1
+    T_sp = T // sp
+    qw, kw = a * d // t, g * d // t
+    out: dict[str, int] = {}
+    out["norms"] = 2 * (e * T_sp * h + _norm_bytes(cfg, T_sp, h, e, rt))     # inputs of both norms
+    out["norm_outputs"] = 2 * e * T * h                                        # QKV and fc1 inputs
+    attn = e * T * (qw + 2 * kw)                                               # fused QKV output
+    if cfg.position_embedding_type == "rope":
+        attn += e * T * (qw + kw) + 2 * e * s * d                              # rotated q, k; cos, sin
+    if rt.attention == "fused":
+        attn += e * T * qw + 4 * b * (a // t) * s                              # output, log-sum-exp
+    else:
+        scores = b * (a // t) * s * s
+        attn += e * T * qw + e * T * qw + e * T * qw                          # q*scale, k^T, proj input
+        attn += e * scores
+        if cfg.attention_dropout > 0:
+            attn += m * scores + e * scores                                    # mask, dropped probs
+    out["attention"] = attn
+    out["dropout_masks"] = 2 * m * T_sp * h if cfg.hidden_dropout > 0 else 0
+    if cfg.swiglu:
+        out["mlp"] = e * T * (2 * f // t) + 2 * e * T * (f // t)
+    else:
+        out["mlp"] = 2 * e * T * (f // t)
+    return out
+
+
+def layer_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
+    """Bytes one layer keeps per micro batch until its backward (its input only with recomputation)."""
+    if layout.recompute == "full":
+        return recompute_input_bytes(cfg, layout)
+    return sum(layer_terms(cfg, layout, rt).values())
+
+
+def recompute_input_bytes(cfg: ModelConfig, layout: Layout) -> int:
+    e = 4 if layout.precision == "fp32" else 2
+    sp = layout.tp if layout.sequence_parallel else 1
+    return e * layout.seq_length * layout.micro_batch * cfg.hidden_size // sp
+
+
+def embedding_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
+    """The embedding layer's saved tensors per micro batch: token ids (int64) and the dropout mask."""
+    e = 4 if layout.precision == "fp32" else 2
+    T = layout.seq_length * layout.micro_batch
+    sp = layout.tp if layout.sequence_parallel else 1
+    ids = 8 * T * (2 if layout.tp > 1 else 1)  # ids, and the masked local ids of a vocab-parallel lookup
+    mask = rt.mask_bytes(e) * T * cfg.hidden_size // sp if cfg.hidden_dropout > 0 else 0
+    return ids + mask
+
+
+def final_norm_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
+    e = 4 if layout.precision == "fp32" else 2
+    T = layout.seq_length * layout.micro_batch
+    sp = layout.tp if layout.sequence_parallel else 1
+    return e * T * cfg.hidden_size // sp + _norm_bytes(cfg, T // sp, cfg.hidden_size, e, rt)
+
+
+def logits_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: int) -> dict[str, int]:
+    """The output head of one micro batch: its saved (gathered) input, the vocab-parallel logits,
+    the fp32 softmax the cross-entropy keeps (plus target bookkeeping), and the backward's fp32
+    gradient with its cast to the activation dtype."""
+    e = 4 if layout.precision == "fp32" else 2
+    T = layout.seq_length * layout.micro_batch
+    vt = padded_vocab // layout.tp
+    return {"head_input": e * T * cfg.hidden_size, "logits": e * T * vt, "softmax": 4 * T * vt + 9 * T,
+            "logit_grads": (4 + e) * T * vt}
