@@ -211,9 +211,30 @@ def _same_files(a: str, b: str) -> bool:
     return all(open(a + e, "rb").read() == open(b + e, "rb").read() for e in (".bin", ".idx"))
 
 
+def setup_main(workdir: str, tokenizers: list[str], shapes: list[str], size_mb: float | None, huge_mb: float) -> None:
+    """Build corpora and tokenizers (in a child process: see :func:`setup`); prints them as JSON."""
+    train = corpus_path(workdir, "ordinary", 20, huge_mb)
+    flags = {t: tokenizer_flags(t, workdir, train) for t in tokenizers}
+    corpora = [[t, s, corpus_path(workdir, s, size_mb or SIZE_MB[t], huge_mb)] for t in tokenizers for s in shapes]
+    print(json.dumps({"flags": flags, "corpora": corpora}))
+
+
+def setup(args: argparse.Namespace) -> tuple[dict, dict]:
+    """Corpora and tokenizers, built in a child process so that this process stays small: Linux
+    carries a process's peak RSS across fork and exec, so every tool run started from a process
+    that once held a 100 MB corpus in memory would report that process's peak as its own."""
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_setup",
+                        json.dumps([args.workdir, args.tokenizers, args.shapes, args.size_mb, args.huge_mb])],
+                       stdout=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise SystemExit("building the corpora and tokenizers failed")
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    return out["flags"], {(t, s): path for t, s, path in out["corpora"]}
+
+
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--_limit":
-        limit_main(*json.loads(sys.argv[2]))
+    if len(sys.argv) == 3 and sys.argv[1] in ("--_limit", "--_setup"):
+        (limit_main if sys.argv[1] == "--_limit" else setup_main)(*json.loads(sys.argv[2]))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizers", nargs="+", default=list(TOKENIZERS), choices=TOKENIZERS)
@@ -236,10 +257,7 @@ def main() -> None:
         except (ImportError, AssertionError):
             print("tiktoken (or TikTokenizer) not available: row skipped", file=sys.stderr)
             args.tokenizers.remove("tiktoken")
-    train = corpus_path(args.workdir, "ordinary", 20, args.huge_mb)
-    flags = {t: tokenizer_flags(t, args.workdir, train) for t in args.tokenizers}
-    corpora = {(t, s): corpus_path(args.workdir, s, args.size_mb or SIZE_MB[t], args.huge_mb)
-               for t in args.tokenizers for s in args.shapes}
+    flags, corpora = setup(args)
     cells = [(t, s, k) for t in args.tokenizers for s in args.shapes for k in args.workers]
     data: dict = {c: {"ratios": [], "limit": [], "tool": [], "rss": []} for c in cells}
     load_before = os.getloadavg()[0]
