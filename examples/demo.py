@@ -12,8 +12,10 @@ Steps (each a function, so that later steps, e.g. training a model, can be added
                           with TP = 2 and PP = 2, stopped by --exit-interval (checkpoint saved)
   6. resume               the same command with --load: continues from the checkpoint to the
                           end, evaluates on the validation split
-  7. summary              losses before/after, validation loss and perplexity, where the
-                          checkpoints, JSONL metrics and TensorBoard logs are
+  7. plot                 tools/plot_metrics.py: the run's metrics.jsonl as metrics.png (loss,
+                          bits per byte, learning rate, gradient norm, tokens/s, memory)
+  8. summary              losses before/after, validation loss and perplexity, where the
+                          checkpoints, JSONL metrics, plot and TensorBoard logs are
 Everything goes under demo_out/ (or --out).
 """
 from __future__ import annotations
@@ -126,7 +128,7 @@ def mpirun(ranks: int) -> tuple[list[str], dict[str, str]]:
 
 
 def train(out: str, data_prefix: str, model: str) -> None:
-    for path in ("checkpoints", "tensorboard", "metrics.jsonl"):  # a rerun starts from scratch
+    for path in ("checkpoints", "tensorboard", "metrics.jsonl", "metrics.png"):  # a rerun starts from scratch
         full = os.path.join(out, path)
         if os.path.isdir(full):
             shutil.rmtree(full)
@@ -138,6 +140,15 @@ def train(out: str, data_prefix: str, model: str) -> None:
          [*base, "--exit-interval", str(STOP_AT)], env=env)
     step(f"resume from the checkpoint to iteration {TRAIN_ITERS}, then evaluate",
          [*base, "--load", os.path.join(out, "checkpoints")], env=env)
+
+
+def plot(out: str) -> str:
+    png = os.path.join(out, "metrics.png")
+    step("plot the metrics (training and validation loss, bits per byte, learning rate, gradient norm, tokens/s, "
+         "memory)", [PY, os.path.join(ROOT, "tools", "plot_metrics.py"), "--metrics-file",
+                     os.path.join(out, "metrics.jsonl"), "--label", "demo (TP 2 x PP 2, stop at 60, resume)",
+                     "--x", "tokens", "--output", png, "--title", "make demo: a 4-layer LLaMA-style model"])
+    return png
 
 
 def summary(out: str) -> dict:
@@ -155,7 +166,7 @@ def summary(out: str) -> dict:
         print(f"validation at iteration {e['iteration']}: loss {e['val_loss']:.3f}, perplexity {e['val_ppl']:.1f}")
     print(f"throughput: {last['tokens_per_sec']:.0f} tokens/s, {last['elapsed_ms']:.0f} ms per iteration (4 ranks)")
     print(f"checkpoints: {os.path.join(out, 'checkpoints')} (latest: iteration {latest})")
-    print(f"metrics (JSONL): {os.path.join(out, 'metrics.jsonl')}")
+    print(f"metrics (JSONL): {os.path.join(out, 'metrics.jsonl')}, plotted in {os.path.join(out, 'metrics.png')}")
     print(f"TensorBoard: tensorboard --logdir {os.path.join(out, 'tensorboard')}")
     if not last["lm_loss"] < first["lm_loss"] - 1.0:
         raise SystemExit(f"the loss did not drop clearly ({first['lm_loss']:.3f} -> {last['lm_loss']:.3f})")
@@ -174,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     built = preprocess(args.out, corpus, model)
     show(built, model)
     train(args.out, built["documents"][0], model)
+    plot(args.out)
     result = summary(args.out)
     return {"corpus": corpus, "tokenizer": model, "datasets": built, "training": result}
 

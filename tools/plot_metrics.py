@@ -150,7 +150,10 @@ def panels_for(runs: Sequence[Run]) -> list[Panel]:
 
 def build_figure(runs: Sequence[Run], axis: str = "iterations", title: Optional[str] = None) -> Any:
     """The matplotlib Figure (Agg): one subplot per panel with data, every run overlaid."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("plotting needs matplotlib: pip install matplotlib (make install does)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter

@@ -79,15 +79,16 @@ def _n(x: int) -> str:
     return f"{x:,}"
 
 
-def memory_prediction(args: "Arguments") -> Optional[Any]:
-    """The planner's prediction for this run's layout (``megatron_ru.plan.predict_for_arguments``), or None
-    where the planner cannot say (its reason is logged: a start-up banner must not stop a run)."""
+def memory_prediction(args: "Arguments", vocab_size: int) -> Optional[Any]:
+    """The planner's prediction for this run's layout (``megatron_ru.plan.predict_for_arguments``: peak bytes
+    of one GPU on the busiest pipeline stage, by term), or None where the planner cannot say (its reason is
+    logged: a start-up banner must not stop a run)."""
     try:
         from megatron_ru.plan import predict_for_arguments
     except ImportError:
         return None
     try:
-        return predict_for_arguments(args, args.layout.world_size)
+        return predict_for_arguments(args, args.layout.world_size, vocab_size=vocab_size)
     except Exception as e:  # noqa: BLE001 - the banner reports, it does not decide
         log_rank0(log, f"no memory prediction for this run: {type(e).__name__}: {e}")
         return None
@@ -113,19 +114,16 @@ def banner_lines(args: "Arguments", counts: ParameterCounts, dataset_sizes: Sequ
         "datasets (samples): " + ", ".join(f"{name} {'none' if n is None else f'{n:,}'}"
                                            for name, n in zip(("train", "valid", "test"), dataset_sizes)),
     ]
-    if prediction is not None:
-        lines.append(f"memory predicted by the planner: {prediction.total_bytes / 2 ** 20:,.0f} MiB per GPU")
-        lines += [f"  {line}" for line in prediction.summary().splitlines() if line.strip()]
-    else:
-        lines.append("memory predicted by the planner: not available")
+    lines.append(f"memory (planner): {'not available' if prediction is None else prediction.summary()}")
     return lines
 
 
 def log_banner(args: "Arguments", model: torch.nn.Module, state: "ParallelState",
-               datasets: Sequence[Optional[Any]]) -> Optional[Any]:
-    """Count (a collective), predict and log the banner on global rank 0; returns the prediction."""
+               datasets: Sequence[Optional[Any]], vocab_size: int) -> Optional[Any]:
+    """Count (a collective), predict and log the banner on global rank 0; returns the prediction.
+    ``vocab_size``: the model's vocabulary rows (before padding)."""
     counts = parameter_counts(model, state)
-    prediction = memory_prediction(args)
+    prediction = memory_prediction(args, vocab_size)
     sizes = [None if ds is None else len(ds) for ds in datasets]
     for line in banner_lines(args, counts, sizes, prediction):
         log_rank0(log, line)

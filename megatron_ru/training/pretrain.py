@@ -215,7 +215,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
         _init_dora_after_load(engine)
     if args.training.train_embedding_rows == "new":
         _train_new_rows_only(engine, state, args, vocab_size, loaded)
-    prediction = log_banner(args, engine.module, state, (train_ds, valid_ds, test_ds))
+    prediction = log_banner(args, engine.module, state, (train_ds, valid_ds, test_ds), vocab_size)
     metrics = MetricsWriter(args.logging, active=state.rank == 0, run_config=args.to_dict(),
                             save_dir=args.checkpoint.save)
     if exit_signal is None and args.training.exit_signal_handler:

@@ -60,7 +60,7 @@ class WandbSink:
         for tag in VS_SAMPLES_TAGS:
             self._run.define_metric(tag, step_metric=SAMPLES_TAG)
         log.info(f"Weights & Biases: project {project}, run {self._run.name} ({self._run.id}), "
-                 f"{'offline, ' if self._run.settings.mode == 'offline' else ''}run files in "
+                 f"{'offline, ' if getattr(self._run.settings, 'mode', '') == 'offline' else ''}run files in "
                  f"{os.path.dirname(self._run.dir)}")
 
     def write(self, scalars: Scalars) -> None:
