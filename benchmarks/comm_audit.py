@@ -42,6 +42,9 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("PP2 tied", 2, ["--pipeline-model-parallel-size", "2", "tied"]),
     ("DP2 ZeRO0", 2, ["--zero-stage", "0"]),
     ("DP2 ZeRO1", 2, ["--zero-stage", "1"]),
+    ("TP2 bf16 ZeRO1", 2, ["--tensor-model-parallel-size", "2", "--bf16", "--zero-stage", "1"]),
+    ("PP2 bf16 ZeRO1 tied", 2, ["--pipeline-model-parallel-size", "2", "--bf16", "--zero-stage", "1", "tied"]),
+    ("DP2 bf16 ZeRO1", 2, ["--bf16", "--zero-stage", "1"]),
     ("PP4", 4, ["--pipeline-model-parallel-size", "4"]),
     ("TP2xPP2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     ("TP2xPP2 SP", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -49,6 +52,9 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("TP2xDP2 ZeRO0", 4, ["--tensor-model-parallel-size", "2", "--zero-stage", "0"]),
     ("TP2xDP2 ZeRO1", 4, ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]),
     ("PP2xDP2 ZeRO1 tied", 4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "tied"]),
+    ("TP2xPP2 SP bf16 ZeRO1", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                  "--sequence-parallel", "--bf16", "--zero-stage", "1"]),
+    ("TP2xDP2 bf16 ZeRO1", 4, ["--tensor-model-parallel-size", "2", "--bf16", "--zero-stage", "1"]),
 ]
 
 

@@ -11,11 +11,12 @@ all-reduce ``2(n-1)/n`` x payload, all-gather / reduce-scatter ``(n-1)/n`` x the
 broadcast / reduce / send / recv the payload (send and recv both counted, on their own rank).
 ``payload`` is the buffer size itself.
 
-Modelled exactly (and audited on CPU in fp32): TP with and without sequence parallelism, full
-recomputation, PP (DeepSpeed's 1F1B with its TP-partitioned activations and gradients), DP at
-ZeRO 0 and 1, tied embeddings, the small per-step terms (loss averaging for the log, gradient-norm
-all-reduces, the loss broadcast of the pipeline). bf16/fp16 use 2-byte activations and fp32
-gradient reduction (``grad_accum_dtype`` fp32, DeepSpeed's bf16 optimizer), not audited here.
+Modelled exactly (audited on CPU in fp32, and bf16 at ZeRO 1): TP with and without sequence
+parallelism, full recomputation, PP (DeepSpeed's 1F1B with its TP-partitioned activations and
+gradients), DP at ZeRO 0 and 1 (DeepSpeed's ZeRO optimizer in fp32, its BF16_Optimizer in bf16),
+tied embeddings, the small per-step terms (loss averaging for the log, gradient-norm all-reduces,
+the loss broadcast of the pipeline). fp16 (GPU only) is modelled like fp32 with 2-byte tensors and
+not audited: its overflow check adds a few bytes not listed here.
 """
 from __future__ import annotations
 
@@ -198,15 +199,22 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
             ops.append(CommOp("pp.tied_embedding_grad", "pp", "all_reduce", 2, rows // t * h * _FP32, 1))
 
     # ---- data parallelism: gradients, ZeRO-1 parameters, loss for the log ------------------------
-    grad = st.trainable * _FP32                          # fp32 gradients (fp32 run, or grad_accum_dtype fp32)
+    bf16_optimizer = layout.precision == "bf16" and layout.zero_stage == 1  # DeepSpeed's BF16_Optimizer
     if layout.zero_stage == 0:
-        add("dp.grads", "dp", "all_reduce", grad, 1)
-    else:
-        # DeepSpeed 0.19 ZeRO-1: all-reduce of the whole gradient at the boundary (allreduce_and_scatter),
-        # each rank keeps its partition; after the step an all-gather of each flat parameter group
-        add("dp.grads", "dp", "all_reduce", grad, 1)
+        # fp32: the gradients themselves; bf16 and fp16 are refused by DeepSpeed at ZeRO 0 without a pipeline
+        add("dp.grads", "dp", "all_reduce", st.trainable * layout.param_bytes, 1)
+    elif bf16_optimizer:
+        # fp32 gradient buffers (flat groups padded to 2 x DP), sent in bf16 (communication_data_type),
+        # then each flat bf16 parameter group all-gathered after the step
+        add("dp.grads", "dp", "all_reduce", sum(st.groups) * 2, 1)
         for i, numel in enumerate(st.groups):
-            add(f"dp.params.group{i}", "dp", "all_gather", numel * act if layout.precision != "fp32" else numel * _FP32, 1)
+            add(f"dp.params.group{i}", "dp", "all_gather", numel * 2, 1)
+    else:
+        # DeepSpeed 0.19 ZeRO-1 (DeepSpeedZeroOptimizer): an all-reduce of the whole gradient at the boundary
+        # (allreduce_and_scatter; each rank keeps its partition), after the step an all-gather of each flat group
+        add("dp.grads", "dp", "all_reduce", st.trainable * layout.param_bytes, 1)
+        for i, numel in enumerate(st.groups):
+            add(f"dp.params.group{i}", "dp", "all_gather", numel * layout.param_bytes, 1)
     if p == 1:
         add("dp.loss_mean", "dp", "all_reduce", 8, 1)    # the loop's float64 mean loss for the log
     elif last:
@@ -216,6 +224,8 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
     if layout.zero_stage == 0 and layout.precision == "fp32":
         if clip_grad:
             add("grad_norm", "mp", "all_reduce", 8, 1)  # ours: float64 over TP x PP
+    elif bf16_optimizer:
+        add("grad_norm", "mp", "all_reduce", _FP32, 1)  # get_global_norm_of_tensors: over TP x PP
     else:
         # DeepSpeed's get_grad_norm_direct, once per parameter group: DP then model-parallel group
         add("grad_norm.dp", "dp", "all_reduce", _FP32, len(st.groups))
