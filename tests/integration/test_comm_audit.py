@@ -4,7 +4,11 @@ wire and payload bytes — at TP2, TP2 with sequence parallelism, PP2 and DP2 at
 --comm-audit FILE writes one JSON line per rank per iteration. One spawn of 2 gloo ranks."""
 import json
 
+import pytest
+
 from benchmarks.comm_audit import LAYOUTS, audit_layouts
+
+pytestmark = pytest.mark.slow
 
 CHOSEN = ("TP2", "TP2 SP", "PP2", "DP2 ZeRO0", "DP2 ZeRO1")
 

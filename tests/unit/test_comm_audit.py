@@ -43,6 +43,7 @@ def _body(rank, world_size, path):
     return audit.history
 
 
+@pytest.mark.slow
 def test_counts_kind_group_and_bytes(tmp_path):
     path = str(tmp_path / "audit.jsonl")
     results = run_distributed(_body, 4, args=(path,), timeout=60)
