@@ -146,8 +146,9 @@ def plot(out: str) -> str:
     png = os.path.join(out, "metrics.png")
     step("plot the metrics (training and validation loss, bits per byte, learning rate, gradient norm, tokens/s, "
          "memory)", [PY, os.path.join(ROOT, "tools", "plot_metrics.py"), "--metrics-file",
-                     os.path.join(out, "metrics.jsonl"), "--label", "demo (TP 2 x PP 2, stop at 60, resume)",
-                     "--x", "tokens", "--output", png, "--title", "make demo: a 4-layer LLaMA-style model"])
+                     os.path.join(out, "metrics.jsonl"), "--label", "demo", "--x", "tokens", "--output", png,
+                     "--title", f"make demo: 4-layer LLaMA-style model, TP 2 x PP 2, 4 CPU ranks, stopped at "
+                                f"{STOP_AT} and resumed"])
     return png
 
 
