@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.comm_audit import LAYOUTS, audit_layouts
+from benchmarks.comm_audit import LAYOUTS, audit_layouts, steady
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def test_counted_bytes_equal_analytic(tmp_path):
     path = str(tmp_path / "audit-{rank}.jsonl")
     name, world, flags = layouts[0]
     layouts[0] = (name, world, flags + ["--comm-audit", path])  # the first one through the flag and its file
-    results = audit_layouts(layouts, str(tmp_path), iters=2, timeout=240)
+    results = steady(audit_layouts(layouts, str(tmp_path), iters=2, timeout=240))
     wrong = [f"{name} rank {r['rank']} {r['dim']}: counted {r['counted']} (payload {r['counted_payload']}), "
              f"analytic {r['analytic']} (payload {r['analytic_payload']})"
              for name, rows in results.items() for r in rows
