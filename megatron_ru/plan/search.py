@@ -1,0 +1,130 @@
+"""Every candidate layout of a model on a number of GPUs, its memory and step time, ranked; the
+reason each family of layouts that never fits fails."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_ru.config.model import ModelConfig, model_parallel_problems
+from megatron_ru.plan.hardware import GIB, GpuSpec
+from megatron_ru.plan.layout import Layout
+from megatron_ru.plan.memory import MemoryPrediction, predict_memory
+from megatron_ru.plan.states import BucketSizes
+from megatron_ru.plan.throughput import OURS, Overlap, StepTime, predict_step_time
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which choices the planner may make (None: try all that are valid)."""
+    recompute: Optional[tuple[str, ...]] = None
+    sequence_parallel: Optional[tuple[bool, ...]] = None
+    zero_stages: Optional[tuple[int, ...]] = None
+    max_micro_batch: int = 8
+    max_tp: Optional[int] = None
+    """default: GPUs per node (TP across nodes is never worth it)"""
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryPrediction
+    time: Optional[StepTime] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.time is not None
+
+
+@dataclass
+class Plan:
+    fitting: list[Candidate]
+    rejected: list[str]
+    invalid: list[str]
+    capacity_bytes: int
+    considered: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Optional[Candidate]:
+        return self.fitting[0] if self.fitting else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _zero_stages(pp: int, precision: str, space: SearchSpace) -> list[int]:
+    stages = [0, 1] if pp > 1 else [0, 1, 2, 3]
+    if precision == "bf16":
+        stages = [z for z in stages if z > 0]  # bf16 with fp32 gradient accumulation needs ZeRO >= 1
+    return [z for z in stages if space.zero_stages is None or z in space.zero_stages]
+
+
+def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_length: int, precision: str,
+                      gpus_per_node: int, space: SearchSpace = SearchSpace()) -> tuple[list[Layout], list[str]]:
+    """Valid layouts and, per (TP, PP) that cannot run at all, why."""
+    out, invalid = [], []
+    max_tp = space.max_tp or gpus_per_node
+    for tp in _divisors(num_gpus):
+        if tp > max_tp:
+            continue
+        for pp in _divisors(num_gpus // tp):
+            problems = model_parallel_problems(cfg, tp, pp)
+            if problems:
+                invalid.append(f"TP {tp} x PP {pp}: " + "; ".join(problems))
+                continue
+            dp = num_gpus // (tp * pp)
+            if global_batch % dp:
+                invalid.append(f"TP {tp} x PP {pp}: --global-batch-size {global_batch} is not divisible by DP {dp}")
+                continue
+            micro = [mb for mb in (1, 2, 4, 8, 16, 32) if mb <= space.max_micro_batch and global_batch % (mb * dp) == 0]
+            for mb in micro:
+                for sp in (False, True) if tp > 1 else (False,):
+                    if space.sequence_parallel is not None and sp not in space.sequence_parallel:
+                        continue
+                    for rc in space.recompute or ("none", "full"):
+                        for zero in _zero_stages(pp, precision, space):
+                            out.append(Layout(tp, pp, dp, mb, global_batch, seq_length, sp, rc, zero, precision))
+    return out, invalid
+
+
+def _family(layout: Layout) -> tuple[int, int, str]:
+    return layout.tp, layout.pp, layout.recompute
+
+
+def _largest_terms(pred: MemoryPrediction, n: int = 3) -> str:
+    top = sorted(pred.terms.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f} GiB" for k, v in top)
+
+
+def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int, global_batch: int, seq_length: int,
+                 precision: str, *, gpus_per_node: int = 8, optimizer: str = "adam",
+                 buckets: Optional[BucketSizes] = None, space: SearchSpace = SearchSpace(),
+                 overlap: Overlap = OURS) -> Plan:
+    """Predict every candidate; rank those that fit by tokens/s per GPU (then by memory)."""
+    gpu.peak(precision)  # a precision the GPU has, or a clear error
+    layouts, invalid = candidate_layouts(cfg, num_gpus, global_batch, seq_length, precision, gpus_per_node, space)
+    capacity = gpu.memory_bytes
+    cands: list[Candidate] = []
+    for layout in layouts:
+        mem = predict_memory(cfg, vocab_size, layout, device="cuda", optimizer=optimizer, buckets=buckets)
+        cand = Candidate(layout, mem)
+        if mem.total_bytes <= capacity:
+            cand.time = predict_step_time(cfg, vocab_size, layout, gpu, gpus_per_node=gpus_per_node, memory=mem,
+                                          overlap=overlap)
+        cands.append(cand)
+    fitting = sorted((c for c in cands if c.fits),
+                     key=lambda c: (-c.time.tokens_per_second_per_gpu, c.memory.total_bytes))
+    rejected = []
+    families: dict[tuple[int, int, str], list[Candidate]] = {}
+    for c in cands:
+        families.setdefault(_family(c.layout), []).append(c)
+    for (tp, pp, rc), members in sorted(families.items()):
+        if any(c.fits for c in members):
+            continue
+        least = min(members, key=lambda c: c.memory.total_bytes)
+        how = "with full recomputation" if rc == "full" else "without recomputation"
+        lay = least.layout
+        rejected.append(f"TP {tp} x PP {pp} {how}: at best ({lay.short()}) {least.memory.total_bytes / GIB:.1f} GiB "
+                        f"> {capacity / GIB:.1f} GiB per GPU (largest: {_largest_terms(least.memory)})")
+    return Plan(fitting, rejected, invalid, capacity, len(cands))
