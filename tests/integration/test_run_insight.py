@@ -150,7 +150,13 @@ def test_banner_eta_and_consumed_tokens(job):
     assert f"stage 0 {per_stage[0]:,}" in banner[1] and f"stage 1 {per_stage[1]:,}" in banner[1], banner[1]
     assert banner[2].startswith(f"tokens per step: {4 * SEQ:,} (global batch 4 x sequence {SEQ})")
     assert banner[3].startswith("datasets (samples): train ") and "test none" in banner[3]
-    assert banner[4].startswith("memory (planner): ")
+    # the planner's prediction for this very layout, and the measured peak next to it after the first log
+    from megatron_ru.plan import predict_for_arguments
+    predicted = predict_for_arguments(args, 2, vocab_size=VOCAB - 1)
+    assert banner[4] == f"memory (planner): {predicted.summary()}"
+    memory = [line for line in info if line.startswith("megatron_ru.training.loop: memory after the first")]
+    assert len(memory) == 1 and (f"planner's prediction {predicted.total_bytes / 2 ** 20:.0f} MiB per GPU"
+                                 in memory[0]), memory
     lines = [line for line in info if " iteration " in line and "consumed tokens:" in line]
     assert len(lines) == ITERS // 2
     assert "ETA" not in lines[0] and all("| ETA: 0:0" in line for line in lines[1:])

@@ -78,11 +78,16 @@ def test_eval_scalars_without_text():
     assert s.values == {"validation/loss": 2.0, "validation/ppl": 7.39} and s.iteration == 3
 
 
-def test_wandb_refused_by_name_when_not_installed(monkeypatch):
+def test_wandb_refused_by_name_when_not_installed(monkeypatch, tmp_path):
+    from megatron_ru.config.arguments import parse_arguments
+    from tests.integration._train_helpers import make_corpus, tiny_argv
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     problems = LoggingConfig(wandb_project="ru-gpt").problems()
     assert problems == ["--wandb-project ru-gpt needs the wandb package: pip install wandb "
                         "(or leave out --wandb-project)"]
+    argv = tiny_argv(make_corpus(str(tmp_path)), str(tmp_path / "cache"), extra=["--wandb-project", "ru-gpt"])
+    with pytest.raises(ValueError, match="--wandb-project ru-gpt needs the wandb package: pip install wandb"):
+        parse_arguments(argv, world_size=1, device_type="cpu")
     cfg = SimpleNamespace(metrics_file=None, tensorboard_dir=None, wandb_project="ru-gpt", wandb_exp_name=None,
                           wandb_save_dir=None)
     with pytest.raises(ValueError, match="pip install wandb"):
