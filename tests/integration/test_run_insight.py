@@ -20,8 +20,6 @@ import pytest
 from tests.dist_utils import free_port
 from tests.integration._train_helpers import REPO, make_corpus, tiny_argv
 
-pytest.importorskip("wandb")
-
 ITERS, SEQ = 6, 32
 BIN = os.path.dirname(sys.executable)
 
