@@ -141,8 +141,9 @@ class _Forward(logging.Handler):
 
 def forward_logger(name: str, target: Optional[logging.Logger] = None) -> logging.Logger:
     """Hand library logger ``name`` (e.g. ``"DeepSpeed"``, whose own handler prints to stdout) to ours
-    (``megatron_ru.<name lowercased>`` by default); idempotent. Its level follows ours, so that
-    MEGATRON_RU_LOG_LEVEL=DEBUG also shows the library's info lines (as debug records)."""
+    (``megatron_ru.<name lowercased>`` by default); idempotent. Its level stays WARNING unless ours is
+    DEBUG (MEGATRON_RU_LOG_LEVEL=DEBUG): then the library's info lines come too, as debug records (a
+    library may do extra work, e.g. memory reports, when its info level is on)."""
     lib = logging.getLogger(name)
     target = target or get_logger(f"{_ROOT}.{name.lower()}")
     for h in list(lib.handlers):
@@ -150,7 +151,7 @@ def forward_logger(name: str, target: Optional[logging.Logger] = None) -> loggin
             lib.removeHandler(h)
     if not any(isinstance(h, _Forward) for h in lib.handlers):
         lib.addHandler(_Forward(target))
-    lib.setLevel(min(logging.WARNING, target.getEffectiveLevel()))
+    lib.setLevel(logging.DEBUG if target.getEffectiveLevel() <= logging.DEBUG else logging.WARNING)
     lib.propagate = False
     return lib
 

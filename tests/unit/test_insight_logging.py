@@ -163,6 +163,9 @@ def test_a_library_logger_goes_through_ours(records, capsys, monkeypatch):
                        ("megatron_ru.fakespeed", logging.WARNING, "a warning"),
                        ("megatron_ru.fakespeed", logging.ERROR, "an error"),
                        ("megatron_ru.fakespeed", logging.DEBUG, "a warning")]  # rank 3: the same warning
+    monkeypatch.setenv("MEGATRON_RU_LOG_LEVEL", "INFO")
+    forward_logger("FakeSpeed")
+    assert lib.level == logging.WARNING  # its info lines are not even made at our default level
     lib.handlers.clear()
 
 
