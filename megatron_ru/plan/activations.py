@@ -37,8 +37,8 @@ from megatron_ru.plan.layout import Layout
 @dataclass(frozen=True)
 class Runtime:
     """What the device's kernels keep: ``attention`` "fused" (flash / memory-efficient SDPA) or
-    "math" (the s x s scores kept), dropout masks of 1 byte (CUDA) or of the dtype (CPU),
-    RMSNorm keeping its normalised output (CPU composite) or not (fused kernel)."""
+    "math" (the s x s scores kept; in fp32 on CPU for 16-bit inputs), dropout masks of 1 byte (CUDA)
+    or of the dtype (CPU), norms as :func:`_norm_bytes`."""
     device: str = "cuda"
     attention: str = "fused"
 
@@ -52,17 +52,16 @@ class Runtime:
     def mask_bytes(self, e: int) -> int:
         return 1 if self.device == "cuda" else e
 
-    @property
-    def rms_keeps_output(self) -> bool:
-        return self.device != "cuda"
-
 
 def _norm_bytes(cfg: ModelConfig, tokens: int, h: int, e: int, rt: Runtime) -> int:
-    """Saved by one norm besides its input: statistics (fp32) and, for a composite RMSNorm, the
-    normalised tensor."""
+    """Everything one norm saves, its input included. CUDA (fused kernels): the input and fp32
+    statistics. CPU: LayerNorm keeps statistics of the input dtype; the composite RMSNorm works in
+    fp32 and keeps the (upcast) input, the fp32 rstd and the fp32 normalised tensor."""
+    if rt.device == "cuda":
+        return e * tokens * h + (8 if cfg.normalization == "LayerNorm" else 4) * tokens
     if cfg.normalization == "LayerNorm":
-        return 8 * tokens  # mean and rstd
-    return 4 * tokens + (e * tokens * h if rt.rms_keeps_output else 0)
+        return e * tokens * h + 2 * e * tokens
+    return 4 * tokens * h + 4 * tokens + 4 * tokens * h
 
 
 def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]:
@@ -78,7 +77,7 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
     T_sp = T // sp
     qw, kw = a * d // t, g * d // t
     out: dict[str, int] = {}
-    out["norms"] = 2 * (e * T_sp * h + _norm_bytes(cfg, T_sp, h, e, rt))     # inputs of both norms
+    out["norms"] = 2 * _norm_bytes(cfg, T_sp, h, e, rt)                      # both norms, inputs included
     out["norm_outputs"] = 2 * e * T * h                                        # QKV and fc1 inputs
     attn = e * T * (qw + 2 * kw)                                               # fused QKV output
     if cfg.position_embedding_type == "rope":
@@ -87,10 +86,16 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
         attn += e * T * qw + 4 * b * (a // t) * s                              # output, log-sum-exp
     else:
         scores = b * (a // t) * s * s
-        attn += e * T * qw + e * T * qw + e * T * qw                          # q*scale, k^T, proj input
-        attn += e * scores
+        # the math path works in fp32 on CPU for 16-bit inputs: it keeps fp32 copies of q, k, v (not the
+        # QKV output) and fp32 scores
+        w = 4 if (e == 2 and rt.device != "cuda") else e
+        if w != e:
+            attn = 3 * w * T * qw if cfg.position_embedding_type != "rope" else attn - e * T * (qw + 2 * kw) + 3 * w * T * qw
+        else:
+            attn += 2 * e * T * qw                                             # q*scale, k^T
+        attn += e * T * qw + w * scores                                        # proj input, softmax
         if cfg.attention_dropout > 0:
-            attn += m * scores + e * scores                                    # mask, dropped probs
+            attn += (m if w == e else w) * scores + w * scores                 # mask, dropped probs
     out["attention"] = attn
     out["dropout_masks"] = 2 * m * T_sp * h if cfg.hidden_dropout > 0 else 0
     if cfg.swiglu:
@@ -119,6 +124,8 @@ def embedding_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
     T = layout.seq_length * layout.micro_batch
     sp = layout.tp if layout.sequence_parallel else 1
     ids = 8 * T * (2 if layout.tp > 1 else 1)  # ids, and the masked local ids of a vocab-parallel lookup
+    if cfg.position_embedding_type == "learned_absolute":
+        ids += 8 * layout.seq_length               # the position ids of the position-table lookup
     mask = rt.mask_bytes(e) * T * cfg.hidden_size // sp if cfg.hidden_dropout > 0 else 0
     return ids + mask
 
@@ -127,7 +134,7 @@ def final_norm_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
     e = 4 if layout.precision == "fp32" else 2
     T = layout.seq_length * layout.micro_batch
     sp = layout.tp if layout.sequence_parallel else 1
-    return e * T * cfg.hidden_size // sp + _norm_bytes(cfg, T // sp, cfg.hidden_size, e, rt)
+    return _norm_bytes(cfg, T // sp, cfg.hidden_size, e, rt)
 
 
 def logits_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: int) -> dict[str, int]:
