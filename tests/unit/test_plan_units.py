@@ -1,0 +1,107 @@
+"""The planner's pieces: parameter counts against built models, the layout, the start-up API,
+optimizer-state rules, and the command line (flags, config.json, errors, JSON, the 13B search)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ru.config.model import ModelConfig
+from megatron_ru.plan import Layout, predict_memory, stage_param_counts
+from megatron_ru.plan.cli import run
+from megatron_ru.plan.params import stage_params, stage_tensors
+from megatron_ru.plan.states import state_bytes
+
+LLAMA = dict(num_layers=4, hidden_size=64, num_attention_heads=8, group_query_attention=True, num_query_groups=4,
+             ffn_hidden_size=128, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             disable_bias_linear=True, untie_embeddings_and_output_weights=True, max_position_embeddings=32)
+GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("kw", [LLAMA, GPT], ids=["llama", "gpt"])
+def test_stage_counts_equal_the_built_model(kw):
+    from megatron_ru.model.gpt import GPTModel
+    cfg = ModelConfig(**kw)
+    model = GPTModel(cfg, 1000)
+    assert stage_param_counts(cfg, 1000, 1, 1) == [sum(p.numel() for p in model.parameters())]
+    # tied embeddings on a pipeline: the word embeddings on the first and on the last stage
+    counts = stage_param_counts(cfg, 1000, 2, 2)
+    rows = 1024  # 1000 padded to 128 x TP 2
+    if cfg.tied_embeddings:
+        assert stage_params(cfg, 1000, 2, 2)[1].tied_copy == rows * 64 // 2
+    assert sum(counts) > sum(p.numel() for p in model.parameters()) // 2
+
+
+def test_layout_basics():
+    lay = Layout(tp=2, pp=4, dp=8, micro_batch=2, global_batch=512, seq_length=2048, recompute="full", zero_stage=1,
+                 precision="bf16", sequence_parallel=True)
+    assert lay.num_micro_batches == 32 and lay.world_size == 64
+    assert "--recompute-granularity" in lay.flags() and "--sequence-parallel" in lay.flags()
+    with pytest.raises(ValueError, match="precision"):
+        Layout(1, 1, 1, 1, 1, 8, precision="fp8")
+
+
+def test_lora_only_adapters_get_optimizer_state():
+    from megatron_ru.config.lora import LoraSpec
+    cfg = ModelConfig(**LLAMA)
+    cfg.lora = LoraSpec(rank=4, alpha=8.0).to_dict()
+    full = ModelConfig(**LLAMA)
+    lay = Layout(1, 1, 1, 1, 1, 32, precision="fp32")
+    with_lora = state_bytes(stage_tensors(cfg, 1000, 1, 1)[0], lay)
+    plain = state_bytes(stage_tensors(full, 1000, 1, 1)[0], lay)
+    assert with_lora.parameters > plain.parameters       # adapters added
+    assert with_lora.optimizer < plain.optimizer / 10    # only they are trained
+
+
+def test_bf16_at_zero_0_is_not_proposed():
+    from megatron_ru.plan.search import candidate_layouts
+    layouts, _ = candidate_layouts(ModelConfig(**GPT), 4, 8, 32, "bf16", 8)
+    assert layouts and all(lay.zero_stage > 0 for lay in layouts)
+
+
+def test_summary_adds_up():
+    cfg = ModelConfig(**GPT)
+    pred = predict_memory(cfg, 1000, Layout(1, 2, 2, 1, 8, 32, zero_stage=1, precision="bf16"), device="cpu")
+    assert pred.total_bytes == sum(pred.terms.values())
+    assert pred.terms["allowance"] < pred.total_bytes / 5  # no CUDA context on CPU
+    assert pred.summary().startswith("predicted peak per GPU ")
+    cuda = predict_memory(cfg, 1000, Layout(1, 2, 2, 1, 8, 32, zero_stage=1, precision="bf16"), device="cuda")
+    assert cuda.terms["allowance"] >= 2 ** 30
+
+
+def test_cli_flags_json_and_13b(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40",
+            "--max-position-embeddings", "2048", "--vocab-size", "50257", "--seq-length", "2048",
+            "--global-batch-size", "512", "--num-gpus", "32", "--gpus-per-node", "4", "--gpu", "v100-16gb",
+            "--zero-stage", "1", "--sequence-parallel", "off", "--max-micro-batch-size", "2", "--json", str(out)]
+    assert run(argv) == 0
+    text = capsys.readouterr().out
+    assert "pretrain_gpt.py flags: --tensor-model-parallel-size" in text and "TP=" in text
+    plan = json.loads(out.read_text())
+    assert plan["num_fitting"] >= 1 and plan["best"]["flags"]
+    # ZeRO 1 without sequence parallelism: every TP 4 x PP 8 layout needs recomputation
+    assert any(r.startswith("TP 4 x PP 8 without recomputation") for r in plan["rejected"])
+    assert not any(r.startswith("TP 4 x PP 8 with full") for r in plan["rejected"])
+
+
+def test_cli_hf_config(tmp_path, capsys):
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+          "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 4,
+          "vocab_size": 1000, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "tie_word_embeddings": False, "hidden_act": "silu"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    assert run(["--hf-config", str(path), "--num-gpus", "8", "--gpu", "a100-80gb", "--global-batch-size", "64",
+                "--json", "-"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["vocab_size"] == 1000 and plan["best"]["layout"]["precision"] == "bf16"
+
+
+def test_cli_errors_name_the_flag(capsys):
+    assert run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--max-position-embeddings", "32", "--num-gpus", "2", "--gpu", "h100-80gb",
+                "--global-batch-size", "8"]) == 2
+    assert "--vocab-size" in capsys.readouterr().err
+    assert run(["--use-checkpoint-args", "--num-gpus", "2", "--gpu", "h100-80gb", "--global-batch-size", "8"]) == 2
+    assert "--load" in capsys.readouterr().err
