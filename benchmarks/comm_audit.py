@@ -13,6 +13,7 @@ whether every rank matched exactly (wire and payload bytes). Conventions: docs/c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -30,7 +31,12 @@ GPT2_STYLE = ["--normalization", "LayerNorm", "--position-embedding-type", "lear
 UNLLAMA = ("--normalization", "--position-embedding-type", "--swiglu", "--disable-bias-linear",
            "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups")
 
-#: (name, world size, flags); the base model is tests/integration/_train_helpers.tiny_argv's
+#: ZeRO 3 with every parameter gathered per micro batch (the tiny model's are all under DeepSpeed's default
+#: persistence threshold of 1e5 elements, so by default they stay gathered)
+Z3_GATHER_ALL = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+MARKERS = ("tied", "gpt2", "z3-gather-all")
+
+#: (name, world size, flags and markers); the base model is tests/integration/_train_helpers.tiny_argv's
 LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("TP2", 2, ["--tensor-model-parallel-size", "2"]),
     ("TP2 recompute", 2, ["--tensor-model-parallel-size", "2", "--recompute-granularity", "full"]),
@@ -45,6 +51,11 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("TP2 bf16 ZeRO1", 2, ["--tensor-model-parallel-size", "2", "--bf16", "--zero-stage", "1"]),
     ("PP2 bf16 ZeRO1 tied", 2, ["--pipeline-model-parallel-size", "2", "--bf16", "--zero-stage", "1", "tied"]),
     ("DP2 bf16 ZeRO1", 2, ["--bf16", "--zero-stage", "1"]),
+    ("DP2 ZeRO2", 2, ["--zero-stage", "2"]),
+    ("DP2 bf16 ZeRO2", 2, ["--bf16", "--zero-stage", "2"]),
+    ("DP2 ZeRO3", 2, ["--zero-stage", "3"]),
+    ("DP2 ZeRO3 no persistent", 2, ["--zero-stage", "3", "z3-gather-all"]),
+    ("DP2 bf16 ZeRO3 no persistent", 2, ["--bf16", "--zero-stage", "3", "z3-gather-all"]),
     ("PP4", 4, ["--pipeline-model-parallel-size", "4"]),
     ("TP2xPP2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     ("TP2xPP2 SP", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -55,13 +66,21 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("TP2xPP2 SP bf16 ZeRO1", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                   "--sequence-parallel", "--bf16", "--zero-stage", "1"]),
     ("TP2xDP2 bf16 ZeRO1", 4, ["--tensor-model-parallel-size", "2", "--bf16", "--zero-stage", "1"]),
+    ("TP2xDP2 bf16 ZeRO2", 4, ["--tensor-model-parallel-size", "2", "--bf16", "--zero-stage", "2"]),
+    ("TP2xDP2 ZeRO3 no persistent", 4, ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "z3-gather-all"]),
 ]
 
 
 def layout_argv(prefix: str, cache: str, flags: list[str], iters: int = ITERS) -> list[str]:
-    """tiny_argv's model and data with ``flags`` (plus the markers ``tied`` and ``gpt2``)."""
+    """tiny_argv's model and data with ``flags`` (and :data:`MARKERS`)."""
     argv = tiny_argv(prefix, cache, iters=iters, extra=["--eval-iters", "0", "--lr-warmup-iters", "0"])
-    extra = [f for f in flags if f not in ("tied", "gpt2")]
+    extra = [f for f in flags if f not in MARKERS]
+    if "z3-gather-all" in flags:
+        bf16 = "--bf16" in flags  # the file must agree with the precision flags
+        path = os.path.join(os.path.dirname(prefix), f"z3_gather_all{'_bf16' if bf16 else ''}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({**Z3_GATHER_ALL, "bf16": {"enabled": bf16}}, f)
+        extra += ["--deepspeed_config", path]
     if "tied" in flags:
         argv = without_flags(argv, "--untie-embeddings-and-output-weights")
     if "gpt2" in flags:
@@ -107,7 +126,8 @@ def audit_layouts(layouts: list[tuple[str, int, list[str]]], workdir: str, iters
         chosen = [(n, f) for n, w, f in layouts if w == world]
         runs = [layout_argv(prefix, cache, f, iters) for _, f in chosen]
         results = run_distributed(audit_body, world, args=(runs,), timeout=timeout, env={"DS_ACCELERATOR": "cpu"})
-        for i, (name, _) in enumerate(chosen):
+        for i, (name, flags) in enumerate(chosen):
+            kw = {"zero3_persistence_threshold": 0} if "z3-gather-all" in flags else {}
             r0 = results[0][i]
             layout = Layout(tp=r0["tp"], pp=r0["pp"], dp=r0["dp"], micro_batch=r0["micro_batch"],
                             global_batch=r0["global_batch"], seq_length=r0["seq_length"],
@@ -117,7 +137,7 @@ def audit_layouts(layouts: list[tuple[str, int, list[str]]], workdir: str, iters
             for it in range(1, iters + 1):
                 records = [results[rank][i]["history"][it - 1] for rank in range(world)]
                 rows += [dict(row, iteration=it) for row in
-                         compare_with_audit(records, r0["model"], r0["vocab_size"], layout)]
+                         compare_with_audit(records, r0["model"], r0["vocab_size"], layout, **kw)]
             out[name] = rows
     return out
 

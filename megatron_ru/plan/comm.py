@@ -11,12 +11,13 @@ all-reduce ``2(n-1)/n`` x payload, all-gather / reduce-scatter ``(n-1)/n`` x the
 broadcast / reduce / send / recv the payload (send and recv both counted, on their own rank).
 ``payload`` is the buffer size itself.
 
-Modelled exactly (audited on CPU in fp32, and bf16 at ZeRO 1): TP with and without sequence
+Modelled exactly (audited on CPU in fp32 and bf16; BENCHMARKS.md): TP with and without sequence
 parallelism, full recomputation, PP (DeepSpeed's 1F1B with its TP-partitioned activations and
-gradients), DP at ZeRO 0 and 1 (DeepSpeed's ZeRO optimizer in fp32, its BF16_Optimizer in bf16),
-tied embeddings, the small per-step terms (loss averaging for the log, gradient-norm all-reduces,
-the loss broadcast of the pipeline). fp16 (GPU only) is modelled like fp32 with 2-byte tensors and
-not audited: its overflow check adds a few bytes not listed here.
+gradients), DP at ZeRO 0-3 (DeepSpeed's ZeRO optimizers; its BF16_Optimizer at ZeRO 1 in bf16),
+tied embeddings, the small per-step terms (loss averaging for the log, gradient-norm and overflow
+all-reduces, the loss broadcast of the pipeline). Not audited: fp16 (GPU only; modelled like bf16
+through DeepSpeed's ZeRO optimizer) and ZeRO 3's backward re-gather of models beyond
+``stage3_max_reuse_distance`` (DeepSpeed's documented behaviour).
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class _Stage:
     tied_copy: bool         # the last stage's copy of tied word embeddings (PP > 1)
     groups: tuple[int, ...]  # padded flat sizes of the optimizer's parameter groups (decay, no decay)
     trainable: int
+    params: tuple[int, ...]  # elements of each parameter (this rank's TP shard)
 
 
 def _local_numel(p: model_spec.ParamSpec, rows: int, tp: int) -> int:
@@ -91,6 +93,7 @@ def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
         idx = range(start, stop)
         decay = no_decay = 0
         tied_copy = False
+        sizes: list[int] = []
         for j in idx:
             specs = model_spec.layer_parameter_specs(descs[j], cfg, vocab_size)
             if descs[j].tied_output:
@@ -100,6 +103,7 @@ def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
                 specs = [p for p in model_spec.layer_parameter_specs(descs[0], cfg, vocab_size) if p.vocab]
             for p in specs:
                 n = _local_numel(p, rows, tp)
+                sizes.append(n)
                 if len(p.shape) >= 2:
                     decay += n
                 else:
@@ -108,7 +112,7 @@ def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
         kinds = [descs[j].kind for j in idx]
         out.append(_Stage(layers=kinds.count("transformer"), embedding="embedding" in kinds,
                           output="output" in kinds, final_norm="final_norm" in kinds, tied_copy=tied_copy,
-                          groups=groups, trainable=decay + no_decay))
+                          groups=groups, trainable=decay + no_decay, params=tuple(sizes)))
     return out
 
 
@@ -126,10 +130,19 @@ def _dim(group: str, layout: Layout) -> str:
     return group
 
 
+#: DeepSpeed's ZeRO-3 defaults: parameters under this many elements stay gathered (persistent), and
+#: a gathered parameter is kept for reuse within this many elements of later fetches
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
 def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int,
-                   *, clip_grad: bool = True, extra_losses: int = 0) -> list[CommOp]:
+                   *, clip_grad: bool = True, extra_losses: int = 0,
+                   zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
+                   zero3_max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> list[CommOp]:
     """Every op one rank of pipeline stage ``stage`` issues in one training step (ops in one-rank
-    groups left out). ``clip_grad``: --clip-grad > 0 (our fp32 ZeRO-0 clipping all-reduces the norm)."""
+    groups left out). ``clip_grad``: --clip-grad > 0 (our fp32 ZeRO-0 clipping all-reduces the norm).
+    ``zero3_*``: DeepSpeed's ``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance``."""
     t, p, d, m = layout.tp, layout.pp, layout.dp, layout.num_micro_batches
     if layout.global_batch % (layout.micro_batch * d):
         raise ValueError(f"global batch {layout.global_batch} is not a multiple of micro batch x DP "
@@ -200,27 +213,41 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
 
     # ---- data parallelism: gradients, ZeRO-1 parameters, loss for the log ------------------------
     bf16_optimizer = layout.precision == "bf16" and layout.zero_stage == 1  # DeepSpeed's BF16_Optimizer
+    elem = layout.param_bytes  # gradients are sent in the model's dtype (DeepSpeed's communication_data_type)
     if layout.zero_stage == 0:
         # fp32: the gradients themselves; bf16 and fp16 are refused by DeepSpeed at ZeRO 0 without a pipeline
-        add("dp.grads", "dp", "all_reduce", st.trainable * layout.param_bytes, 1)
+        add("dp.grads", "dp", "all_reduce", st.trainable * elem, 1)
     elif bf16_optimizer:
         # fp32 gradient buffers (flat groups padded to 2 x DP), sent in bf16 (communication_data_type),
         # then each flat bf16 parameter group all-gathered after the step
         add("dp.grads", "dp", "all_reduce", sum(st.groups) * 2, 1)
         for i, numel in enumerate(st.groups):
             add(f"dp.params.group{i}", "dp", "all_gather", numel * 2, 1)
-    else:
-        # DeepSpeed 0.19 ZeRO-1 (DeepSpeedZeroOptimizer): an all-reduce of the whole gradient at the boundary
-        # (allreduce_and_scatter; each rank keeps its partition), after the step an all-gather of each flat group
-        add("dp.grads", "dp", "all_reduce", st.trainable * layout.param_bytes, 1)
+    elif layout.zero_stage in (1, 2):
+        # DeepSpeed 0.19's ZeRO optimizer: an all-reduce of the whole gradient (allreduce_and_scatter; each
+        # rank keeps its partition) at the accumulation boundary (ZeRO 1) or after every micro batch's
+        # backward (ZeRO 2); after the step an all-gather of each flat parameter group
+        add("dp.grads", "dp", "all_reduce", st.trainable * elem, 1 if layout.zero_stage == 1 else m)
         for i, numel in enumerate(st.groups):
-            add(f"dp.params.group{i}", "dp", "all_gather", numel * layout.param_bytes, 1)
+            add(f"dp.params.group{i}", "dp", "all_gather", numel * elem, 1)
+    else:
+        # ZeRO 3: each parameter partitioned on its own (padded to a multiple of DP); small ones stay
+        # gathered (persistent, re-gathered once after the step); the others are gathered for each micro
+        # batch's forward and kept for its backward while within the reuse distance
+        padded = [-(-n // d) * d for n in st.params]
+        gathered = sum(n for n in padded if n >= zero3_persistence_threshold)
+        persistent = sum(padded) - gathered
+        add("dp.params.forward", "dp", "all_gather", gathered * elem, m)
+        add("dp.params.backward", "dp", "all_gather", max(0, gathered - zero3_max_reuse_distance) * elem, m)
+        add("dp.params.persistent", "dp", "all_gather", persistent * elem, 1)
+        add("dp.grads", "dp", "reduce_scatter", sum(padded) * elem, m)
     if p == 1:
         add("dp.loss_mean", "dp", "all_reduce", 8, 1)    # the loop's float64 mean loss for the log
     elif last:
         add("dp.loss_mean", "dp", "all_reduce", _FP32 * (1 + extra_losses), 1)  # DeepSpeed's agg_loss
 
-    # ---- gradient norm for clipping ---------------------------------------------------------------
+    # ---- gradient norm for clipping, overflow check ---------------------------------------------
+    groups = len(st.groups)
     if layout.zero_stage == 0 and layout.precision == "fp32":
         if clip_grad:
             add("grad_norm", "mp", "all_reduce", 8, 1)  # ours: float64 over TP x PP
@@ -228,12 +255,16 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
         add("grad_norm", "mp", "all_reduce", _FP32, 1)  # get_global_norm_of_tensors: over TP x PP
     else:
         # DeepSpeed's get_grad_norm_direct, once per parameter group: DP then model-parallel group
-        add("grad_norm.dp", "dp", "all_reduce", _FP32, len(st.groups))
-        add("grad_norm.mp", "mp", "all_reduce", _FP32, len(st.groups))
+        norm = 8 if layout.zero_stage == 3 else _FP32
+        add("grad_norm.dp", "dp", "all_reduce", norm, groups)
+        add("grad_norm.mp", "mp", "all_reduce", norm, groups)
+        if layout.zero_stage in (1, 2) and layout.precision != "fp32":
+            add("overflow.dp", "dp", "all_reduce", 1, 1)  # has_overflow: a uint8 over DP, then TP x PP
+            add("overflow.mp", "mp", "all_reduce", 1, 1)
     return ops
 
 
-def rank_comm_bytes(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int, **kw: bool) -> dict[str, int]:
+def rank_comm_bytes(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int, **kw: int) -> dict[str, int]:
     """Wire bytes per dimension of one rank of ``stage`` in one step."""
     out: dict[str, int] = defaultdict(int)
     for op in stage_comm_ops(cfg, vocab_size, layout, stage, **kw):
@@ -262,7 +293,7 @@ def step_comm_terms(cfg: ModelConfig, vocab_size: int, layout: Layout,
 
 
 def compare_with_audit(records: list[dict], cfg: ModelConfig, vocab_size: int, layout: Layout,
-                       **kw: bool) -> list[dict]:
+                       **kw: int) -> list[dict]:
     """Counted (:class:`~megatron_ru.parallel.comm_audit.CommAudit` records of one iteration, one per
     rank, rank order) against :func:`stage_comm_ops` for each rank's stage: one row per rank and
     dimension with ``counted``, ``analytic`` (wire bytes) and the same for payload bytes."""
