@@ -19,8 +19,8 @@ from tests.integration._train_helpers import make_corpus, tiny_argv, without_fla
 ENV = {"DS_ACCELERATOR": "cpu"}
 WORLD = 4
 #: (tp, pp, precision, zero, gpt-style tied embeddings)
-#: (all ten of TP1/TP2 x PP1/PP2 x {fp32 ZeRO 0, fp32 ZeRO 1, bf16 ZeRO 1} were checked once, equal on
-#: every rank; these six keep the test short)
+#: (ten runs were checked once, equal on every rank: these six and (1, 1, bf16, 1), (2, 1, fp32, 1),
+#: (1, 2, fp32, 0), (1, 2, bf16, 1); see docs/planner.md)
 CASES = [(1, 1, "fp32", 0, False), (1, 1, "fp32", 1, False), (2, 1, "bf16", 1, False),
          (1, 2, "fp32", 1, True), (2, 2, "fp32", 1, False), (2, 2, "bf16", 1, True)]
 
