@@ -19,16 +19,16 @@ from tests.integration._train_helpers import make_corpus, tiny_argv, without_fla
 ENV = {"DS_ACCELERATOR": "cpu"}
 WORLD = 4
 #: (tp, pp, precision, zero, gpt-style tied embeddings)
-#: (ten runs were checked once, equal on every rank: these six and (1, 1, bf16, 1), (2, 1, fp32, 1),
-#: (1, 2, fp32, 0), (1, 2, bf16, 1); see docs/planner.md)
+#: (ten runs were checked once, equal on every rank: these five and (1, 1, bf16, 1), (2, 1, fp32, 1),
+#: (1, 2, fp32, 0), (1, 2, bf16, 1), (2, 2, fp32, 1); see docs/planner.md)
 CASES = [(1, 1, "fp32", 0, False), (1, 1, "fp32", 1, False), (2, 1, "bf16", 1, False),
-         (1, 2, "fp32", 1, True), (2, 2, "fp32", 1, False), (2, 2, "bf16", 1, True)]
+         (1, 2, "fp32", 1, True), (2, 2, "bf16", 1, True)]
 
 
 def _argv(prefix: str, cache: str, tp: int, pp: int, precision: str, zero: int, gpt: bool) -> list[str]:
     argv = tiny_argv(prefix, cache, iters=4, extra=["--eval-iters", "0", "--tensor-model-parallel-size", str(tp),
                                                     "--pipeline-model-parallel-size", str(pp), "--zero-stage",
-                                                    str(zero), "--global-batch-size", "8"])
+                                                    str(zero), "--global-batch-size", "4"])
     if precision == "bf16":
         argv.append("--bf16")
     if gpt:  # LayerNorm, GELU with biases, learned positions, tied embeddings, an odd MLP size
