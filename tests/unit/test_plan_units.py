@@ -105,3 +105,23 @@ def test_cli_errors_name_the_flag(capsys):
     assert "--vocab-size" in capsys.readouterr().err
     assert run(["--use-checkpoint-args", "--num-gpus", "2", "--gpu", "h100-80gb", "--global-batch-size", "8"]) == 2
     assert "--load" in capsys.readouterr().err
+
+
+def test_cli_model_from_checkpoint(tmp_path, capsys):
+    import os
+
+    from megatron_ru.model.spec import model_args_dict
+    it = tmp_path / "iter_0000000"
+    it.mkdir()
+    meta = dict(iteration=0, consumed_train_samples=0, consumed_valid_samples=0, tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1, data_parallel_size=1, zero_stage=0, args={}, files={},
+                model_args=model_args_dict(ModelConfig(**LLAMA)), vocab_size=777)
+    (it / "metadata.json").write_text(json.dumps(meta))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("0\n")
+    base = ["--load", str(tmp_path), "--use-checkpoint-args", "--num-gpus", "4", "--gpu", "a100-40gb",
+            "--global-batch-size", "16", "--json", "-"]
+    assert run(base) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["vocab_size"] == 777 and plan["model"]["config"]["swiglu"] is True
+    assert run(base + ["--hidden-size", "128"]) == 2  # contradicts the checkpoint
+    assert "--hidden-size" in capsys.readouterr().err
