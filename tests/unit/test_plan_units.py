@@ -108,8 +108,6 @@ def test_cli_errors_name_the_flag(capsys):
 
 
 def test_cli_model_from_checkpoint(tmp_path, capsys):
-    import os
-
     from megatron_ru.model.spec import model_args_dict
     it = tmp_path / "iter_0000000"
     it.mkdir()
