@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from megatron_ru.config.base import add_config_arguments, explicit_dests, flag_name, from_namespace
 from megatron_ru.config.lora import LoraConfig, LoraSpec
@@ -141,9 +141,12 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         cfg, vocab, source = resolve_model(ns, argv)
         gpu = gpu_spec(ns.gpu, memory_gib=ns.gpu_memory_gib, peak_tflops=ns.peak_tflops,
                        intra_node_gbps=ns.intra_node_gbps, inter_node_gbps=ns.inter_node_gbps)
-        seq = ns.seq_length or cfg.max_position_embeddings
+        seq = ns.seq_length
+        if seq is None and cfg.position_embedding_type == "learned_absolute":
+            seq = cfg.max_position_embeddings
         if seq is None:
-            raise ValueError("give --seq-length (the model has no --max-position-embeddings)")
+            raise ValueError(f"give --seq-length (the training sequence length; the model allows up to "
+                             f"{cfg.max_position_embeddings})")
         if ns.num_gpus < 1 or ns.gpus_per_node < 1 or ns.global_batch_size < 1:
             raise ValueError("--num-gpus, --gpus-per-node and --global-batch-size must be >= 1")
         precision = _precision(ns, gpu.generation)

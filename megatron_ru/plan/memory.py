@@ -71,7 +71,7 @@ def in_flight(layout: Layout, stage: int) -> int:
     return max(1, min(layout.pp - stage, layout.num_micro_batches))
 
 
-def _stage_layers(cfg: ModelConfig, pp: int) -> list[tuple[int, bool, bool]]:
+def stage_layers(cfg: ModelConfig, pp: int) -> list[tuple[int, bool, bool]]:
     """(transformer layers, has embedding, has output head) of each stage."""
     descs = model_spec.model_description(cfg)
     bounds = model_spec.stage_bounds(cfg, pp) if pp > 1 else [(0, len(descs))]
@@ -91,7 +91,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
     rt = runtime or act.Runtime.for_device(device, cfg)
     rows = model_spec.padded_vocab_rows(cfg, vocab_size, layout.tp)
     tensors = stage_tensors(cfg, vocab_size, layout.tp, layout.pp)
-    shape = _stage_layers(cfg, layout.pp)
+    shape = stage_layers(cfg, layout.pp)
     per_layer = act.layer_bytes(cfg, layout, rt)
     full_layer = sum(act.layer_terms(cfg, layout, rt).values())
     e = 4 if layout.precision == "fp32" else 2
@@ -101,7 +101,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
     totals = []
     for stage, (n_layers, has_embed, has_head) in enumerate(shape):
         dp_ranks = {0, layout.dp - 1}
-        states: StateBytes = max((state_bytes(tensors[stage], layout, optimizer, buckets, r) for r in dp_ranks),
+        states: StateBytes = max((state_bytes(tensors[stage], layout, optimizer, buckets, r, device) for r in dp_ranks),
                                  key=lambda sb: sb.parameters + sb.gradients + sb.optimizer)
         k = in_flight(layout, stage)
         saved = n_layers * per_layer + (act.embedding_bytes(cfg, layout, rt) if has_embed else 0)

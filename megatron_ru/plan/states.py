@@ -117,8 +117,10 @@ def _overlapping(group: list[TensorInfo], dp: int, dp_rank: int) -> int:
 
 
 def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "adam",
-                buckets: BucketSizes = BucketSizes(), dp_rank: int = 0) -> StateBytes:
-    """What one rank (data-parallel rank ``dp_rank``) of a stage holding ``tensors`` keeps."""
+                buckets: BucketSizes = BucketSizes(), dp_rank: int = 0, device: str = "cuda") -> StateBytes:
+    """What one rank (data-parallel rank ``dp_rank``) of a stage holding ``tensors`` keeps. On a CPU only
+    the touched part of the reduce bucket is resident (the gradients copied into it); CUDA's caching
+    allocator holds all of it."""
     dp, zero, prec = layout.dp, layout.zero_stage, layout.precision
     e = layout.param_bytes
     n_all = sum(t.numel for t in tensors)
@@ -151,7 +153,8 @@ def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "ada
             grads = 4 * part if prec == "bf16" else e * part
         bucket_bytes = 4 if (prec == "bf16" and zero == 1) else e
         nbuf = 2 if buckets.overlap_comm and layout.pp == 1 else 1
-        bucket = nbuf * buckets.reduce_bucket * bucket_bytes if buckets.contiguous_gradients else 0
+        elements = buckets.reduce_bucket if device == "cuda" else min(buckets.reduce_bucket, n_train)
+        bucket = nbuf * elements * bucket_bytes if buckets.contiguous_gradients else 0
         # backward: every trainable parameter's .grad (ZeRO 1) or the owned partition (ZeRO 2); the step
         # flattens the partition's gradients and casts them to fp32 for the update
         backward = e * n_train if zero == 1 else grads

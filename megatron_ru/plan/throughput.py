@@ -111,12 +111,12 @@ def comm_bytes(cfg: ModelConfig, vocab_size: int, layout: Layout) -> dict[str, i
 def predict_step_time(cfg: ModelConfig, vocab_size: int, layout: Layout, gpu: GpuSpec, *, gpus_per_node: int = 8,
                       memory: MemoryPrediction | None = None, overlap: Overlap = OURS,
                       achievable_fraction: float = ACHIEVABLE_FRACTION) -> StepTime:
-    from megatron_ru.plan.memory import _stage_layers
+    from megatron_ru.plan.memory import stage_layers
     peak = gpu.peak(layout.precision)
     rate = peak * 1e12 * achievable_fraction
     m = layout.num_micro_batches
     tokens_mb = layout.micro_batch * layout.seq_length
-    stages = _stage_layers(cfg, layout.pp)
+    stages = stage_layers(cfg, layout.pp)
     t_mb = max(_stage_flops_per_token(cfg, vocab_size, layout, n, head) * tokens_mb / layout.tp / rate
                for n, _, head in stages)
     comm = comm_bytes(cfg, vocab_size, layout)

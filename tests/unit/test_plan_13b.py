@@ -7,7 +7,7 @@ import pytest
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.plan import Layout, predict_memory
-from megatron_ru.plan.hardware import GIB, gpu_spec
+from megatron_ru.plan.hardware import gpu_spec
 from megatron_ru.plan.throughput import Overlap, predict_step_time
 
 #: GPT-3 13B (Brown et al. 2020, table 2.1): GPT-2 vocabulary, learned positions, tied embeddings

@@ -93,7 +93,7 @@ def test_cli_hf_config(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
     assert run(["--hf-config", str(path), "--num-gpus", "8", "--gpu", "a100-80gb", "--global-batch-size", "64",
-                "--json", "-"]) == 0
+                "--seq-length", "256", "--json", "-"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"]["vocab_size"] == 1000 and plan["best"]["layout"]["precision"] == "bf16"
 
@@ -105,6 +105,9 @@ def test_cli_errors_name_the_flag(capsys):
     assert "--vocab-size" in capsys.readouterr().err
     assert run(["--use-checkpoint-args", "--num-gpus", "2", "--gpu", "h100-80gb", "--global-batch-size", "8"]) == 2
     assert "--load" in capsys.readouterr().err
+    assert run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--position-embedding-type",
+                "rope", "--vocab-size", "100", "--num-gpus", "2", "--gpu", "h100-80gb", "--global-batch-size", "8"]) == 2
+    assert "--seq-length" in capsys.readouterr().err
 
 
 def test_cli_model_from_checkpoint(tmp_path, capsys):
@@ -117,7 +120,7 @@ def test_cli_model_from_checkpoint(tmp_path, capsys):
     (it / "metadata.json").write_text(json.dumps(meta))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("0\n")
     base = ["--load", str(tmp_path), "--use-checkpoint-args", "--num-gpus", "4", "--gpu", "a100-40gb",
-            "--global-batch-size", "16", "--json", "-"]
+            "--global-batch-size", "16", "--seq-length", "32", "--json", "-"]
     assert run(base) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"]["vocab_size"] == 777 and plan["model"]["config"]["swiglu"] is True
