@@ -74,9 +74,9 @@ _FUNCTIONS: dict[str, tuple[str, str, int, str]] = {
 #: argument position and keyword of the peer of a point-to-point op (global rank unless group_* is used)
 _PEER = {"send": (1, "dst"), "isend": (1, "dst"), "recv": (1, "src"), "irecv": (1, "src")}
 #: module frames that are plumbing, not a call site worth naming
-_PLUMBING = (os.sep + os.path.join("torch", "distributed") + os.sep, os.sep + os.path.join("deepspeed", "comm") + os.sep,
-             os.sep + "contextlib.py", os.sep + "functools.py", os.sep + os.path.join("torch", "utils") + os.sep,
-             os.sep + os.path.join("torch", "_compile") , os.sep + os.path.join("torch", "_dynamo") + os.sep)
+_PLUMBING = tuple(os.sep + os.path.join(*parts) for parts in (
+    ("torch", "distributed", ""), ("torch", "utils", ""), ("torch", "_dynamo", ""), ("torch", "_compile.py"),
+    ("deepspeed", "comm", ""), ("contextlib.py",), ("functools.py",)))
 
 
 def wire_factor(kind: str, n: int) -> tuple[int, int]:
@@ -194,7 +194,7 @@ class CommAudit:
 
     # ---- recording ----------------------------------------------------------------------------
     def _record(self, name: str, args: tuple, kwargs: dict) -> None:
-        kind, where, pos, key = _FUNCTIONS[name]
+        kind, _, pos, key = _FUNCTIONS[name]
         group = kwargs.get("group")
         if kind == "batch":
             for op in _arg(args, kwargs, 0, "p2p_op_list") or ():
@@ -321,7 +321,9 @@ class CommAudit:
 class _NoAudit:
     """What the loop holds when --comm-audit is not given: windows that do nothing."""
 
-    history: list[dict[str, Any]] = []
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return []
 
     @contextmanager
     def window(self, iteration: int) -> Iterator[None]:

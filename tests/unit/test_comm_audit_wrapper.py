@@ -67,7 +67,7 @@ def test_counts_kind_group_and_bytes(tmp_path):
         assert first["payload"] == ({"world": 28, "tp": 160, "other": 40} if rank < 2 else {"world": 28})
         # wire bytes: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast and p2p 1
         assert first["dims"] == ({"world": 6 + 24, "tp": 40 + 24 + 32 + 4, "other": 40} if rank < 2 else {"world": 30})
-        assert all("test_comm_audit.py" in o["site"] for o in first["ops"]), first["ops"]
+        assert all("test_comm_audit_wrapper.py" in o["site"] for o in first["ops"]), first["ops"]
     lines = [json.loads(line) for line in open(path)]
     assert sorted((r["rank"], r["iteration"]) for r in lines) == [(r, i) for r in range(4) for i in (1, 2)]
 
