@@ -282,8 +282,8 @@ def step_comm_bytes(cfg: ModelConfig, vocab_size: int, layout: Layout) -> dict[s
 
 def step_comm_terms(cfg: ModelConfig, vocab_size: int, layout: Layout,
                     stage: Optional[int] = None) -> dict[str, int]:
-    """Wire bytes per named term (``tp.layers``, ``dp.grads``, ...) of ``stage`` (default: the sum
-    over stages divided by nothing: each stage's terms, the busiest value per name)."""
+    """Wire bytes per named term (``tp.layers``, ``dp.grads``, ...) of one rank of ``stage``; without a
+    stage, each term's value on the stage where it is largest."""
     stages = range(layout.pp) if stage is None else [stage]
     out: dict[str, int] = {}
     for k in stages:
