@@ -137,8 +137,10 @@ def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "ada
         return StateBytes(wrapper, 4 * n_all, 4 * n_train, 0, 4 * moment_words * n_train + step_bytes * n_tensors, 0,
                           grads_backward=4 * n_train)
     if wrapper == "FP16_Optimizer":
+        # the step casts every .grad to fp32 (a list of copies) and flattens them into the masters' .grad
         return StateBytes(wrapper, e * n_all, (e + 4) * n_train, 4 * n_train,
-                          4 * moment_words * n_train + step_bytes * len(groups), 0, grads_backward=e * n_train)
+                          4 * moment_words * n_train + step_bytes * len(groups), 0, grads_backward=e * n_train,
+                          step_transient=4 * n_train)
     master = 4 * part
     moments = 4 * moment_words * part + step_bytes * len(groups)
     if wrapper == "BF16_Optimizer":
