@@ -27,7 +27,7 @@ def _row(i: int, c: Candidate, capacity: int) -> str:
     t = c.time
     assert t is not None
     mem = c.memory.total_bytes
-    return (f"{i:>3}  {c.layout.short():<34} {mem / GIB:>6.1f} ({100 * mem / capacity:>3.0f}%)  "
+    return (f"{i:>3}  {c.layout.short():<38} {mem / GIB:>6.1f} ({100 * mem / capacity:>3.0f}%)  "
             f"{t.tokens_per_second_per_gpu:>9.0f}  {t.tflops_per_gpu:>7.1f}  {100 * t.mfu:>5.1f}%  {t.bottleneck}")
 
 
@@ -36,7 +36,7 @@ def format_plan(plan: Plan, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, mod
              f"{num_gpus} x {gpu.name} ({gpu.memory_gib:.1f} GiB, {gpus_per_node} per node); "
              f"{plan.considered} layouts considered, {len(plan.fitting)} fit"]
     if plan.fitting:
-        lines.append(f"{'#':>3}  {'layout':<34} {'GiB/GPU':>12}  {'tokens/s/GPU':>9}  {'TFLOP/s':>7}  {'MFU':>6}  "
+        lines.append(f"{'#':>3}  {'layout':<38} {'GiB/GPU':>12}  {'tokens/s/GPU':>9}  {'TFLOP/s':>7}  {'MFU':>6}  "
                      f"bottleneck")
         lines += [_row(i + 1, c, plan.capacity_bytes) for i, c in enumerate(plan.fitting[:top])]
         if len(plan.fitting) > top:
