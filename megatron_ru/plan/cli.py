@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Only these ZeRO stages (repeat the flag); default: every valid stage.")
     g.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto")
     g.add_argument("--max-micro-batch-size", type=int, default=8)
+    g.add_argument("--attention-kernel", choices=("fused", "math"), default="fused",
+                   help="fused: PyTorch's flash/memory-efficient attention keeps no s x s scores (torch >= 2.1 on "
+                        "V100 and newer); math: kernels that keep them (older stacks).")
     g.add_argument("--top", type=int, default=10, help="Rows of the table.")
     g.add_argument("--json", help="Write the plan as JSON to this file ('-': stdout instead of the table).")
     return p
@@ -156,7 +159,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                             max_micro_batch=ns.max_micro_batch_size)
         model_cfg = dataclasses.replace(cfg, recompute_granularity=None, checkpoint_activations=False)
         plan = plan_layouts(model_cfg, vocab, gpu, ns.num_gpus, ns.global_batch_size, seq, precision,
-                            gpus_per_node=ns.gpus_per_node, optimizer=ns.optimizer, space=space)
+                            gpus_per_node=ns.gpus_per_node, optimizer=ns.optimizer, space=space,
+                            attention=ns.attention_kernel)
     except (ValueError, FileNotFoundError) as e:
         cli.error(str(e))
         return 2

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
+from megatron_ru.plan.activations import Runtime
 from megatron_ru.plan.hardware import GIB, GpuSpec
 from megatron_ru.plan.layout import Layout
 from megatron_ru.plan.memory import MemoryPrediction, predict_memory
@@ -100,14 +101,16 @@ def _largest_terms(pred: MemoryPrediction, n: int = 3) -> str:
 def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int, global_batch: int, seq_length: int,
                  precision: str, *, gpus_per_node: int = 8, optimizer: str = "adam",
                  buckets: Optional[BucketSizes] = None, space: SearchSpace = SearchSpace(),
-                 overlap: Overlap = OURS) -> Plan:
-    """Predict every candidate; rank those that fit by tokens/s per GPU (then by memory)."""
+                 overlap: Overlap = OURS, attention: str = "fused") -> Plan:
+    """Predict every candidate; rank those that fit by tokens/s per GPU (then by memory). ``attention``:
+    "fused" (PyTorch's flash / memory-efficient SDPA) or "math" (kernels that keep the s x s scores)."""
     gpu.peak(precision)  # a precision the GPU has, or a clear error
     layouts, invalid = candidate_layouts(cfg, num_gpus, global_batch, seq_length, precision, gpus_per_node, space)
     capacity = gpu.memory_bytes
     cands: list[Candidate] = []
     for layout in layouts:
-        mem = predict_memory(cfg, vocab_size, layout, device="cuda", optimizer=optimizer, buckets=buckets)
+        mem = predict_memory(cfg, vocab_size, layout, device="cuda", optimizer=optimizer, buckets=buckets,
+                             runtime=Runtime("cuda", attention))
         cand = Candidate(layout, mem)
         if mem.total_bytes <= capacity:
             cand.time = predict_step_time(cfg, vocab_size, layout, gpu, gpus_per_node=gpus_per_node, memory=mem,
