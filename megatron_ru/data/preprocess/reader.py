@@ -107,9 +107,9 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
                     pending.append(block)
                     continue
                 data = b"".join(pending + [block[:cut]]) if pending else block[:cut]
-                pending = [block[cut:]] if cut < len(block) else []
                 out = [Batch(seg.path, line_no, data)]
-                line_no += data.count(b"\n")
+                line_no += block.count(b"\n", 0, cut)  # (the pending blocks hold no newline)
+                pending = [block[cut:]] if cut < len(block) else []
                 del data, block  # while suspended, the generator holds no copy of the batch (a 100 MB line)
                 yield out.pop()
 
