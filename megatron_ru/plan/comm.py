@@ -21,15 +21,15 @@ through DeepSpeed's ZeRO optimizer) and ZeRO 3's backward re-gather of models be
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import spec as model_spec
-from megatron_ru.parallel.comm_audit import wire_bytes, wire_factor  # noqa: F401  (the one byte convention)
+from megatron_ru.parallel.comm_audit import wire_bytes  # the one byte convention
 from megatron_ru.plan.layout import Layout
+from megatron_ru.plan.params import stage_tensors
 
 #: keys of :func:`step_comm_bytes` (the planner's dimensions); ``mp`` = the TP x PP group
 DIMENSIONS = ("tp", "pp", "dp", "mp")
@@ -72,47 +72,23 @@ class _Stage:
     params: tuple[int, ...]  # elements of each parameter (this rank's TP shard)
 
 
-def _local_numel(p: model_spec.ParamSpec, rows: int, tp: int) -> int:
-    shape = list(p.shape)
-    if p.vocab:
-        shape[0] = rows
-    n = math.prod(shape)
-    return n // tp if p.partition_dim is not None and tp > 1 else n
-
-
 def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
-    """What each pipeline stage holds. (``megatron_ru.plan.params.stage_params`` counts the same
-    parameters; the optimizer's split into decay / no-decay groups is needed here as well.)"""
+    """What each pipeline stage holds: :func:`megatron_ru.plan.params.stage_tensors`' tensors, split
+    into the optimizer's decay (matrices) and no-decay groups."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    rows = model_spec.padded_vocab_rows(cfg, vocab_size, tp)
     descs = model_spec.model_description(cfg)
     bounds = model_spec.stage_bounds(cfg, pp) if pp > 1 else [(0, len(descs))]
     align = 2 * dp  # DeepSpeed ZeRO pads each flat group to a multiple of 2 x DP elements
     out = []
-    for start, stop in bounds:
-        idx = range(start, stop)
-        decay = no_decay = 0
-        tied_copy = False
-        sizes: list[int] = []
-        for j in idx:
-            specs = model_spec.layer_parameter_specs(descs[j], cfg, vocab_size)
-            if descs[j].tied_output:
-                if 0 in idx:
-                    continue  # the same matrix as the embedding's
-                tied_copy = True
-                specs = [p for p in model_spec.layer_parameter_specs(descs[0], cfg, vocab_size) if p.vocab]
-            for p in specs:
-                n = _local_numel(p, rows, tp)
-                sizes.append(n)
-                if len(p.shape) >= 2:
-                    decay += n
-                else:
-                    no_decay += n
+    for (start, stop), tensors in zip(bounds, stage_tensors(cfg, vocab_size, tp, pp)):
+        decay = sum(t.numel for t in tensors if t.ndim >= 2)
+        no_decay = sum(t.numel for t in tensors if t.ndim < 2)
         groups = tuple(-(-g // align) * align for g in (decay, no_decay) if g)
-        kinds = [descs[j].kind for j in idx]
+        kinds = [descs[j].kind for j in range(start, stop)]
+        tied_copy = start > 0 and any(descs[j].tied_output for j in range(start, stop))
         out.append(_Stage(layers=kinds.count("transformer"), embedding="embedding" in kinds,
                           output="output" in kinds, final_norm="final_norm" in kinds, tied_copy=tied_copy,
-                          groups=groups, trainable=decay + no_decay, params=tuple(sizes)))
+                          groups=groups, trainable=decay + no_decay, params=tuple(t.numel for t in tensors)))
     return out
 
 
