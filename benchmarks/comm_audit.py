@@ -160,7 +160,7 @@ def first_iteration_extra(results: dict[str, list[dict]]) -> str:
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    lines = [f"| layout | dim | counted B/step (busiest rank) | analytic B/step | ratio | ranks exact |",
+    lines = ["| layout | dim | counted B/step (busiest rank) | analytic B/step | ratio | ranks exact |",
              "|---|---|---:|---:|---:|---|"]
     for name, rows in results.items():
         for dim in sorted({r["dim"] for r in rows}):

@@ -1,8 +1,6 @@
 """The analytic communication volume (megatron_ru/plan/comm.py) at a real model size agrees with the
 closed forms of the Megatron papers where those apply (the audit against counted bytes is
 tests/integration/test_comm_audit.py): GPT 13B, TP 4 x PP 8 x DP 4, micro batch 1, bf16 and fp32."""
-import pytest
-
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.plan.comm import rank_comm_bytes, stage_comm_ops, step_comm_bytes
 from megatron_ru.plan.layout import Layout
