@@ -70,7 +70,7 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
     s, b, t = layout.seq_length, layout.micro_batch, layout.tp
     h, a, g, d = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     f = cfg.resolved_ffn_hidden_size
-    e = 4 if layout.precision == "fp32" else 2
+    e = layout.param_bytes
     m = rt.mask_bytes(e)
     T = s * b
     sp = t if layout.sequence_parallel else 1
@@ -113,14 +113,14 @@ def layer_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
 
 
 def recompute_input_bytes(cfg: ModelConfig, layout: Layout) -> int:
-    e = 4 if layout.precision == "fp32" else 2
+    e = layout.param_bytes
     sp = layout.tp if layout.sequence_parallel else 1
     return e * layout.seq_length * layout.micro_batch * cfg.hidden_size // sp
 
 
 def embedding_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
     """The embedding layer's saved tensors per micro batch: token ids (int64) and the dropout mask."""
-    e = 4 if layout.precision == "fp32" else 2
+    e = layout.param_bytes
     T = layout.seq_length * layout.micro_batch
     sp = layout.tp if layout.sequence_parallel else 1
     ids = 8 * T * (2 if layout.tp > 1 else 1)  # ids, and the masked local ids of a vocab-parallel lookup
@@ -131,7 +131,7 @@ def embedding_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
 
 
 def final_norm_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
-    e = 4 if layout.precision == "fp32" else 2
+    e = layout.param_bytes
     T = layout.seq_length * layout.micro_batch
     sp = layout.tp if layout.sequence_parallel else 1
     return _norm_bytes(cfg, T // sp, cfg.hidden_size, e, rt)
@@ -141,7 +141,7 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: int) -> dict[st
     """The output head of one micro batch: its saved (gathered) input, the vocab-parallel logits,
     the fp32 softmax the cross-entropy keeps (plus target bookkeeping), and the backward's fp32
     gradient with its cast to the activation dtype."""
-    e = 4 if layout.precision == "fp32" else 2
+    e = layout.param_bytes
     T = layout.seq_length * layout.micro_batch
     vt = padded_vocab // layout.tp
     return {"head_input": e * T * cfg.hidden_size, "logits": e * T * vt, "softmax": 4 * T * vt + 9 * T,

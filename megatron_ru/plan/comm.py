@@ -125,7 +125,7 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
                          f"({layout.micro_batch} x {d})")
     st = _stages(cfg, vocab_size, layout)[stage]
     first, last = stage == 0, stage == p - 1
-    act = 4 if layout.precision == "fp32" else 2
+    act = layout.param_bytes
     h, s, b = cfg.hidden_size, layout.seq_length, layout.micro_batch
     full = s * b * h * act                              # one [s, b, h] activation
     sp = layout.sequence_parallel and t > 1

@@ -94,7 +94,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
     shape = stage_layers(cfg, layout.pp)
     per_layer = act.layer_bytes(cfg, layout, rt)
     full_layer = sum(act.layer_terms(cfg, layout, rt).values())
-    e = 4 if layout.precision == "fp32" else 2
+    e = layout.param_bytes
     T = layout.seq_length * layout.micro_batch
     f1 = cfg.resolved_ffn_hidden_size * (2 if cfg.swiglu else 1)
     best: Optional[MemoryPrediction] = None
