@@ -128,6 +128,8 @@ def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int,
         least = min(members, key=lambda c: c.memory.total_bytes)
         how = "with full recomputation" if rc == "full" else "without recomputation"
         lay = least.layout
-        rejected.append(f"TP {tp} x PP {pp} {how}: at best ({lay.short()}) {least.memory.total_bytes / GIB:.1f} GiB "
-                        f"> {capacity / GIB:.1f} GiB per GPU (largest: {_largest_terms(least.memory)})")
+        need, have = least.memory.total_bytes / GIB, capacity / GIB
+        digits = 1 if f"{need:.1f}" != f"{have:.1f}" else 2  # never "15.8 GiB > 15.8 GiB"
+        rejected.append(f"TP {tp} x PP {pp} {how}: at best ({lay.short()}) {need:.{digits}f} GiB "
+                        f"> {have:.{digits}f} GiB per GPU (largest: {_largest_terms(least.memory)})")
     return Plan(fitting, rejected, invalid, capacity, len(cands))
