@@ -23,7 +23,7 @@ from typing import Optional
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import spec as model_spec
 from megatron_ru.plan import activations as act
-from megatron_ru.plan.hardware import GIB
+from megatron_ru.plan.hardware import GIB, MIB
 from megatron_ru.plan.layout import Layout
 from megatron_ru.plan.params import stage_tensors
 from megatron_ru.plan.states import BucketSizes, StateBytes, state_bytes
@@ -58,7 +58,7 @@ class MemoryPrediction:
 
     def summary(self) -> str:
         """``predicted peak per GPU 13.2 GiB (parameters 2.1, gradients 2.1, ...)``."""
-        unit, scale = ("GiB", GIB) if self.total_bytes >= GIB else ("MiB", 2 ** 20)
+        unit, scale = ("GiB", GIB) if self.total_bytes >= GIB else ("MiB", MIB)
         parts = ", ".join(f"{k.replace('_', ' ')} {v / scale:.2f}" for k, v in self.terms.items() if v)
         where = f" on pipeline stage {self.stage}" if self.layout.pp > 1 else ""
         if self.phase == "step":
