@@ -14,7 +14,6 @@ display needed.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ru.config.base import arg, parse_configs  # noqa: E402
+from megatron_ru.utils.jsonl import json_objects  # noqa: E402
 
 
 @dataclass
@@ -70,24 +70,16 @@ class Run:
 
 def read_run(path: str, label: str) -> Run:
     """A run from a metrics JSONL file; later records of an iteration replace earlier ones."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--metrics-file {path}: no such file")
     train: dict[int, dict[str, Any]] = {}
     evals: dict[str, dict[int, dict[str, Any]]] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--metrics-file {path}, line {lineno}: not JSON ({e.msg})") from e
-            if not isinstance(rec, dict) or "iteration" not in rec:
-                raise ValueError(f"--metrics-file {path}, line {lineno}: not a metrics record (no 'iteration')")
-            if rec.get("type") == "train":
-                train[rec["iteration"]] = rec
-            elif rec.get("type") == "eval":
-                evals.setdefault(rec.get("split", "validation"), {})[rec["iteration"]] = rec
+    example = '{"type": "train", "iteration": 1, "lm_loss": ...}'
+    for lineno, rec in json_objects(path, "--metrics-file", example):
+        if "iteration" not in rec:
+            raise ValueError(f"--metrics-file {path}, line {lineno}: not a metrics record (no 'iteration')")
+        if rec.get("type") == "train":
+            train[rec["iteration"]] = rec
+        elif rec.get("type") == "eval":
+            evals.setdefault(rec.get("split", "validation"), {})[rec["iteration"]] = rec
     if not train and not evals:
         raise ValueError(f"--metrics-file {path}: no train or eval records")
     return Run(label, [train[k] for k in sorted(train)],

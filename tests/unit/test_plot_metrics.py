@@ -93,5 +93,5 @@ def test_cli_refuses_bad_input_by_flag(tmp_path):
         tool.main(["--metrics-file", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.png")])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"type": "train", "iteration": 1, "lm_loss": 1.0}\nnot json\n')
-    with pytest.raises(ValueError, match="bad.jsonl, line 2: not JSON"):
+    with pytest.raises(ValueError, match="bad.jsonl, line 2: not valid JSON"):
         tool.main(["--metrics-file", str(bad), "--output", str(tmp_path / "o.png")])
