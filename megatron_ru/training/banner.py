@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ru.parallel.topology import ParallelLayout
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 if TYPE_CHECKING:
@@ -33,21 +34,17 @@ class ParameterCounts:
     per_rank: tuple[int, ...]
 
 
-def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank in Megatron's order (TP fastest, then DP, then PP)."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-
 def combine_counts(rows: Sequence[Sequence[int]], tp: int, dp: int, pp: int) -> ParameterCounts:
     """``rows[rank] = (held, counted, counted trainable)``: elements the rank holds, and those it counts
     for the model once (:func:`megatron_ru.training.engine._counts_here`). Data-parallel replicas are the
     same model: only DP rank 0 is summed."""
+    grid = ParallelLayout(tp * dp * pp, tp, pp)  # Megatron's rank order: TP fastest, then DP, then PP
     total = trainable = 0
     per_rank = [0] * pp
     for rank, (held, counted, counted_trainable) in enumerate(rows):
-        _, dp_rank, pp_rank = rank_coordinates(rank, tp, dp)
-        per_rank[pp_rank] = max(per_rank[pp_rank], int(held))
-        if dp_rank == 0:
+        coord = grid.coord(rank)
+        per_rank[coord.pp] = max(per_rank[coord.pp], int(held))
+        if coord.dp == 0:
             total += int(counted)
             trainable += int(counted_trainable)
     return ParameterCounts(total, trainable, tuple(per_rank))

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ru.config.training import LoggingConfig
-from megatron_ru.training.banner import combine_counts, rank_coordinates
+from megatron_ru.parallel.topology import ParallelLayout
+from megatron_ru.training.banner import combine_counts
 from megatron_ru.training.metrics import (EtaClock, MetricsWriter, eval_scalars, format_train_line,
                                           train_scalars)
 from megatron_ru.utils.logging import forward_logger, route_warnings, stdout_to_log
@@ -99,13 +100,12 @@ def test_wandb_refused_by_name_when_not_installed(monkeypatch, tmp_path):
 
 def test_parameter_counts_sum_one_replica_in_megatron_rank_order():
     tp, dp, pp = 2, 2, 2
-    assert [rank_coordinates(r, tp, dp) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0),
-                                                                    (1, 0, 1), (1, 1, 1)]
+    grid = ParallelLayout(tp * dp * pp, tp, pp)  # rank order: tests/unit/test_state_topology.py
     # (held, counted once, counted trainable): stage 0 holds 100 per rank (TP rank 1 counts only its
     # shard, 90), stage 1 holds 120 (of which a tied copy of 20 it does not count)
     rows = []
     for r in range(8):
-        t, _, p = rank_coordinates(r, tp, dp)
+        t, p = grid.coord(r).tp, grid.coord(r).pp
         rows.append((100, 100 if t == 0 else 90, 50) if p == 0 else (120, 100 if t == 0 else 90, 60))
     counts = combine_counts(rows, tp, dp, pp)
     assert counts.total == (100 + 90) + (100 + 90)  # DP replicas not added
