@@ -196,7 +196,7 @@ def default_label(path: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
     from megatron_ru.config.base import validate_all
-    cfg = parse_configs([PlotConfig], argv, description=__doc__.split("\n")[0])[PlotConfig]
+    cfg = parse_configs([PlotConfig], argv, description=__doc__.split("\n\n")[0])[PlotConfig]
     validate_all([cfg])
     labels = cfg.label or [default_label(p) for p in cfg.metrics_file]
     runs = [read_run(p, label) for p, label in zip(cfg.metrics_file, labels)]
