@@ -21,6 +21,13 @@ in --workdir by the script (tokenizers trained on the first documents of the ord
             clock from launch to exit (start-up, reading, JSON, tokenizing, writing), and its peak
             RSS (the largest process of the tool's tree, from wait4).
 
+Peer (``--megatron-lm DIR``): Megatron-LM's own tools/preprocess_data.py, once per cell of
+--peer-shapes, on the same corpus and tokenizer flags. It is not vendored; a tree that runs with
+this project's environment (torch, numpy, sentencepiece, tokenizers, transformers) is made from a
+Megatron-LM clone with ``git archive 8d18afdec9 tools/preprocess_data.py megatron | tar -x -C DIR``
+(the commit of 2025-12-09; newer ones need triton at import). Its GPT2BPETokenizer is its own
+Python BPE, its HuggingFaceTokenizer goes through transformers.
+
 Rounds: each runs limit and tool back to back for every cell, the order reversed every other
 round; the figure is the median over rounds of the per-round ratio limit_wall / tool_wall (token
 counts are equal but for the tool's one end-of-document token per document, which is counted).
@@ -213,6 +220,35 @@ def run_tool(flags: list[str], corpus: str, out: str, workers: int) -> dict:
     return {"wall": wall, "rss_mb": usage.ru_maxrss / 1024}
 
 
+def run_megatron_lm(tree: str, flags: list[str], corpus: str, out: str, workers: int) -> float:
+    """Wall seconds of Megatron-LM's own tools/preprocess_data.py (worker processes, one document
+    per task) on the same corpus with the same tokenizer flags."""
+    cmd = [sys.executable, os.path.join(tree, "tools", "preprocess_data.py"), "--input", corpus, "--output-prefix", out,
+           *flags, "--append-eod", "--workers", str(workers), "--log-interval", "100000000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree, PYTHONWARNINGS="ignore")
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"Megatron-LM's preprocess_data.py failed ({' '.join(cmd)}):\n{p.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def peer_table(args, cells, data, flags, corpora, documents) -> None:
+    """One Megatron-LM run per cell of --peer-shapes (TikTokenizer: Megatron reads another file format)."""
+    print("\n| tokenizer | corpus | workers | Megatron-LM (s) | ours (median s) | ours / Megatron-LM speed | "
+          "Megatron-LM vs limit |\n|---|---|---|---|---|---|---|")
+    for t, s, k in cells:
+        if s not in args.peer_shapes or t == "tiktoken":
+            continue
+        out = os.path.join(args.workdir, f"megatron_{t}_{s}_w{k}")
+        wall = run_megatron_lm(os.path.abspath(args.megatron_lm), flags[t], corpora[(t, s)], out, k)
+        c = data[(t, s, k)]
+        eod = (c["tokens"] + documents[(t, s)]) / c["tokens"]
+        ours = statistics.median(c["tool"])
+        print(f"| {t} | {s} | {k} | {wall:.2f} | {ours:.2f} | {wall / ours:.2f}x | "
+              f"{statistics.median(c['limit']) / wall * eod:.3f} |", flush=True)
+
+
 def _same_files(a: str, b: str) -> bool:
     return all(open(a + e, "rb").read() == open(b + e, "rb").read() for e in (".bin", ".idx"))
 
@@ -253,6 +289,10 @@ def main() -> None:
     ap.add_argument("--huge-mb", type=float, default=100.0, help="the one-document corpus")
     ap.add_argument("--repeat", type=int, default=3, help="paired rounds")
     ap.add_argument("--workdir", default="/tmp/bench_preprocess_matrix")
+    ap.add_argument("--megatron-lm", default=None, metavar="DIR",
+                    help="a Megatron-LM source tree (tools/ and megatron/; see the module docstring): its "
+                         "tools/preprocess_data.py runs once per cell of --peer-shapes as a peer")
+    ap.add_argument("--peer-shapes", nargs="+", default=["ordinary"], choices=SHAPES)
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     if "tiktoken" in args.tokenizers:
@@ -302,6 +342,8 @@ def main() -> None:
         results["cells"].append(row)
         print(f"| {t} | {s} ({mb:.0f}) | {k} | {statistics.median(c['limit']):.2f} | {statistics.median(c['tool']):.2f} | "
               f"**{row['median_ratio']:.3f}** | {min(ratios):.3f}-{max(ratios):.3f} | {row['peak_rss_mb']} |")
+    if args.megatron_lm:
+        peer_table(args, cells, data, flags, corpora, documents)
     identical = {}
     for t in args.tokenizers:
         for s in args.shapes:
