@@ -112,82 +112,92 @@ ZERO3_PERSISTENCE_THRESHOLD = 100_000
 ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
 
 
-def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int,
-                   *, clip_grad: bool = True, extra_losses: int = 0,
-                   zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
-                   zero3_max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> list[CommOp]:
-    """Every op one rank of pipeline stage ``stage`` issues in one training step (ops in one-rank
-    groups left out). ``clip_grad``: --clip-grad > 0 (our fp32 ZeRO-0 clipping all-reduces the norm).
-    ``zero3_*``: DeepSpeed's ``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance``."""
-    t, p, d, m = layout.tp, layout.pp, layout.dp, layout.num_micro_batches
-    if layout.global_batch % (layout.micro_batch * d):
-        raise ValueError(f"global batch {layout.global_batch} is not a multiple of micro batch x DP "
-                         f"({layout.micro_batch} x {d})")
-    st = _stages(cfg, vocab_size, layout)[stage]
-    first, last = stage == 0, stage == p - 1
-    act = layout.param_bytes
-    h, s, b = cfg.hidden_size, layout.seq_length, layout.micro_batch
-    full = s * b * h * act                              # one [s, b, h] activation
-    sp = layout.sequence_parallel and t > 1
-    rc = 1 if layout.recompute == "full" else 0
-    ops: list[CommOp] = []
+class _Ops:
+    """The ops of one rank, as they are added: ops in one-rank groups, and none-sized ones, left out."""
 
-    def add(name: str, group: str, kind: str, payload: int, count: int) -> None:
-        dim = _dim(group, layout)
-        n = {"tp": t, "dp": d, "pp": p, "mp": t * p}[group]
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.ops: list[CommOp] = []
+
+    def add(self, name: str, group: str, kind: str, payload: int, count: int) -> None:
+        lay = self.layout
+        dim = _dim(group, lay)
+        n = {"tp": lay.tp, "dp": lay.dp, "pp": lay.pp, "mp": lay.tp * lay.pp}[group]
         if dim != "local" and count > 0 and (payload > 0 or kind == "barrier"):
-            ops.append(CommOp(name, dim, kind, 2 if kind in ("send", "recv") else n, payload, count))
+            self.ops.append(CommOp(name, dim, kind, 2 if kind in ("send", "recv") else n, payload, count))
 
-    # ---- tensor parallelism: activations of every micro batch -----------------------------------
-    if t > 1:
-        # Recomputation replays a layer's forward in backward only up to its last saved tensor (torch's
-        # non-reentrant checkpoint stops early): the MLP output's reduction is not replayed.
-        if not sp:
-            add("tp.layers", "tp", "all_reduce", full, m * st.layers * 4)          # forward 2, backward 2
-            add("tp.layers.recompute", "tp", "all_reduce", full, m * st.layers * rc)
-            add("tp.embedding", "tp", "all_reduce", full, m * st.embedding)
-            add("tp.output_head", "tp", "all_reduce", full, m * st.output)
-        else:
-            add("sp.layers.all_gather", "tp", "all_gather", full, m * st.layers * 4)
-            add("sp.layers.reduce_scatter", "tp", "reduce_scatter", full, m * st.layers * 4)
-            add("sp.layers.recompute.all_gather", "tp", "all_gather", full, m * st.layers * 2 * rc)
-            add("sp.layers.recompute.reduce_scatter", "tp", "reduce_scatter", full, m * st.layers * rc)
-            add("sp.embedding.all_reduce", "tp", "all_reduce", full, m * st.embedding)
-            add("sp.embedding.all_gather", "tp", "all_gather", full, m * st.embedding)
-            add("sp.output_head.all_gather", "tp", "all_gather", full, m * st.output)
-            add("sp.output_head.reduce_scatter", "tp", "reduce_scatter", full, m * st.output)
-            norm = h * (2 if cfg.normalization == "LayerNorm" else 1) * act
-            norms = 2 * st.layers + st.final_norm
-            add("sp.norm_grads", "tp", "all_reduce", norm, m * norms)
-            if cfg.add_bias_linear:
-                add("sp.row_bias_grads", "tp", "all_reduce", h * act, m * 2 * st.layers)
-        if st.output:
-            add("tp.cross_entropy", "tp", "all_reduce", s * b * _FP32, 3 * m)
 
-    # ---- pipeline parallelism: activations forward, gradients backward, per micro batch -------------
-    if p > 1:
-        partitioned = t > 1 and not sp                  # DeepSpeed splits them over TP (pipe_partitioned)
-        boundary = full // t if (partitioned or sp) else full
-        meta = _PARTITION_META(t) if partitioned else 0
-        for direction, active in (("next", not last), ("prev", not first)):
-            if not active:
-                continue
-            for kind in ("send", "recv"):
-                add(f"pp.{'activations' if (kind == 'send') == (direction == 'next') else 'gradients'}.{kind}",
-                    "pp", kind, boundary, m)
-                if meta:
-                    add(f"pp.partition_meta.{kind}", "pp", kind, meta, m)
-        if partitioned:
-            # the receiving stage rebuilds the activation; the sending stage rebuilds its output and
-            # the received gradient before its backward (PartitionedTensor.full: all-gather over TP)
-            add("pp.partition_gather.input", "tp", "all_gather", full, m * (not first))
-            add("pp.partition_gather.backward", "tp", "all_gather", full, 2 * m * (not last))
-        add("pp.loss_broadcast", "pp", "broadcast", (2 + extra_losses) * _FP32, 1)
-        if cfg.tied_embeddings and (first or last):
-            rows = model_spec.padded_vocab_rows(cfg, vocab_size, t)
-            ops.append(CommOp("pp.tied_embedding_grad", "pp", "all_reduce", 2, rows // t * h * _FP32, 1))
+def _activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
+    """One [s, b, h] activation in the model's dtype."""
+    return layout.seq_length * layout.micro_batch * cfg.hidden_size * layout.param_bytes
 
-    # ---- data parallelism: gradients, ZeRO-1 parameters, loss for the log ------------------------
+
+def _tp_ops(out: _Ops, cfg: ModelConfig, layout: Layout, st: _Stage) -> None:
+    """Tensor parallelism: activations of every micro batch."""
+    t, m = layout.tp, layout.num_micro_batches
+    if t == 1:
+        return
+    add, full, h, act = out.add, _activation_bytes(cfg, layout), cfg.hidden_size, layout.param_bytes
+    rc = 1 if layout.recompute == "full" else 0
+    # Recomputation replays a layer's forward in backward only up to its last saved tensor (torch's
+    # non-reentrant checkpoint stops early): the MLP output's reduction is not replayed.
+    if not layout.sequence_parallel:
+        add("tp.layers", "tp", "all_reduce", full, m * st.layers * 4)          # forward 2, backward 2
+        add("tp.layers.recompute", "tp", "all_reduce", full, m * st.layers * rc)
+        add("tp.embedding", "tp", "all_reduce", full, m * st.embedding)
+        add("tp.output_head", "tp", "all_reduce", full, m * st.output)
+    else:
+        add("sp.layers.all_gather", "tp", "all_gather", full, m * st.layers * 4)
+        add("sp.layers.reduce_scatter", "tp", "reduce_scatter", full, m * st.layers * 4)
+        add("sp.layers.recompute.all_gather", "tp", "all_gather", full, m * st.layers * 2 * rc)
+        add("sp.layers.recompute.reduce_scatter", "tp", "reduce_scatter", full, m * st.layers * rc)
+        add("sp.embedding.all_reduce", "tp", "all_reduce", full, m * st.embedding)
+        add("sp.embedding.all_gather", "tp", "all_gather", full, m * st.embedding)
+        add("sp.output_head.all_gather", "tp", "all_gather", full, m * st.output)
+        add("sp.output_head.reduce_scatter", "tp", "reduce_scatter", full, m * st.output)
+        norm = h * (2 if cfg.normalization == "LayerNorm" else 1) * act
+        norms = 2 * st.layers + st.final_norm
+        add("sp.norm_grads", "tp", "all_reduce", norm, m * norms)
+        if cfg.add_bias_linear:
+            add("sp.row_bias_grads", "tp", "all_reduce", h * act, m * 2 * st.layers)
+    if st.output:
+        add("tp.cross_entropy", "tp", "all_reduce", layout.seq_length * layout.micro_batch * _FP32, 3 * m)
+
+
+def _pp_ops(out: _Ops, cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int, extra_losses: int) -> None:
+    """Pipeline parallelism: activations forward, gradients backward, per micro batch."""
+    t, p, m = layout.tp, layout.pp, layout.num_micro_batches
+    if p == 1:
+        return
+    first, last = stage == 0, stage == p - 1
+    add, full = out.add, _activation_bytes(cfg, layout)
+    sp = layout.sequence_parallel and t > 1
+    partitioned = t > 1 and not sp                  # DeepSpeed splits them over TP (pipe_partitioned)
+    boundary = full // t if (partitioned or sp) else full
+    meta = _PARTITION_META(t) if partitioned else 0
+    for direction, active in (("next", not last), ("prev", not first)):
+        if not active:
+            continue
+        for kind in ("send", "recv"):
+            add(f"pp.{'activations' if (kind == 'send') == (direction == 'next') else 'gradients'}.{kind}",
+                "pp", kind, boundary, m)
+            if meta:
+                add(f"pp.partition_meta.{kind}", "pp", kind, meta, m)
+    if partitioned:
+        # the receiving stage rebuilds the activation; the sending stage rebuilds its output and
+        # the received gradient before its backward (PartitionedTensor.full: all-gather over TP)
+        add("pp.partition_gather.input", "tp", "all_gather", full, m * (not first))
+        add("pp.partition_gather.backward", "tp", "all_gather", full, 2 * m * (not last))
+    add("pp.loss_broadcast", "pp", "broadcast", (2 + extra_losses) * _FP32, 1)
+    if cfg.tied_embeddings and (first or last):
+        rows = model_spec.padded_vocab_rows(cfg, vocab_size, t)
+        out.ops.append(CommOp("pp.tied_embedding_grad", "pp", "all_reduce", 2, rows // t * cfg.hidden_size * _FP32, 1))
+
+
+def _dp_ops(out: _Ops, layout: Layout, st: _Stage, stage: int, extra_losses: int,
+            zero3_persistence_threshold: int, zero3_max_reuse_distance: int) -> None:
+    """Data parallelism: gradients, ZeRO's parameter gathers, the loss averaged for the log."""
+    d, m, add = layout.dp, layout.num_micro_batches, out.add
     bf16_optimizer = layout.precision == "bf16" and layout.zero_stage == 1  # DeepSpeed's BF16_Optimizer
     elem = layout.param_bytes  # gradients are sent in the model's dtype (DeepSpeed's communication_data_type)
     if layout.zero_stage == 0:
@@ -217,18 +227,20 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
         add("dp.params.backward", "dp", "all_gather", max(0, gathered - zero3_max_reuse_distance) * elem, m)
         add("dp.params.persistent", "dp", "all_gather", persistent * elem, 1)
         add("dp.grads", "dp", "reduce_scatter", sum(padded) * elem, m)
-    if p == 1:
+    if layout.pp == 1:
         add("dp.loss_mean", "dp", "all_reduce", 8, 1)    # the loop's float64 mean loss for the log
-    elif last:
+    elif stage == layout.pp - 1:
         add("dp.loss_mean", "dp", "all_reduce", _FP32 * (1 + extra_losses), 1)  # DeepSpeed's agg_loss
 
-    # ---- gradient norm for clipping, overflow check ---------------------------------------------
-    groups = len(st.groups)
+
+def _norm_ops(out: _Ops, layout: Layout, st: _Stage, clip_grad: bool) -> None:
+    """The gradient norm for clipping and the overflow check."""
+    add, groups = out.add, len(st.groups)
     if layout.zero_stage == 0 and layout.precision == "fp32":
         if clip_grad:
             add("grad_norm", "mp", "all_reduce", 8, 1)  # ours: float64 over TP x PP
-    elif bf16_optimizer:
-        add("grad_norm", "mp", "all_reduce", _FP32, 1)  # get_global_norm_of_tensors: over TP x PP
+    elif layout.precision == "bf16" and layout.zero_stage == 1:
+        add("grad_norm", "mp", "all_reduce", _FP32, 1)  # BF16_Optimizer's get_global_norm_of_tensors: TP x PP
     else:
         # DeepSpeed's get_grad_norm_direct, once per parameter group: DP then model-parallel group
         norm = 8 if layout.zero_stage == 3 else _FP32
@@ -237,7 +249,25 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
         if layout.zero_stage in (1, 2) and layout.precision != "fp32":
             add("overflow.dp", "dp", "all_reduce", 1, 1)  # has_overflow: a uint8 over DP, then TP x PP
             add("overflow.mp", "mp", "all_reduce", 1, 1)
-    return ops
+
+
+def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int,
+                   *, clip_grad: bool = True, extra_losses: int = 0,
+                   zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
+                   zero3_max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE) -> list[CommOp]:
+    """Every op one rank of pipeline stage ``stage`` issues in one training step (ops in one-rank
+    groups left out). ``clip_grad``: --clip-grad > 0 (our fp32 ZeRO-0 clipping all-reduces the norm).
+    ``zero3_*``: DeepSpeed's ``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance``."""
+    if layout.global_batch % (layout.micro_batch * layout.dp):
+        raise ValueError(f"global batch {layout.global_batch} is not a multiple of micro batch x DP "
+                         f"({layout.micro_batch} x {layout.dp})")
+    st = _stages(cfg, vocab_size, layout)[stage]
+    out = _Ops(layout)
+    _tp_ops(out, cfg, layout, st)
+    _pp_ops(out, cfg, vocab_size, layout, stage, extra_losses)
+    _dp_ops(out, layout, st, stage, extra_losses, zero3_persistence_threshold, zero3_max_reuse_distance)
+    _norm_ops(out, layout, st, clip_grad)
+    return out.ops
 
 
 def rank_comm_bytes(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int, **kw: int) -> dict[str, int]:
