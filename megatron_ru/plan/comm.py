@@ -30,6 +30,7 @@ from megatron_ru.model import spec as model_spec
 from megatron_ru.parallel.comm_audit import wire_bytes  # the one byte convention
 from megatron_ru.plan.layout import Layout
 from megatron_ru.plan.params import stage_tensors
+from megatron_ru.plan.states import optimizer_groups, padded_flat_size
 
 #: keys of :func:`step_comm_bytes` (the planner's dimensions); ``mp`` = the TP x PP group
 DIMENSIONS = ("tp", "pp", "dp", "mp")
@@ -73,22 +74,20 @@ class _Stage:
 
 
 def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
-    """What each pipeline stage holds: :func:`megatron_ru.plan.params.stage_tensors`' tensors, split
-    into the optimizer's decay (matrices) and no-decay groups."""
+    """What each pipeline stage holds: :func:`megatron_ru.plan.params.stage_tensors`' tensors and the
+    optimizer's flat groups of the trainable ones (:func:`megatron_ru.plan.states.optimizer_groups`)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     descs = model_spec.model_description(cfg)
     bounds = model_spec.stage_bounds(cfg, pp) if pp > 1 else [(0, len(descs))]
-    align = 2 * dp  # DeepSpeed ZeRO pads each flat group to a multiple of 2 x DP elements
     out = []
     for (start, stop), tensors in zip(bounds, stage_tensors(cfg, vocab_size, tp, pp)):
-        decay = sum(t.numel for t in tensors if t.ndim >= 2)
-        no_decay = sum(t.numel for t in tensors if t.ndim < 2)
-        groups = tuple(-(-g // align) * align for g in (decay, no_decay) if g)
+        groups = tuple(padded_flat_size(sum(t.numel for t in g), dp) for g in optimizer_groups(tensors))
         kinds = [descs[j].kind for j in range(start, stop)]
         tied_copy = start > 0 and any(descs[j].tied_output for j in range(start, stop))
         out.append(_Stage(layers=kinds.count("transformer"), embedding="embedding" in kinds,
                           output="output" in kinds, final_norm="final_norm" in kinds, tied_copy=tied_copy,
-                          groups=groups, trainable=decay + no_decay, params=tuple(t.numel for t in tensors)))
+                          groups=groups, trainable=sum(t.numel for t in tensors if t.trainable),
+                          params=tuple(t.numel for t in tensors)))
     return out
 
 

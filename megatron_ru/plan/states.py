@@ -89,7 +89,7 @@ def wrapper_name(precision: str, zero_stage: int) -> str:
     return "DeepSpeedZeroOptimizer"
 
 
-def _groups(tensors: list[TensorInfo]) -> list[list[TensorInfo]]:
+def optimizer_groups(tensors: list[TensorInfo]) -> list[list[TensorInfo]]:
     """The optimizer's parameter groups (megatron_ru.training.engine.optimizer_param_groups): trainable
     matrices (weight decay), then trainable vectors; empty groups dropped."""
     decay = [t for t in tensors if t.trainable and t.ndim >= 2]
@@ -97,7 +97,8 @@ def _groups(tensors: list[TensorInfo]) -> list[list[TensorInfo]]:
     return [g for g in (decay, no_decay) if g]
 
 
-def _padded(n: int, dp: int) -> int:
+def padded_flat_size(n: int, dp: int) -> int:
+    """Elements of a flat group of ``n`` after DeepSpeed's padding to a multiple of 2 x DP."""
     align = NCCL_START_ALIGNMENT * dp
     return -(-n // align) * align
 
@@ -105,7 +106,7 @@ def _padded(n: int, dp: int) -> int:
 def _overlapping(group: list[TensorInfo], dp: int, dp_rank: int) -> int:
     """Elements of the whole parameters that overlap data-parallel rank ``dp_rank``'s partition of the
     flat group (DeepSpeed's ``params_in_partition``; ZeRO 1 keeps their full gradients)."""
-    part = _padded(sum(t.numel for t in group), dp) // dp
+    part = padded_flat_size(sum(t.numel for t in group), dp) // dp
     lo, hi = dp_rank * part, (dp_rank + 1) * part
     out, start = 0, 0
     for t in group:
@@ -125,9 +126,9 @@ def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "ada
     e = layout.param_bytes
     n_all = sum(t.numel for t in tensors)
     n_frozen = sum(t.numel for t in tensors if not t.trainable)
-    groups = _groups(tensors)
+    groups = optimizer_groups(tensors)
     n_train = sum(t.numel for g in groups for t in g)
-    flat = sum(_padded(sum(t.numel for t in g), dp) for g in groups)
+    flat = sum(padded_flat_size(sum(t.numel for t in g), dp) for g in groups)
     part = flat // dp
     moment_words = 2 if optimizer == "adam" else 1  # AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer
     step_bytes = 4 if optimizer == "adam" else 0     # AdamW keeps a float32 step per tensor it updates
