@@ -84,15 +84,9 @@ class StepTime:
         return f"{name} {100 * share:.0f}%"
 
 
-def model_shape(cfg: ModelConfig, vocab_size: int, seq_length: int, num_layers: int) -> ModelShape:
-    return ModelShape(num_layers=num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.resolved_ffn_hidden_size,
-                      num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.query_groups,
-                      seq_length=seq_length, vocab_size=vocab_size, gated_mlp=cfg.swiglu)
-
-
 def _stage_flops_per_token(cfg: ModelConfig, vocab_size: int, layout: Layout, n_layers: int, has_head: bool) -> float:
     recompute = layout.recompute == "full"
-    layers = flops_per_token(model_shape(cfg, 0, layout.seq_length, n_layers), recompute) if n_layers else 0.0
+    layers = flops_per_token(ModelShape.of(cfg, 0, layout.seq_length, n_layers), recompute) if n_layers else 0.0
     head = 3 * 2 * cfg.hidden_size * vocab_size if has_head else 0.0
     return layers + head
 
@@ -132,6 +126,6 @@ def predict_step_time(cfg: ModelConfig, vocab_size: int, layout: Layout, gpu: Gp
     parts = {"compute": m * t_mb, "bubble": bubble, "tp": t_tp, "pp": t_pp, "dp": t_dp, "optimizer": t_opt}
     tokens = layout.tokens_per_step
     total_layers = cfg.num_layers
-    hw = flops_per_token(model_shape(cfg, vocab_size, layout.seq_length, total_layers), layout.recompute == "full")
-    model = flops_per_token(model_shape(cfg, vocab_size, layout.seq_length, total_layers), False)
+    hw = flops_per_token(ModelShape.of(cfg, vocab_size, layout.seq_length, total_layers), layout.recompute == "full")
+    model = flops_per_token(ModelShape.of(cfg, vocab_size, layout.seq_length, total_layers), False)
     return StepTime(sum(parts.values()), parts, tokens, layout.world_size, hw * tokens, model * tokens, peak)

@@ -26,11 +26,14 @@ import math
 import os
 import resource
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megatron_ru.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from megatron_ru.config.model import ModelConfig
 
 log = get_logger(__name__)
 
@@ -53,6 +56,15 @@ class ModelShape:
     seq_length: int
     vocab_size: int
     gated_mlp: bool
+
+    @classmethod
+    def of(cls, cfg: "ModelConfig", vocab_size: int, seq_length: int,
+           num_layers: Optional[int] = None) -> "ModelShape":
+        """The shape of model ``cfg`` (or of ``num_layers`` of its layers) at ``seq_length``."""
+        return cls(num_layers=cfg.num_layers if num_layers is None else num_layers, hidden_size=cfg.hidden_size,
+                   ffn_hidden_size=cfg.resolved_ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
+                   num_query_groups=cfg.query_groups, seq_length=seq_length, vocab_size=vocab_size,
+                   gated_mlp=cfg.swiglu)
 
 
 def flops_per_token(shape: ModelShape, recompute: bool = False) -> float:

@@ -27,10 +27,7 @@ log = get_logger(__name__)
 
 
 def model_shape(args: Arguments, vocab_size: int) -> ModelShape:
-    m = args.model
-    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.resolved_ffn_hidden_size,
-                      num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
-                      seq_length=args.data.seq_length, vocab_size=vocab_size, gated_mlp=m.swiglu)
+    return ModelShape.of(args.model, vocab_size, args.data.seq_length)
 
 
 def batch_plan(args: Arguments) -> BatchPlan:
