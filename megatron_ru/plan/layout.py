@@ -67,7 +67,7 @@ class Layout:
         return out
 
     def short(self) -> str:
-        """``TP4 PP8 DP1 mb1 full-recompute ZeRO1 SP``-style label."""
+        """``TP4 PP8 DP1 mb1 SP recompute ZeRO1``-style label."""
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", f"mb{self.micro_batch}"]
         if self.sequence_parallel:
             parts.append("SP")
