@@ -52,7 +52,7 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 TOKENIZERS = ("sp-bpe", "sp-unigram", "gpt2-bpe", "hf-bytelevel", "tiktoken")
 SHAPES = ("ordinary", "longtail", "huge")
 BATCH_CHARS = 4 << 20
-SIZE_MB = {"sp-bpe": 100, "sp-unigram": 300, "gpt2-bpe": 50, "hf-bytelevel": 50, "tiktoken": 200}
+SIZE_MB = {"sp-bpe": 100, "sp-unigram": 300, "gpt2-bpe": 25, "hf-bytelevel": 25, "tiktoken": 200}
 PIECE_CHARS = 100_000
 
 
@@ -238,7 +238,7 @@ def peer_table(args, cells, data, flags, corpora, documents) -> None:
     print("\n| tokenizer | corpus | workers | Megatron-LM (s) | ours (median s) | ours / Megatron-LM speed | "
           "Megatron-LM vs limit |\n|---|---|---|---|---|---|---|")
     for t, s, k in cells:
-        if s not in args.peer_shapes or t == "tiktoken":
+        if s not in args.peer_shapes or k not in args.peer_workers or t == "tiktoken":
             continue
         out = os.path.join(args.workdir, f"megatron_{t}_{s}_w{k}")
         wall = run_megatron_lm(os.path.abspath(args.megatron_lm), flags[t], corpora[(t, s)], out, k)
@@ -283,7 +283,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--size-mb", type=float, default=None,
-                    help="ordinary and longtail corpora (default per tokenizer: SIZE_MB, about 10 s of the "
+                    help="ordinary and longtail corpora (default per tokenizer: SIZE_MB, 7-15 s of the "
                          "tokenizer alone on 2 threads here, so that the tool's fixed start-up of 0.2-0.4 s is "
                          "a few per cent)")
     ap.add_argument("--huge-mb", type=float, default=100.0, help="the one-document corpus")
@@ -293,6 +293,7 @@ def main() -> None:
                     help="a Megatron-LM source tree (tools/ and megatron/; see the module docstring): its "
                          "tools/preprocess_data.py runs once per cell of --peer-shapes as a peer")
     ap.add_argument("--peer-shapes", nargs="+", default=["ordinary"], choices=SHAPES)
+    ap.add_argument("--peer-workers", type=int, nargs="+", default=[2])
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     if "tiktoken" in args.tokenizers:
