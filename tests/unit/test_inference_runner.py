@@ -55,7 +55,9 @@ def test_runner_logits_equal_gpt_model(tied: bool) -> None:
         last = runner(tokens, last_only=True)
     assert got.shape == (2, 9, V) and got.dtype == torch.float32
     assert torch.equal(got, want)
-    assert torch.equal(last, want[:, -1:])
+    # the output layer on one position is a GEMM of another shape, which BLAS may block differently
+    # (not bit-identical on every CPU: an AMD EPYC here differs in the last bits)
+    torch.testing.assert_close(last, want[:, -1:], rtol=1e-6, atol=1e-6)
 
 
 def test_wrong_shape_is_named() -> None:
