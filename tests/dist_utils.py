@@ -12,6 +12,7 @@ A rank that raises makes the call fail with that rank's traceback; a hang fails 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -39,7 +40,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        # plain pickle (tensors as bytes): torch's queue would share tensor storage through a file
+        # descriptor that the parent fetches from this process, which may already have exited
+        # (FileNotFoundError in the parent, seen under load)
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report every failure to the parent, including SystemExit
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -80,7 +84,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), tim
                                            f"{[procs[i].exitcode for i in dead]} without reporting")
                 continue
             if ok:
-                results[rank] = out
+                results[rank] = pickle.loads(out)
             else:
                 errors.append(f"--- rank {rank} ---\n{out}")
                 break
