@@ -178,3 +178,19 @@ def test_unproven_cuts_do_change_ids(tokenizers):
     # and a paragraph break is no safe cut for LLaMA-3's pattern (a run of blank lines is one token)
     tok = tokenizers["hf_llama3"]
     assert tok.tokenize("model\n") + tok.tokenize("\ntext") != tok.tokenize("model\n\ntext")
+
+
+def test_cut_start_fast_path_equals_the_regex(tokenizers):
+    """cut_start finds the last run of 3+ spaces with rfind when the text has no other space
+    characters; it must give the regex's answer on any text, str and UTF-8 alike."""
+    from megatron_ru.data.tokenizer import _SPACE_RUNS
+
+    tok = tokenizers["sp_unigram"]
+    rng = random.Random(0)
+    alphabet = ["a", " ", "  ", "   ", "    ", "\u00a0", "\u3000", "\u2009", "\u202f", "\u205f", "\u200a",
+                "\u200b", "ж", "—", "…", "\n"]
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        for x in (text, text.encode("utf-8")):
+            ends = [m.end() for m in _SPACE_RUNS[isinstance(x, bytes)].finditer(x)]
+            assert tok.cut_start(x) == (ends[-1] + 1 if ends else 0), repr(x)
