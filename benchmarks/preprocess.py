@@ -47,8 +47,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+from megatron_ru.data.tokenizers.huggingface import LLAMA3_PATTERN  # noqa: E402
+
 TOKENIZERS = ("sp-bpe", "sp-unigram", "gpt2-bpe", "hf-bytelevel", "tiktoken")
 SHAPES = ("ordinary", "longtail", "huge")
 BATCH_CHARS = 4 << 20
@@ -328,8 +328,8 @@ def main() -> None:
                "python": platform.python_version(), "load_before": load_before, "load_after": os.getloadavg()[0],
                "cells": []}
     documents = {c: sum(1 for _ in open(p, "rb")) for c, p in corpora.items()}
-    print(f"\n| tokenizer | corpus (MB) | workers | limit (median s) | tool (median s) | **median paired ratio** | "
-          f"min-max | tool peak RSS (MB) |\n|---|---|---|---|---|---|---|---|")
+    print("\n| tokenizer | corpus (MB) | workers | limit (median s) | tool (median s) | **median paired ratio** | "
+          "min-max | tool peak RSS (MB) |\n|---|---|---|---|---|---|---|---|")
     for t, s, k in cells:
         c = data[(t, s, k)]
         eod = (c["tokens"] + documents[(t, s)]) / c["tokens"]

@@ -19,9 +19,10 @@ from megatron_ru.data.tokenizer import Tokenizer
 # Pre-tokenizer regexes known to start a token at a word-boundary space (" word") and to look
 # neither back nor across it: GPT-2's, and LLaMA-3's / GPT-4's (cl100k) and Qwen2's (which
 # differs in taking digits one at a time). Proven for each in tests/unit/test_preprocess_cuts.py.
+LLAMA3_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SAFE_SPLIT_PATTERNS = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    LLAMA3_PATTERN,
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
 )
 # Pre-tokenizers that only split (never join) and always split before a word-boundary space.

@@ -24,11 +24,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron_ru.data.tokenizer import Tokenizer
+# LLaMA-3's pre-tokenizer pattern, one of those where cutting at a word boundary is proven safe
+from megatron_ru.data.tokenizers.huggingface import LLAMA3_PATTERN
 
-# LLaMA-3's pre-tokenizer pattern (also in megatron_ru/data/tokenizers/huggingface.py's
-# SAFE_SPLIT_PATTERNS, where cutting at a word boundary is proven safe for it).
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL_TOKENS = 256
 _NAMED_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                    "<|reserved_special_token_1|>", "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
