@@ -83,6 +83,33 @@ def test_reader_and_partitions_cover_every_line_once(tmp_path):
         expand_inputs([str(tmp_path / "missing.jsonl")])
 
 
+def test_a_line_longer_than_a_batch_is_read_whole_without_a_copy(tmp_path):
+    """A line longer than a batch is one batch, read in one piece without its newline (counted in
+    ``trailing``), so that splitting it into lines returns the same object (no copy of a 100 MB
+    line); a BOM, a last line without newline, segment ends and .gz files keep every byte."""
+    rng = random.Random(9)
+    lines = [bytes(rng.choice(b"abc ") for _ in range(n)) for n in (10, 5000, 20, 7000, 3, 4000)]
+    data = b"\n".join(lines)  # no final newline
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + data)
+    with gzip.open(tmp_path / "a.jsonl.gz", "wb") as f:
+        f.write(b"\xef\xbb\xbf" + data)
+    for name in ("a.jsonl", "a.jsonl.gz"):
+        for n_parts in (1, 2, 3):
+            got, total = [], 0
+            for part in plan_partitions([str(tmp_path / name)], n_parts):
+                for b in read_batches(part, 1000):
+                    total += len(b.data) + b.trailing
+                    ls = b.data.split(b"\n")
+                    if len(b.data) > 1000 and not name.endswith(".gz"):
+                        assert len(ls) == 1 and ls[0] is b.data and b.trailing == (b.data != lines[-1])
+                    if ls[-1] == b"":
+                        ls.pop()
+                    got += [(b.first_line + i, l) for i, l in enumerate(ls)]
+            assert got == list(enumerate(lines, 1)), (name, n_parts)
+            if not name.endswith(".gz"):
+                assert total == len(data)
+
+
 def test_batches_shrink_towards_the_end_of_a_plain_file_only(tmp_path):
     """The last batches get small (parallel workers finish together); .gz (size unknown) keeps
     full batches; either way every line arrives once, in order, with its line number."""

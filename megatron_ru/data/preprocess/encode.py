@@ -188,8 +188,9 @@ class Encoder:
         return cut_document(seg, n, tok.cut_mode, tok.cut_guards, tok.cut_start(seg))
     def encode(self, batch: Batch) -> BatchResult:
         """Tokenize ``batch``; its ``data`` is released (set to ``b""``) once split into lines, so
-        that a 100 MB line is not held twice."""
-        res = BatchResult(bytes=len(batch.data))
+        that a 100 MB line is not held twice (a one-line batch without its newline splits into
+        itself: no copy)."""
+        res = BatchResult(bytes=len(batch.data) + batch.trailing)
         o = self.opts
         lines = batch.data.split(b"\n")
         batch.data = b""

@@ -1,6 +1,7 @@
 """Input files → batches of raw JSONL bytes, streamed with bounded memory.
 
-A batch is whole lines only (``data`` ends at a newline or at the end of the file) plus the
+A batch is whole lines only (``data`` ends at a newline or at the end of the file; a line longer
+than a batch is read in one piece without its newline, counted in ``trailing``) plus the
 file name and number of its first line, so that workers can report ``file:line`` and the main
 process never decodes or parses anything. ``.gz`` files are decompressed on the fly.
 """
@@ -35,6 +36,9 @@ class Batch:
     path: str
     first_line: int
     data: bytes
+    # input bytes after ``data`` that belong to this batch: the newline of a line longer than a
+    # batch, which is read without it (so that splitting the batch into lines copies nothing)
+    trailing: int = 0
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -75,19 +79,22 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
     written in input order)."""
     sizes = [_segment_size(seg) for seg in segments]
     left = None if any(n is None for n in sizes) else sum(sizes)
-    for seg in segments:
+    for seg, size in zip(segments, sizes):
         line_no = seg.first_line
         with _open(seg.path) as f:
             if seg.start:
                 f.seek(seg.start)
             remaining = None if seg.end is None else seg.end - seg.start
             at_file_start = seg.start == 0
-            pending: list[bytes] = []  # blocks of a line longer than a batch, joined once complete
+            pos = seg.start  # file offset of the next read (plain files)
+            pending: list[bytes] = []  # the start of a line (and, in .gz files, blocks of a long line)
             while True:
                 want = batch_bytes if left is None else min(batch_bytes, max(MIN_TAIL_BATCH, left // 8))
                 if remaining is not None:
                     want = min(want, remaining)
+                block_start = pos
                 block = f.read(want) if want > 0 else b""
+                pos += len(block)
                 if remaining is not None:
                     remaining -= len(block)
                 if left is not None:
@@ -96,6 +103,7 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
                     at_file_start = False
                     if block.startswith(UTF8_BOM):
                         block = block[len(UTF8_BOM):]
+                        block_start += len(UTF8_BOM)
                         if not block:
                             continue
                 if not block:
@@ -103,6 +111,27 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
                         yield Batch(seg.path, line_no, b"".join(pending))
                     break
                 cut = block.rfind(b"\n") + 1
+                if cut == 0 and size is not None:  # a line longer than a batch: read it whole, in one piece
+                    start = block_start - sum(len(p) for p in pending)
+                    end = seg.start + size
+                    newline = _find_newline(f, pos, end)
+                    stop = end if newline < 0 else newline
+                    del block, pending[:]
+                    f.seek(start)
+                    data = f.read(stop - start)
+                    trailing = 0 if newline < 0 else 1
+                    f.seek(stop + trailing)
+                    consumed = stop + trailing - pos
+                    pos = stop + trailing
+                    if remaining is not None:
+                        remaining -= consumed
+                    if left is not None:
+                        left -= consumed
+                    out = [Batch(seg.path, line_no, data, trailing)]
+                    line_no += trailing
+                    del data
+                    yield out.pop()
+                    continue
                 if cut == 0:
                     pending.append(block)
                     continue
@@ -112,6 +141,17 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int) -> Iterator[Batc
                 pending = [block[cut:]] if cut < len(block) else []
                 del data, block  # while suspended, the generator holds no copy of the batch (a 100 MB line)
                 yield out.pop()
+
+
+def _find_newline(f: BinaryIO, start: int, end: int) -> int:
+    """Offset of the first newline in ``[start, end)`` of the open plain file ``f``, or -1 (a
+    search of the mapped file: no copy of a 100 MB line just to find where it ends)."""
+    import mmap
+
+    if end <= start:
+        return -1
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return mm.find(b"\n", start, end)
 
 
 def _line_start_at_or_after(path: str, offset: int) -> tuple[int, int]:
