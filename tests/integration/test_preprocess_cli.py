@@ -142,7 +142,8 @@ def test_int32_and_hf_and_two_keys(tmp_path, tok_files):
 @pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf", "tiktoken"])
 def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, tok_files, tok_name):
     base = ["--split-paragraphs", "--append-eod", "--group-by-key", "domain", "--batch-bytes", "2000"]
-    variants = {"w1": [], "w2": ["--workers", "2"], "w2proc": ["--workers", "2", "--worker-type", "process"],
+    variants = {"w1": [], "w1proc": ["--worker-type", "process"], "w2": ["--workers", "2"],
+                "w2proc": ["--workers", "2", "--worker-type", "process"],
                 "w3thread": ["--workers", "3", "--worker-type", "thread"],
                 "w2p3": ["--workers", "2", "--partitions", "3"],
                 "chunked": ["--tokenize-chunk-chars", "40"], "batch7k": ["--batch-bytes", "7000"],
@@ -288,6 +289,12 @@ def test_cli_exit_codes_progress_and_summary(tmp_path, corpus, tok_files):
     p = subprocess.run([sys.executable, TOOL, "--input", bad, "--output-prefix", str(tmp_path / "bad")]
                        + tok_files["gptsp"], capture_output=True, text=True, env=env)
     assert p.returncode == 1 and f"error: {bad}:1: invalid JSON" in p.stderr
+    # one worker: a thread beside the main thread (which reads and parses), or the main process
+    # itself for a tokenizer that holds the GIL
+    assert "; 1 worker thread, 1 partition\n" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, TOOL, "--input", one, "--output-prefix", str(tmp_path / "one1"),
+                        "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"], capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and "; 1 worker (the main process), 1 partition\n" in p.stderr, p.stderr
     assert outputs(tmp_path, "bad_") == []
 
 

@@ -24,7 +24,8 @@ class PreprocessConfig:
     group_by_key: Optional[str] = arg(None, "Write one dataset per value of this JSON key: "
                                       "<prefix>_<value>_<key>_document.")
     append_eod: bool = arg(False, "Append the end-of-document token to every document.")
-    workers: int = arg(1, "Parallel workers that parse and tokenize (1 = in the main process).")
+    workers: int = arg(1, "Parallel workers that parse and tokenize (1: one worker thread beside the main "
+                           "thread that reads and parses, or the main process itself; see --worker-type).")
     worker_type: str = arg("auto", "thread: workers are threads of one process (no start-up, no copies between "
                            "processes; only for tokenizers whose batch call releases the GIL, e.g. sentencepiece "
                            ">= 0.2.2); process: forked processes (any tokenizer); auto: threads when the "

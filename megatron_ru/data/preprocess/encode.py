@@ -186,18 +186,30 @@ class Encoder:
             return [seg]
         tok = self.tok
         return cut_document(seg, n, tok.cut_mode, tok.cut_guards, tok.cut_start(seg))
-    def encode(self, batch: Batch) -> BatchResult:
-        """Tokenize ``batch``; its ``data`` is released (set to ``b""``) once split into lines, so
-        that a 100 MB line is not held twice (a one-line batch without its newline splits into
-        itself: no copy)."""
-        res = BatchResult(bytes=len(batch.data) + batch.trailing)
-        o = self.opts
+    def parse(self, batch: Batch) -> Batch:
+        """Split ``batch`` into lines and run the C++ JSON fast path over them (the GIL released):
+        the first step of :meth:`encode`, which the main thread runs ahead for worker threads so
+        that parsing overlaps tokenizing. ``batch.data`` is released."""
+        batch.size = len(batch.data) + batch.trailing
         lines = batch.data.split(b"\n")
         batch.data = b""
         if lines and lines[-1] == b"":
             lines.pop()
+        batch.lines = lines
+        batch.values = extract_strings_batch(lines, self._keys) if extract_strings_batch is not None else None
+        return batch
+
+    def encode(self, batch: Batch) -> BatchResult:
+        """Tokenize ``batch``; its ``data`` is released (set to ``b""``) once split into lines, so
+        that a 100 MB line is not held twice (a one-line batch without its newline splits into
+        itself: no copy)."""
+        if batch.lines is None:
+            self.parse(batch)
+        res = BatchResult(bytes=batch.size)
+        o = self.opts
+        lines, fast = batch.lines, batch.values
+        batch.lines = batch.values = None
         res.lines = len(lines)
-        fast = extract_strings_batch(lines, self._keys) if extract_strings_batch is not None else None
         # (line number, group, key, segments) per non-empty text, in input order
         docs: list[tuple[int, Optional[str], str, list[str]]] = []
         for i, raw in enumerate(lines):

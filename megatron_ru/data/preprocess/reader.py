@@ -39,6 +39,11 @@ class Batch:
     # input bytes after ``data`` that belong to this batch: the newline of a line longer than a
     # batch, which is read without it (so that splitting the batch into lines copies nothing)
     trailing: int = 0
+    # set by Encoder.parse (the lines, and the C++ fast path's values per line) when the main thread
+    # parses for worker threads; ``data`` is then released
+    lines: Optional[list] = None
+    values: Optional[list] = None
+    size: int = 0  # input bytes of the batch (set when parsed)
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
