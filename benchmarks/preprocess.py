@@ -152,6 +152,45 @@ def _write_tiktoken_ranks(tokenizer_json: str, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------- the limit (subprocess)
+def fastest_encode(flags: list[str], threads: int, tokenizer=None):
+    """``encode(list of str) -> number of tokens`` with the tokenizer library's fastest batch call
+    on ``threads`` threads (RAYON_NUM_THREADS must be set before for ``tokenizers``). ``tokenizer``:
+    one of our Tokenizers whose library object to use (so that both sides share, say, a BPE cache);
+    else it is loaded from ``flags``."""
+    kind = flags[1]
+    if kind == "GPTSentencePieceTokenizer":
+        import sentencepiece as spm
+
+        sp = tokenizer.sp if tokenizer is not None else spm.SentencePieceProcessor(model_file=flags[3])
+        return lambda b: sum(a.size for a in sp.encode(b, num_threads=threads, return_type="numpy"))
+    if kind in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
+        if tokenizer is not None:
+            fast = tokenizer._fast
+        elif kind == "HuggingFaceTokenizer":
+            from tokenizers import Tokenizer as Fast
+
+            fast = Fast.from_file(os.path.join(flags[3], "tokenizer.json"))
+        else:
+            from megatron_ru.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
+
+            fast = GPT2BPETokenizer(flags[3], flags[5])._fast
+        return lambda b: sum(len(e.ids) for e in fast.encode_batch_fast(b, add_special_tokens=False))
+    if kind == "TikTokenizer":
+        from concurrent.futures import ThreadPoolExecutor
+
+        if tokenizer is None:
+            from megatron_ru.config.tokenizer import TokenizerConfig
+            from megatron_ru.data.tokenizer import build_tokenizer
+
+            tokenizer = build_tokenizer(TokenizerConfig("TikTokenizer", flags[3]))
+        enc = tokenizer.encoding
+        pool = ThreadPoolExecutor(threads)
+        # tiktoken's fastest: encode_to_numpy (its uint32 buffer) per text on k threads; its
+        # encode_ordinary_batch builds Python lists and was 15-20 % slower here
+        return lambda b: sum(a.size for a in pool.map(lambda t: enc.encode_to_numpy(t, disallowed_special=()), b))
+    raise SystemExit(f"no limit for {kind}")
+
+
 def limit_main(flags: list[str], corpus: str, shape: str, threads: int) -> None:
     """Runs in a fresh process (RAYON_NUM_THREADS set by the parent); prints one JSON line."""
     texts = load_texts(corpus)
@@ -169,36 +208,7 @@ def limit_main(flags: list[str], corpus: str, shape: str, threads: int) -> None:
                 batches.append(cur)
                 cur, size = [], 0
         batches += [cur] if cur else []
-    kind = flags[1]
-    if kind == "GPTSentencePieceTokenizer":
-        import sentencepiece as spm
-
-        sp = spm.SentencePieceProcessor(model_file=flags[3])
-        encode = lambda b: sum(a.size for a in sp.encode(b, num_threads=threads, return_type="numpy"))  # noqa: E731
-    elif kind in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
-        from tokenizers import Tokenizer as Fast
-
-        if kind == "HuggingFaceTokenizer":
-            fast = Fast.from_file(os.path.join(flags[3], "tokenizer.json"))
-        else:
-            from megatron_ru.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
-
-            fast = GPT2BPETokenizer(flags[3], flags[5])._fast
-        encode = lambda b: sum(len(e.ids) for e in fast.encode_batch_fast(b, add_special_tokens=False))  # noqa: E731
-    elif kind == "TikTokenizer":
-        from megatron_ru.config.tokenizer import TokenizerConfig
-        from megatron_ru.data.tokenizer import build_tokenizer
-
-        from concurrent.futures import ThreadPoolExecutor
-
-        enc = build_tokenizer(TokenizerConfig("TikTokenizer", flags[3])).encoding
-        pool = ThreadPoolExecutor(threads)
-        # tiktoken's fastest: encode_to_numpy (its uint32 buffer) per text on k threads; its
-        # encode_ordinary_batch builds Python lists and was 15-20 % slower here
-        encode = lambda b: sum(a.size for a in pool.map(  # noqa: E731
-            lambda t: enc.encode_to_numpy(t, disallowed_special=()), b))
-    else:
-        raise SystemExit(f"no limit for {kind}")
+    encode = fastest_encode(flags, threads)
     t0 = time.perf_counter()
     tokens = sum(encode(b) for b in batches)
     print(json.dumps({"wall": time.perf_counter() - t0, "tokens": tokens, "texts": len(texts)}))
