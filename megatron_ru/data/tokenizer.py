@@ -32,6 +32,10 @@ class Tokenizer(ABC):
     releases_gil: bool = False
     # True when tokenize_batch_arrays also takes UTF-8 ``bytes`` (same ids as for the str).
     accepts_utf8_bytes: bool = False
+    # the pieces of a cut document go to a pool of threads one at a time (Encoder._encode_pieces):
+    # for libraries that hand ids out as Python lists (tokenizers), whose conversion otherwise
+    # leaves the library's threads idle after every call
+    pieces_one_per_task: bool = False
     _cut_mode: object = ...  # computed on first use (see cut_mode)
     # special-token strings no cut may touch (see megatron_ru/data/preprocess/cuts.py)
     cut_guards: tuple[str, ...] = ()

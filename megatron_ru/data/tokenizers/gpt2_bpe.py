@@ -47,6 +47,7 @@ class GPT2BPETokenizer(Tokenizer):
 
     name = "GPT2BPETokenizer"
     releases_gil = True  # the library encodes batches in Rust with the GIL released
+    pieces_one_per_task = True  # ids come out as Python lists
 
     def __init__(self, vocab_file: str, merge_file: str, cache_size: int = 1 << 16) -> None:
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):

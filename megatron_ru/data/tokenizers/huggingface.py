@@ -152,6 +152,7 @@ class HuggingFaceTokenizer(Tokenizer):
 
             self._fast = RustTokenizer.from_file(os.path.join(path, "tokenizer.json"))
             self.releases_gil = True  # encode_batch runs in Rust with the GIL released
+            self.pieces_one_per_task = True  # ids come out as Python lists
             lookup = self._fast.token_to_id
             self.vocab_size = int(self._fast.get_vocab_size(with_added_tokens=True))
         else:

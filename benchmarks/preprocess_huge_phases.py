@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Where the time of one huge document goes: the tool's steps, timed one by one in one process.
+
+    python benchmarks/preprocess_huge_phases.py --tokenizers tiktoken sp-unigram --threads 1 2
+
+For the 100 MB one-line corpus of benchmarks/preprocess.py (built there if missing), the steps
+``tools/preprocess_data.py`` takes for it, in order: interpreter start to imports done, loading the
+tokenizer, reading the line (``read_batches``), splitting the batch into lines and parsing the JSON
+(``Encoder.parse``: the C++ fast path), cutting the text into ~100 k pieces (``cut_document``),
+tokenizing the pieces as the tool does (``Encoder._encode_pieces``: UTF-8 decode included where the
+tokenizer takes bytes, ids checked and converted to the output dtype), and concatenating the ids. Then the
+limit's own call on the same pieces (one batch, as benchmarks/preprocess.py times it): everything
+before the tokenizing step is work the limit does not do.
+"""
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def phases(flags: list[str], corpus: str, threads: int) -> dict:
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import numpy as np
+
+    from megatron_ru.config.base import parse_configs
+    from megatron_ru.config.tokenizer import TokenizerConfig
+    from megatron_ru.data.indexed_dataset import best_fitting_dtype
+    from megatron_ru.data.preprocess.cuts import cut_document
+    from megatron_ru.data.preprocess.encode import EncodeOptions, Encoder
+    from megatron_ru.data.preprocess.reader import Segment, read_batches
+    from megatron_ru.data.tokenizer import build_tokenizer
+
+    out = {}
+    t = time.perf_counter()
+    out["start-up and imports"] = t - T0
+    tok = build_tokenizer(parse_configs([TokenizerConfig], flags)[TokenizerConfig])
+    dtype = np.dtype(best_fitting_dtype(tok.vocab_size))
+    encoder = Encoder(tok, EncodeOptions(dtype=dtype.name))
+    out["load the tokenizer"], t = time.perf_counter() - t, time.perf_counter()
+    batch = next(read_batches([Segment(corpus)], 1 << 20))
+    out["read the line"], t = time.perf_counter() - t, time.perf_counter()
+    encoder.parse(batch)
+    text = batch.values[0][0]
+    batch.values = batch.lines = None
+    if not tok.accepts_utf8_bytes:
+        text = text.decode("utf-8")
+    out["split lines, parse JSON" + ("" if tok.accepts_utf8_bytes else ", decode UTF-8")] = time.perf_counter() - t
+    t = time.perf_counter()
+    pieces = cut_document(text, 100_000, tok.cut_mode, tok.cut_guards, tok.cut_start(text))
+    del text
+    out["cut into pieces"], t = time.perf_counter() - t, time.perf_counter()
+    ids = encoder._encode_pieces(list(pieces), threads, cut=True)  # checked, in the output dtype
+    out["tokenize (the tool's way), ids checked and converted"], t = time.perf_counter() - t, time.perf_counter()
+    np.concatenate(ids)
+    out["ids concatenated"] = time.perf_counter() - t
+    out["total"] = time.perf_counter() - T0
+    import preprocess as matrix
+
+    texts = [p.decode("utf-8") if isinstance(p, bytes) else p for p in pieces]
+    encode = matrix.fastest_encode(flags, threads, tokenizer=tok)
+    t = time.perf_counter()
+    encode(texts)
+    out["limit: the same pieces as str, one batch"] = time.perf_counter() - t
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_run":
+        print(json.dumps(phases(*json.loads(sys.argv[2]))))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import preprocess as matrix
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokenizers", nargs="+", default=list(matrix.TOKENIZERS), choices=matrix.TOKENIZERS)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--huge-mb", type=float, default=100.0)
+    ap.add_argument("--workdir", default="/tmp/bench_preprocess_matrix")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    ns = argparse.Namespace(workdir=args.workdir, tokenizers=args.tokenizers, shapes=["huge"], size_mb=None,
+                            huge_mb=args.huge_mb)
+    flags, corpora = matrix.setup(ns)
+    results = {}
+    for t in args.tokenizers:
+        for k in args.threads:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_run",
+                                json.dumps([flags[t], corpora[(t, "huge")], k])], capture_output=True, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if p.returncode != 0:
+                raise SystemExit(p.stderr)
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            results[f"{t} threads={k}"] = r
+            print(f"\n{t}, {k} thread(s):")
+            for name, sec in r.items():
+                print(f"  {name:45s} {sec:6.3f} s")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
