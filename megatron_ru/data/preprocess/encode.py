@@ -186,6 +186,7 @@ class Encoder:
             return [seg]
         tok = self.tok
         return cut_document(seg, n, tok.cut_mode, tok.cut_guards, tok.cut_start(seg))
+
     def parse(self, batch: Batch) -> Batch:
         """Split ``batch`` into lines and run the C++ JSON fast path over them (the GIL released):
         the first step of :meth:`encode`, which the main thread runs ahead for worker threads so

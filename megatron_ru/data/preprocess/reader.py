@@ -2,8 +2,9 @@
 
 A batch is whole lines only (``data`` ends at a newline or at the end of the file; a line longer
 than a batch is read in one piece without its newline, counted in ``trailing``) plus the
-file name and number of its first line, so that workers can report ``file:line`` and the main
-process never decodes or parses anything. ``.gz`` files are decompressed on the fly.
+file name and number of its first line, so that workers can report ``file:line``. The reader
+decodes and parses nothing (with worker threads the main thread then parses each batch ahead of
+them: ``Encoder.parse``). ``.gz`` files are decompressed on the fly.
 """
 from __future__ import annotations
 
