@@ -282,6 +282,20 @@ def setup_main(workdir: str, tokenizers: list[str], shapes: list[str], size_mb: 
     print(json.dumps({"flags": flags, "corpora": corpora}))
 
 
+def available(tokenizers: list[str]) -> list[str]:
+    """``tokenizers`` without tiktoken when the package (or TikTokenizer) is missing, said once."""
+    if "tiktoken" not in tokenizers:
+        return tokenizers
+    try:
+        import tiktoken  # noqa: F401
+        from megatron_ru.config.tokenizer import TOKENIZER_TYPES
+        assert "TikTokenizer" in TOKENIZER_TYPES
+    except (ImportError, AssertionError):
+        print("tiktoken (or TikTokenizer) not available: row skipped", file=sys.stderr)
+        return [t for t in tokenizers if t != "tiktoken"]
+    return tokenizers
+
+
 def setup(args: argparse.Namespace) -> tuple[dict, dict]:
     """Corpora and tokenizers, built in a child process so that this process stays small: Linux
     carries a process's peak RSS across fork and exec, so every tool run started from a process
@@ -317,14 +331,7 @@ def main() -> None:
     ap.add_argument("--peer-workers", type=int, nargs="+", default=[2])
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    if "tiktoken" in args.tokenizers:
-        try:
-            import tiktoken  # noqa: F401
-            from megatron_ru.config.tokenizer import TOKENIZER_TYPES
-            assert "TikTokenizer" in TOKENIZER_TYPES
-        except (ImportError, AssertionError):
-            print("tiktoken (or TikTokenizer) not available: row skipped", file=sys.stderr)
-            args.tokenizers.remove("tiktoken")
+    args.tokenizers = available(args.tokenizers)
     flags, corpora = setup(args)
     cells = [(t, s, k) for t in args.tokenizers for s in args.shapes for k in args.workers]
     data: dict = {c: {"ratios": [], "limit": [], "tool": [], "rss": []} for c in cells}

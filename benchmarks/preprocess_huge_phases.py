@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/bench_preprocess_matrix")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
+    args.tokenizers = matrix.available(args.tokenizers)
     ns = argparse.Namespace(workdir=args.workdir, tokenizers=args.tokenizers, shapes=["huge"], size_mb=None,
                             huge_mb=args.huge_mb)
     flags, corpora = matrix.setup(ns)

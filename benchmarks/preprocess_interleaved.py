@@ -89,8 +89,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/bench_preprocess_matrix")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    if "tiktoken" in args.tokenizers and importlib_missing("tiktoken"):
-        args.tokenizers.remove("tiktoken")
+    args.tokenizers = matrix.available(args.tokenizers)
     ns = argparse.Namespace(workdir=args.workdir, tokenizers=args.tokenizers, shapes=args.shapes,
                             size_mb=args.size_mb, huge_mb=100.0)
     flags, corpora = matrix.setup(ns)
@@ -106,12 +105,6 @@ def main() -> None:
                 print(f"| {t} | {s} ({mb:.0f}) | {r['batches']} | {r['tokens']} | {r['limit_s']:.2f} | "
                       f"{r['tool_s']:.2f} | **{r['ratio']:.3f}** |", flush=True)
     print(json.dumps({"rows": rows}))
-
-
-def importlib_missing(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is None
 
 
 if __name__ == "__main__":
