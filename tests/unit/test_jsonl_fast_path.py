@@ -7,6 +7,7 @@ edge cases and on thousands of random valid and corrupted lines.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import sys
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from megatron_ru.data.preprocess import encode as encode_module
-from megatron_ru.data.preprocess._jsonl import extract_strings, extract_strings_batch
+from megatron_ru.data.preprocess._jsonl import extract_strings, extract_strings_batch, read_range
 from megatron_ru.data.preprocess.encode import EncodeOptions, Encoder, is_blank
 from megatron_ru.data.preprocess.reader import Batch
 from megatron_ru.data.tokenizer import NullTokenizer
@@ -163,6 +164,34 @@ def test_random_lines_agree_with_json_loads():
         extract_strings_batch([b"{}", "{}"], KEYS)
 
 
+_VALID_ATOMS = [b"a", b"Z", b" ", b"~", "д".encode(), "я".encode(), b"\xc2\x80", b"\xdf\xbf", "—".encode(),
+                "😀".encode(), b"\\n", b'\\"', b"\\u0430", b"\x7f"]
+_INVALID_ATOMS = [b"\xc0\x80", b"\xc1\xbf", b"\x80", b"\xbf", b"\xd0", b"\xd0a", b"\xd0\xd0\xb0", b"\x1f", b"\x00", b"\t",
+                  b'"', b"\\", b"\xe0\x80\x80", b"\xff", b"\xdf"]
+
+
+def test_eight_byte_runs_of_ascii_and_two_byte_characters_agree_with_json_loads():
+    """The fast path checks eight bytes at a time when they are plain ASCII and whole 2-byte
+    characters: every kind of byte at every offset of an eight-byte word — a character cut by a
+    word boundary, an overlong C0/C1 lead, a lone lead or continuation, a control character, a
+    quote or backslash next to Cyrillic — must give json.loads' value or be declined."""
+    rng = random.Random(20261125)
+    taken = declined = 0
+    for _ in range(6000):
+        atoms = [rng.choice(_VALID_ATOMS) for _ in range(rng.randint(1, 60))]
+        broken = rng.random() < 0.5
+        if broken:
+            atoms.insert(rng.randrange(len(atoms) + 1), rng.choice(_INVALID_ATOMS))
+        text = b"".join(atoms)
+        line = b'{"text": "' + b"a" * rng.randrange(8) + text + b'"}' + b" " * rng.randrange(3)
+        got = check(line, ["text"])
+        if not broken:
+            assert got is not None, line
+        taken += got is not None
+        declined += got is None
+    assert taken > 2500 and declined > 1500
+
+
 def test_blank_detection_on_bytes_matches_the_str_regex():
     ws = re.compile(r"\s")
     for cp in range(sys.maxunicode + 1):
@@ -209,3 +238,20 @@ def test_encoder_gives_the_same_result_with_and_without_the_fast_path(monkeypatc
         assert fast.documents > 100 and sum(fast.skipped.values()) > 10
     else:
         assert fast.error is not None and "in.jsonl:1" in fast.error
+
+
+def test_read_range_reads_the_bytes_at_an_offset(tmp_path):
+    path = tmp_path / "f.bin"
+    data = bytes(range(256)) * 40000  # 10 MB: large enough for the huge-page advice
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        assert read_range(f.fileno(), 0, len(data)) == data
+        assert read_range(f.fileno(), 12345, 1000) == data[12345:13345]
+        assert read_range(f.fileno(), len(data) - 10, 100) == data[-10:]  # short at the end of the file
+        assert read_range(f.fileno(), len(data), 5) == b""
+        with pytest.raises(ValueError, match="negative"):
+            read_range(f.fileno(), -1, 5)
+    fd = os.open(path, os.O_RDONLY)
+    os.close(fd)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        read_range(fd, 0, 5)
