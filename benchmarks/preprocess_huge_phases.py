@@ -53,7 +53,7 @@ def phases(flags: list[str], corpus: str, threads: int) -> dict:
     encoder.parse(batch)
     text = batch.values[0][0]
     batch.values = batch.lines = None
-    if not tok.accepts_utf8_bytes:
+    if not tok.accepts_utf8_bytes and isinstance(text, bytes):  # (Encoder.parse decodes for str-only tokenizers)
         text = text.decode("utf-8")
     out["split lines, parse JSON" + ("" if tok.accepts_utf8_bytes else ", decode UTF-8")] = time.perf_counter() - t
     t = time.perf_counter()

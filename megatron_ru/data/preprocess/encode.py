@@ -131,6 +131,10 @@ def _parse(line: bytes, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
     return group, texts
 
 
+def _text(value: str | bytes) -> str:
+    return value if isinstance(value, str) else value.decode("utf-8")
+
+
 def _has_lone_surrogate(texts: list[str]) -> bool:
     try:
         for t in texts:
@@ -162,8 +166,8 @@ class Encoder:
         Texts are UTF-8 bytes when the tokenizer takes them (no str round trip), else str."""
         if values is not None and None not in values:
             n = len(self.opts.json_keys)
-            group = values[n].decode("utf-8") if len(values) > n else None
-            texts = values[:n] if self._bytes_ok else [v.decode("utf-8") for v in values[:n]]
+            group = _text(values[n]) if len(values) > n else None
+            texts = values[:n] if self._bytes_ok else [_text(v) for v in values[:n]]
             return group, texts
         return _parse(raw, self.opts)
 
@@ -188,16 +192,22 @@ class Encoder:
         return cut_document(seg, n, tok.cut_mode, tok.cut_guards, tok.cut_start(seg))
 
     def parse(self, batch: Batch) -> Batch:
-        """Split ``batch`` into lines and run the C++ JSON fast path over them (the GIL released):
-        the first step of :meth:`encode`, which the main thread runs ahead for worker threads so
-        that parsing overlaps tokenizing. ``batch.data`` is released."""
+        """Split ``batch`` into lines and run the C++ JSON fast path over them (the GIL released),
+        and, for a tokenizer that takes ``str`` only, decode the values' UTF-8: the first steps of
+        :meth:`encode`, which the main thread runs ahead for worker threads so that they overlap
+        tokenizing. ``batch.data`` is released."""
         batch.size = len(batch.data) + batch.trailing
         lines = batch.data.split(b"\n")
         batch.data = b""
         if lines and lines[-1] == b"":
             lines.pop()
         batch.lines = lines
-        batch.values = extract_strings_batch(lines, self._keys) if extract_strings_batch is not None else None
+        values = extract_strings_batch(lines, self._keys) if extract_strings_batch is not None else None
+        if values is not None and not self._bytes_ok:  # a tokenizer that takes str only: decode here too
+            for i, v in enumerate(values):
+                if v is not None and None not in v:
+                    values[i] = [t.decode("utf-8") for t in v]
+        batch.values = values
         return batch
 
     def encode(self, batch: Batch) -> BatchResult:
