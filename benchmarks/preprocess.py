@@ -191,23 +191,27 @@ def fastest_encode(flags: list[str], threads: int, tokenizer=None):
     raise SystemExit(f"no limit for {kind}")
 
 
-def limit_main(flags: list[str], corpus: str, shape: str, threads: int) -> None:
-    """Runs in a fresh process (RAYON_NUM_THREADS set by the parent); prints one JSON line."""
-    texts = load_texts(corpus)
+def limit_batches(texts: list[str], shape: str) -> list[list[str]]:
+    """The limit's batches: a huge document's ~100 k-character pieces as one batch; other corpora
+    in batches of about BATCH_CHARS characters."""
     if shape == "huge":
         from megatron_ru.data.preprocess.cuts import cut_document
 
-        texts = [p for t in texts for p in cut_document(t, PIECE_CHARS, "keep")]
-        batches = [texts]
-    else:
-        batches, cur, size = [], [], 0
-        for t in texts:
-            cur.append(t)
-            size += len(t)
-            if size >= BATCH_CHARS:
-                batches.append(cur)
-                cur, size = [], 0
-        batches += [cur] if cur else []
+        return [[p for t in texts for p in cut_document(t, PIECE_CHARS, "keep")]]
+    batches, cur, size = [], [], 0
+    for t in texts:
+        cur.append(t)
+        size += len(t)
+        if size >= BATCH_CHARS:
+            batches.append(cur)
+            cur, size = [], 0
+    return batches + ([cur] if cur else [])
+
+
+def limit_main(flags: list[str], corpus: str, shape: str, threads: int) -> None:
+    """Runs in a fresh process (RAYON_NUM_THREADS set by the parent); prints one JSON line."""
+    texts = load_texts(corpus)
+    batches = limit_batches(texts, shape)
     encode = fastest_encode(flags, threads)
     t0 = time.perf_counter()
     tokens = sum(encode(b) for b in batches)
