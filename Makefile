@@ -26,4 +26,4 @@ test-fast: install
 	$(PY) -m pytest tests/unit
 
 clean:
-	rm -rf build *.egg-info megatron_ru/data/_helpers*.so demo_out adapt_demo_out
+	rm -rf build *.egg-info megatron_ru/data/_helpers*.so megatron_ru/data/preprocess/_jsonl*.so demo_out adapt_demo_out
