@@ -121,7 +121,6 @@ struct PlainAsciiTable {
 };
 const PlainAsciiTable kPlainAscii;
 
-
 // Parses [begin, end); requires *end == 0 (true of every CPython bytes object), which ends the
 // scanning loops of parse_string without a bounds check per byte.
 class Parser {
