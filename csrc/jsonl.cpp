@@ -2,7 +2,15 @@
 // as UTF-8 bytes, without building Python objects for the whole line.
 //
 //   extract_strings(line: bytes, keys: list[str]) -> list[bytes | None] | None
-//   extract_strings_batch(lines: list[bytes], keys: list[str]) -> list[that, per line]
+//   extract_strings_batch(lines: list[bytes], keys: list[str], span_min=0) -> list[that, per line]
+//   unescape_span(line: bytes, start, end) -> bytes
+//
+// With span_min > 0, in a line of at least span_min bytes a value whose JSON string takes at least
+// span_min bytes is returned as (start, end), the offsets of its contents (between the quotes) in
+// the line, instead of bytes: the whole line is still checked as below, but that text is not
+// copied; unescape_span decodes any part of it that begins and ends outside an escape sequence and
+// a UTF-8 character (so a huge text can be decoded piece by piece while earlier pieces are
+// tokenized).
 //
 // Contract (what makes it safe to use in front of Python's json module):
 // - It returns a list only for a line that is one strict RFC 8259 JSON object in valid UTF-8
@@ -125,8 +133,11 @@ const PlainAsciiTable kPlainAscii;
 // scanning loops of parse_string without a bounds check per byte.
 class Parser {
  public:
-  Parser(const unsigned char* begin, const unsigned char* end, const std::vector<std::string>& keys)
-      : p_(begin), end_(end), keys_(keys), found_(keys.size(), false), values_(keys.size()) {}
+  // spans: the keys' string values are checked but not copied; spans() gives where they are.
+  Parser(const unsigned char* begin, const unsigned char* end, const std::vector<std::string>& keys,
+         bool spans = false)
+      : p_(begin), end_(end), keys_(keys), found_(keys.size(), false), values_(keys.size()),
+        spans_(spans ? keys.size() : 0), span_mode_(spans) {}
 
   // True when the whole input is one object (with optional surrounding whitespace).
   bool parse_line() {
@@ -139,6 +150,8 @@ class Parser {
 
   const std::vector<bool>& found() const { return found_; }
   std::vector<std::string>& values() { return values_; }
+  // span mode: per key, [first byte of the string's contents, its closing quote)
+  const std::vector<std::pair<const unsigned char*, const unsigned char*>>& spans() const { return spans_; }
 
  private:
   const unsigned char* p_;
@@ -146,6 +159,8 @@ class Parser {
   const std::vector<std::string>& keys_;
   std::vector<bool> found_;          // the key's last occurrence has a string value
   std::vector<std::string> values_;  // that value, UTF-8
+  std::vector<std::pair<const unsigned char*, const unsigned char*>> spans_;
+  bool span_mode_;
   int depth_ = 0;
   std::string scratch_;
 
@@ -396,7 +411,13 @@ class Parser {
       if (p_ == end_ || *p_ != ':') return false;
       ++p_;
       skip_ws();
-      if (slot >= 0) {
+      if (slot >= 0 && span_mode_) {
+        const unsigned char* from = p_ + 1;
+        bool is_string = false;
+        if (!parse_value(nullptr, &is_string)) return false;
+        found_[slot] = is_string;
+        if (is_string) spans_[slot] = {from, p_ - 1};
+      } else if (slot >= 0) {
         std::string& v = values_[slot];
         v.clear();
         bool is_string = false;
@@ -424,7 +445,83 @@ struct LineResult {
   bool ok = false;
   std::vector<bool> found;
   std::vector<std::string> values;
+  std::vector<std::pair<size_t, size_t>> spans;  // (start, end) in the line; end == 0: decoded in values
 };
+
+// The contents of a checked JSON string, [p, end) with no quote in it, decoded into `out` (which
+// the caller sizes to end - p: decoding never lengthens). Returns the bytes written, or
+// std::string::npos for a malformed escape (never for a span the Parser accepted).
+size_t unescape(const unsigned char* p, const unsigned char* end, char* out) {
+  char* o = out;
+  auto put = [&o](uint32_t cp) {
+    if (cp < 0x80) {
+      *o++ = static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      *o++ = static_cast<char>(0xC0 | (cp >> 6));
+      *o++ = static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      *o++ = static_cast<char>(0xE0 | (cp >> 12));
+      *o++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      *o++ = static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      *o++ = static_cast<char>(0xF0 | (cp >> 18));
+      *o++ = static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      *o++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      *o++ = static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  };
+  auto hex4 = [&end](const unsigned char* q, uint32_t* v) {
+    if (end - q < 4) return false;
+    *v = 0;
+    for (int i = 0; i < 4; ++i) {
+      const unsigned char c = q[i];
+      const int h = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                  : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+      if (h < 0) return false;
+      *v = (*v << 4) | static_cast<uint32_t>(h);
+    }
+    return true;
+  };
+  while (p < end) {
+    const unsigned char* q = static_cast<const unsigned char*>(std::memchr(p, '\\', static_cast<size_t>(end - p)));
+    const unsigned char* stop = q ? q : end;
+    std::memcpy(o, p, static_cast<size_t>(stop - p));
+    o += stop - p;
+    if (!q) break;
+    if (end - q < 2) return std::string::npos;
+    p = q + 2;
+    switch (q[1]) {
+      case '"': *o++ = '"'; break;
+      case '\\': *o++ = '\\'; break;
+      case '/': *o++ = '/'; break;
+      case 'b': *o++ = '\b'; break;
+      case 'f': *o++ = '\f'; break;
+      case 'n': *o++ = '\n'; break;
+      case 'r': *o++ = '\r'; break;
+      case 't': *o++ = '\t'; break;
+      case 'u': {
+        uint32_t cp = 0;
+        if (!hex4(p, &cp)) return std::string::npos;
+        p += 4;
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+          uint32_t lo = 0;
+          if (end - p < 6 || p[0] != '\\' || p[1] != 'u' || !hex4(p + 2, &lo) || lo < 0xDC00 || lo > 0xDFFF) {
+            return std::string::npos;
+          }
+          p += 6;
+          cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+        } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+          return std::string::npos;
+        }
+        put(cp);
+        break;
+      }
+      default:
+        return std::string::npos;
+    }
+  }
+  return static_cast<size_t>(o - out);
+}
 
 const unsigned char* bytes_data(PyObject* obj, size_t* size) {
   char* data = nullptr;
@@ -436,12 +533,33 @@ const unsigned char* bytes_data(PyObject* obj, size_t* size) {
   return reinterpret_cast<const unsigned char*>(data);
 }
 
-void parse_line(const unsigned char* data, size_t size, const std::vector<std::string>& keys, LineResult* r) {
-  Parser parser(data, data + size, keys);
+// span_min > 0: a line of at least span_min bytes is checked without copying its values; those of
+// span_min bytes or more are left as spans, the others decoded from their checked contents.
+void parse_line(const unsigned char* data, size_t size, const std::vector<std::string>& keys, size_t span_min,
+                LineResult* r) {
+  const bool spans = span_min > 0 && size >= span_min;
+  Parser parser(data, data + size, keys, spans);
   r->ok = parser.parse_line();
-  if (r->ok) {
-    r->found = parser.found();
-    r->values = std::move(parser.values());
+  if (!r->ok) return;
+  r->found = parser.found();
+  r->values = std::move(parser.values());
+  r->spans.assign(keys.size(), {0, 0});
+  if (!spans) return;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!r->found[i]) continue;
+    const auto [from, to] = parser.spans()[i];
+    if (static_cast<size_t>(to - from) >= span_min) {
+      r->spans[i] = {static_cast<size_t>(from - data), static_cast<size_t>(to - data)};
+      continue;
+    }
+    std::string& v = r->values[i];
+    v.resize(static_cast<size_t>(to - from));
+    const size_t n = unescape(from, to, &v[0]);
+    if (n == std::string::npos) {  // the parser accepted it: cannot happen; let Python parse the line
+      r->ok = false;
+      return;
+    }
+    v.resize(n);
   }
 }
 
@@ -449,7 +567,9 @@ py::object to_python(LineResult* r) {
   if (!r->ok) return py::none();
   py::list out(r->values.size());
   for (size_t i = 0; i < r->values.size(); ++i) {
-    if (r->found[i]) {
+    if (r->found[i] && r->spans[i].second != 0) {
+      out[i] = py::make_tuple(r->spans[i].first, r->spans[i].second);
+    } else if (r->found[i]) {
       const std::string& v = r->values[i];
       out[i] = new_bytes(v.size(), [&v](char* to) { std::memcpy(to, v.data(), v.size()); });
     } else {
@@ -466,14 +586,14 @@ py::object extract_strings(const py::bytes& line, const std::vector<std::string>
   LineResult r;
   {
     py::gil_scoped_release release;  // `line` stays referenced by the caller
-    parse_line(data, size, keys, &r);
+    parse_line(data, size, keys, 0, &r);
   }
   return to_python(&r);
 }
 
 // The same for every line of a batch, with one release of the GIL for the whole batch (one per
 // line costs a hand-over between threads per line).
-py::list extract_strings_batch(const py::list& lines, const std::vector<std::string>& keys) {
+py::list extract_strings_batch(const py::list& lines, const std::vector<std::string>& keys, size_t span_min) {
   const size_t n = lines.size();
   std::vector<py::object> keep;  // the list could change once the GIL is released
   std::vector<std::pair<const unsigned char*, size_t>> spans(n);
@@ -485,11 +605,35 @@ py::list extract_strings_batch(const py::list& lines, const std::vector<std::str
   std::vector<LineResult> results(n);
   {
     py::gil_scoped_release release;
-    for (size_t i = 0; i < n; ++i) parse_line(spans[i].first, spans[i].second, keys, &results[i]);
+    for (size_t i = 0; i < n; ++i) parse_line(spans[i].first, spans[i].second, keys, span_min, &results[i]);
   }
   py::list out(n);
   for (size_t i = 0; i < n; ++i) out[i] = to_python(&results[i]);
   return out;
+}
+
+// The text of line[start:end), a part of a string's contents that extract_strings_batch returned as
+// a span, cut before and after a whole character outside any escape sequence.
+py::bytes unescape_span(const py::bytes& line, size_t start, size_t end) {
+  size_t size = 0;
+  const unsigned char* data = bytes_data(line.ptr(), &size);
+  if (start > end || end > size) throw py::value_error("unescape_span: the span is outside the line");
+  PyObject* obj = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(end - start));
+  if (obj == nullptr) throw py::error_already_set();
+  char* to = PyBytes_AS_STRING(obj);
+  size_t n = 0;
+  if (end - start >= (size_t{1} << 16)) {
+    py::gil_scoped_release release;  // `line` stays referenced by the caller
+    n = unescape(data + start, data + end, to);
+  } else {
+    n = unescape(data + start, data + end, to);
+  }
+  if (n == std::string::npos) {
+    Py_DECREF(obj);
+    throw py::value_error("unescape_span: a malformed or cut escape sequence in the span");
+  }
+  if (n != end - start && _PyBytes_Resize(&obj, static_cast<Py_ssize_t>(n)) != 0) throw py::error_already_set();
+  return py::reinterpret_steal<py::bytes>(obj);
 }
 
 // `size` bytes of the open file `fd` from `offset` (a huge line, read whole by the reader), into
@@ -527,8 +671,13 @@ PYBIND11_MODULE(_jsonl, m) {
         "String values of `keys` in one JSONL line as UTF-8 bytes (None for a key that is absent or not a "
         "string), or None when the line is not a strict JSON object in valid UTF-8 without lone surrogate "
         "escapes (then parse it with json.loads).");
-  m.def("extract_strings_batch", &extract_strings_batch, py::arg("lines"), py::arg("keys"),
-        "extract_strings for every line of a list (bytes), parsed with the GIL released once.");
+  m.def("extract_strings_batch", &extract_strings_batch, py::arg("lines"), py::arg("keys"), py::arg("span_min") = 0,
+        "extract_strings for every line of a list (bytes), parsed with the GIL released once; with span_min, "
+        "values of span_min bytes or more in lines of span_min bytes or more come back as (start, end) offsets of "
+        "their contents in the line (checked, not copied: see unescape_span).");
+  m.def("unescape_span", &unescape_span, py::arg("line"), py::arg("start"), py::arg("end"),
+        "The UTF-8 text of line[start:end), part of a string value that extract_strings_batch returned as a span, "
+        "cut outside escape sequences and characters.");
   m.def("read_range", &read_range, py::arg("fd"), py::arg("offset"), py::arg("size"),
         "`size` bytes of the file descriptor `fd` from `offset` (fewer at the end of the file), read with "
         "the GIL released into a bytes object backed by huge pages where the system offers them.");

@@ -41,21 +41,28 @@ class Tokenizer(ABC):
     cut_guards: tuple[str, ...] = ()
     _tie_runs = None  # a compiled regex: no cut before the end of its last match (cut_start)
 
-    def cut_start(self, text: str | bytes) -> int:
-        """Position before which ``text`` must not be cut (cuts.py: SentencePiece Unigram ties)."""
+    @property
+    def has_tie_runs(self) -> bool:
+        """Whether :meth:`cut_start` can hold cuts back (it needs the whole text, or its line)."""
+        return self.cut_mode is not None and self._tie_runs is not None
+
+    def cut_start(self, text: str | bytes, lo: int = 0, hi: Optional[int] = None) -> int:
+        """Position before which ``text[lo:hi]`` must not be cut, as an index into ``text`` (0 when
+        nothing holds cuts back; cuts.py: SentencePiece Unigram ties)."""
         if self.cut_mode is None or self._tie_runs is None:
             return 0
+        hi = len(text) if hi is None else hi
         raw = isinstance(text, bytes)
-        if not _has_other_spaces(text):  # ASCII spaces only: the last run by rfind
-            start = text.rfind(b"   " if raw else "   ")
+        if not _has_other_spaces(text, lo, hi):  # ASCII spaces only: the last run by rfind
+            start = text.rfind(b"   " if raw else "   ", lo, hi)
             if start < 0:
                 return 0
             end, space = start + 3, (b" " if raw else " ")
-            while text[end:end + 1] == space:
+            while end < hi and text[end:end + 1] == space:
                 end += 1
             return end + 1
         last = -1
-        for m in self._tie_runs[raw].finditer(text):
+        for m in self._tie_runs[raw].finditer(text, lo, hi):
             last = m.end()
         return last + 1 if last >= 0 else 0
 
@@ -247,15 +254,16 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
 _OTHER_SPACES_STR = tuple("\u00a0\u202f\u205f\u3000") + tuple(chr(c) for c in range(0x2000, 0x200b))
 
 
-def _has_other_spaces(text: str | bytes) -> bool:
-    """``text`` holds one of ``_OTHER_SPACES_STR`` (as UTF-8 for bytes): fast substring searches,
-    and for U+2000-U+200A / U+202F (bytes E2 80 80-8A / AF, a prefix that dashes and quotes share)
-    one vectorised pass."""
+def _has_other_spaces(text: str | bytes, lo: int = 0, hi: Optional[int] = None) -> bool:
+    """``text[lo:hi]`` holds one of ``_OTHER_SPACES_STR`` (as UTF-8 for bytes): fast substring
+    searches, and for U+2000-U+200A / U+202F (bytes E2 80 80-8A / AF, a prefix that dashes and
+    quotes share) one vectorised pass."""
+    hi = len(text) if hi is None else hi
     if isinstance(text, str):
-        return any(c in text for c in _OTHER_SPACES_STR)
-    if b"\xc2\xa0" in text or b"\xe2\x81\x9f" in text or b"\xe3\x80\x80" in text:
+        return any(text.find(c, lo, hi) >= 0 for c in _OTHER_SPACES_STR)
+    if any(text.find(c, lo, hi) >= 0 for c in (b"\xc2\xa0", b"\xe2\x81\x9f", b"\xe3\x80\x80")):
         return True
-    a = np.frombuffer(text, np.uint8)
+    a = np.frombuffer(text, np.uint8)[lo:hi]
     lead = np.flatnonzero(a[:-2] == 0xE2) if a.size >= 3 else a[:0]
     if not lead.size:
         return False

@@ -31,7 +31,7 @@ with the whole text's on varied text (tests/unit/test_preprocess_cuts.py).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 Text = Union[str, bytes]
 
@@ -102,9 +102,7 @@ def cut_document(text: Text, target: int, mode: Optional[str], guards: tuple[str
         pieces.append(text[:cut])
         start = cut + 1 if mode == "drop" else cut
     while len(text) - start > target:
-        cut = _find_cut(text, start + target // 2, start + target, guards)
-        if cut < 0:  # the last boundary in the first half of the window, else the first after it
-            cut = _find_cut(text, start + 1, start + target // 2, guards)
+        cut = _window_cut(text, start, target, guards)
         if cut < 0:
             cut = _next_cut(text, start + target, guards)
         if cut < 0:
@@ -123,3 +121,87 @@ def _next_cut(text: Text, pos: int, guards: tuple) -> int:
             return i
         i = text.find(space, i + 1)
     return -1
+
+
+def _window_cut(text: Text, start: int, target: int, guards: tuple) -> int:
+    """The cut ending the piece that starts at ``start``: the window's (second half first, then the
+    last boundary in its first half), or -1. Never ``start`` itself (an empty piece)."""
+    half = start + max(1, target // 2)
+    cut = _find_cut(text, half, start + target, guards)
+    if cut < 0:
+        cut = _find_cut(text, start + 1, half, guards)
+    return cut
+
+
+def cut_stream(chunks: Iterable[Text], target: int, mode: Optional[str], guards: tuple[str, ...] = (),
+               first_cut: int = 0) -> Iterator[Text]:
+    """The pieces of ``cut_document(text, target, mode, guards, first_cut)`` where ``text`` is the
+    concatenation of ``chunks`` (all str or all bytes, at least one), each piece given out as soon
+    as the text received decides it — so that a huge text can be tokenized while the rest of it is
+    still being read and decoded. Holds about one piece plus one chunk of text."""
+    if mode not in (None, "keep", "drop"):
+        raise ValueError(f"unknown cut mode {mode!r}")
+    it = iter(chunks)
+    buf = next(it)
+    if mode is None:
+        yield buf[:0].join([buf, *it])
+        return
+    if isinstance(buf, bytes):
+        guards = tuple(g.encode("utf-8") for g in guards)
+    space = b" " if isinstance(buf, bytes) else " "
+    # A boundary at i is decided by the text up to i + margin (the next character, a guard after it).
+    margin = 5 + max((len(g) for g in guards), default=0)
+    drop = mode == "drop"
+    base = 0  # offset of buf in the whole text (buf keeps ``margin`` characters before ``start``)
+    start = 0  # where the current piece starts, in buf
+    first = first_cut > target // 2  # the first piece ends at the first boundary from first_cut
+    scan = -1  # where a forward search for a boundary resumes, in buf (-1: none under way)
+    final = False
+    while True:
+        while True:  # give out every piece the text so far decides
+            n = len(buf)
+            if final and (n - start <= target or (first and first_cut >= base + n)):
+                yield buf[start:]
+                return
+            if not final and n - start <= target + margin:
+                break
+            if first:
+                lo = first_cut - base
+            else:
+                cut = _window_cut(buf, start, target, guards)
+                if cut >= 0:
+                    piece, start = buf[start:cut], cut + drop
+                    yield piece
+                    continue
+                lo = start + target
+            cut, scan = _forward_cut(buf, max(lo, scan), guards, space, None if final else n - margin)
+            if cut < 0 and not final:
+                break
+            if cut < 0:
+                yield buf[start:]
+                return
+            piece, start = buf[start:cut], cut + drop
+            first, scan = False, -1
+            yield piece
+        chunk = next(it, None)  # (with the whole text, the loop above always ends in a return)
+        if chunk is None:
+            final = True
+            continue
+        keep = 0 if first else max(0, start - margin)
+        buf = buf[keep:] + chunk
+        base += keep
+        start -= keep
+        scan = scan - keep if scan >= 0 else -1
+
+
+def _forward_cut(text: Text, pos: int, guards: tuple, space: Text, decided: Optional[int]) -> tuple[int, int]:
+    """(the first boundary at or after ``pos``, -1) as :func:`_next_cut`; with ``decided``, only
+    spaces before it can be judged, and when none of them is a boundary: (-1, where to resume)."""
+    i = text.find(space, pos)
+    while i >= 0 and (decided is None or i < decided):
+        if _is_word_boundary(text, i, guards):
+            return i, -1
+        i = text.find(space, i + 1)
+    if decided is None:
+        return -1, -1
+    return -1, (i if i >= 0 else max(pos, decided))

@@ -10,19 +10,20 @@ import json
 import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Optional
+from itertools import islice
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
 from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch
-from megatron_ru.data.preprocess.cuts import cut_document
+from megatron_ru.data.preprocess.cuts import cut_document, cut_stream
 from megatron_ru.data.preprocess.text import split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import Tokenizer
 
 try:  # csrc/jsonl.cpp: string values straight from the line's bytes (see Encoder._fields)
-    from megatron_ru.data.preprocess._jsonl import extract_strings_batch
+    from megatron_ru.data.preprocess._jsonl import extract_strings_batch, unescape_span
 except ImportError:  # not built: every line goes through json.loads (same results, slower)
-    extract_strings_batch = None
+    extract_strings_batch = unescape_span = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class EncodeOptions:
     # threads for the tokenizer call that encodes the pieces of a cut (huge) document: the pieces
     # of one document are spread over all of them (tools/preprocess_data.py: --workers)
     spread_threads: int = 1
+    # a text whose JSON string takes at least this many bytes is decoded and cut as a stream while
+    # its first pieces are tokenized (Encoder._encode_stream); None: STREAM_PIECES × chunk_chars
+    stream_bytes: Optional[int] = None
 
 
 @dataclass
@@ -65,6 +69,10 @@ class BatchResult:
 
 # a cut document goes to the tokenizer this many pieces per thread at a time (see Encoder._encode_pieces)
 GROUP_PIECES_PER_THREAD = 8
+# texts of this many pieces or more are streamed (EncodeOptions.stream_bytes), decoded this many
+# bytes of their JSON string at a time
+STREAM_PIECES = 4
+STREAM_CHUNK_BYTES = 1 << 20
 _NON_SPACE = re.compile(r"\S")
 _NON_SPACE_BYTES = re.compile(rb"\S")
 # In UTF-8 text: an ASCII byte that is not whitespace for ``\s``, or the lead byte of a character
@@ -73,8 +81,10 @@ _NON_SPACE_BYTES = re.compile(rb"\S")
 _NOT_BLANK_UTF8 = re.compile(rb"[^\t\n\x0b\x0c\r\x1c-\x1f \x80-\xbf\xc2\xe1\xe2\xe3]")
 
 
-def is_blank(text: str | bytes) -> bool:
-    """True when ``text`` (str, or UTF-8 bytes) is empty or whitespace only (regex ``\\s``)."""
+def is_blank(text) -> bool:
+    """True when ``text`` (str, UTF-8 bytes or a :class:`Span`) is empty or whitespace only (regex ``\\s``)."""
+    if isinstance(text, Span):
+        return text.is_blank()
     if isinstance(text, bytes):
         if _NOT_BLANK_UTF8.search(text) is not None:
             return False
@@ -88,6 +98,48 @@ class Invalid(Exception):
     def __init__(self, reason: str, detail: str, fix: str) -> None:
         super().__init__(detail)
         self.reason, self.detail, self.fix = reason, detail, fix
+
+
+@dataclass(frozen=True)
+class Span:
+    """A long string value left in its line: ``line[start:end]`` are the contents of a JSON string
+    that the C++ parser has checked (csrc/jsonl.cpp, ``span_min``), decoded part by part
+    (:meth:`chunks`) so that a huge text is never held decoded as a whole."""
+
+    line: bytes
+    start: int
+    end: int
+
+    def decode(self) -> bytes:
+        return unescape_span(self.line, self.start, self.end)
+
+    def chunks(self, size: int = STREAM_CHUNK_BYTES) -> Iterator[bytes]:
+        """The text in UTF-8 parts of about ``size`` bytes of JSON, each ending before a literal
+        space or a UTF-8 lead byte of the line (never inside an escape sequence or a character)."""
+        a, end = self.start, self.end
+        while a < end:
+            b = end if end - a <= size else _split_point(self.line, a, a + size, end)
+            yield unescape_span(self.line, a, b)
+            a = b
+
+    def is_blank(self) -> bool:
+        first = next(self.chunks(4096), b"")
+        return is_blank(first) and is_blank(self.decode())
+
+
+def _split_point(line: bytes, lo: int, want: int, end: int) -> int:
+    """A position in ``(lo, end]`` near ``want`` where the JSON string contents ``line[lo:end]``
+    can be split for :func:`unescape_span`: after the last literal space before ``want``, else at
+    a UTF-8 lead byte just before it (neither can be inside an escape), else after the first space
+    past it, else ``end``."""
+    p = line.rfind(b" ", lo, want)
+    if p >= 0:
+        return p + 1
+    for q in range(want - 1, max(lo, want - 64), -1):
+        if line[q] >= 0xC0:
+            return q
+    p = line.find(b" ", want, end)
+    return end if p < 0 else p + 1
 
 
 def _parse(line: bytes, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
@@ -131,7 +183,9 @@ def _parse(line: bytes, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
     return group, texts
 
 
-def _text(value: str | bytes) -> str:
+def _text(value) -> str:
+    if isinstance(value, Span):
+        value = value.decode()
     return value if isinstance(value, str) else value.decode("utf-8")
 
 
@@ -157,6 +211,11 @@ class Encoder:
         self._keys = list(opts.json_keys) + ([opts.group_by_key] if opts.group_by_key is not None else [])
         # Texts stay UTF-8 bytes from the line to the tokenizer when nothing needs them as str.
         self._bytes_ok = tokenizer.accepts_utf8_bytes and not (opts.split_paragraphs or opts.split_sentences)
+        # JSON strings of this many bytes or more stay in their line as a Span and are streamed (0: never)
+        self._stream_bytes = 0
+        if (extract_strings_batch is not None and tokenizer.cut_mode is not None
+                and not (opts.split_paragraphs or opts.split_sentences)):
+            self._stream_bytes = opts.stream_bytes or STREAM_PIECES * opts.chunk_chars
 
     def _fields(self, raw: bytes, values: Optional[list]) -> tuple[Optional[str], list]:
         """(group, texts) of one line. ``values`` is the C++ fast path's result for it (csrc/jsonl.cpp:
@@ -166,8 +225,9 @@ class Encoder:
         Texts are UTF-8 bytes when the tokenizer takes them (no str round trip), else str."""
         if values is not None and None not in values:
             n = len(self.opts.json_keys)
+            values = [Span(raw, *v) if isinstance(v, tuple) else v for v in values]
             group = _text(values[n]) if len(values) > n else None
-            texts = values[:n] if self._bytes_ok else [_text(v) for v in values[:n]]
+            texts = values[:n] if self._bytes_ok else [v if isinstance(v, Span) else _text(v) for v in values[:n]]
             return group, texts
         return _parse(raw, self.opts)
 
@@ -202,11 +262,12 @@ class Encoder:
         if lines and lines[-1] == b"":
             lines.pop()
         batch.lines = lines
-        values = extract_strings_batch(lines, self._keys) if extract_strings_batch is not None else None
+        values = (extract_strings_batch(lines, self._keys, self._stream_bytes)
+                  if extract_strings_batch is not None else None)
         if values is not None and not self._bytes_ok:  # a tokenizer that takes str only: decode here too
             for i, v in enumerate(values):
                 if v is not None and None not in v:
-                    values[i] = [t.decode("utf-8") for t in v]
+                    values[i] = [t if isinstance(t, tuple) else t.decode("utf-8") for t in v]
         batch.values = values
         return batch
 
@@ -255,35 +316,49 @@ class Encoder:
         becomes a list of piece lists), so a huge text is not held twice."""
         chunks: list = []
         counts: list[int] = []
-        for _, _, _, segs in docs:
-            for j, seg in enumerate(segs):
-                pieces = self._chunks(seg)
-                res.uncut += len(pieces) == 1 and len(seg) > self.opts.chunk_chars
-                counts.append(len(pieces))
-                chunks.extend(pieces)
-                segs[j] = pieces
+        streamed: list = []  # ids of the Span segments, in order
+        try:
+            for _, _, _, segs in docs:
+                for j, seg in enumerate(segs):
+                    if isinstance(seg, Span):
+                        streamed.append(self._encode_stream(seg, res))
+                        segs[j] = [seg]
+                        counts.append(0)
+                        continue
+                    pieces = self._chunks(seg)
+                    res.uncut += len(pieces) == 1 and len(seg) > self.opts.chunk_chars
+                    counts.append(len(pieces))
+                    chunks.extend(pieces)
+                    segs[j] = pieces
+        except Exception:  # find the line that failed, to name it
+            return self._tokenize_one_by_one(docs, res, path)
         # the pieces of a cut document go to every thread; other batches use the tokenizer's own
         # setting (the workers already run in parallel)
-        threads = self.opts.spread_threads if len(counts) < len(chunks) else None
+        cut = sum(1 for n in counts if n) < len(chunks)
+        threads = self.opts.spread_threads if cut else None
         try:
-            flat = self._encode_pieces(chunks, threads or 1, cut=len(counts) < len(chunks))
+            flat = self._encode_pieces(chunks, threads or 1, cut=cut)
         except Exception:  # find the line that failed, to name it
             return self._tokenize_one_by_one(docs, res, path)
         del chunks
         out: list[Optional[list[np.ndarray]]] = []
         k = 0
         n_iter = iter(counts)
+        s_iter = iter(streamed)
         for _, _, _, segs in docs:
             per_seg = []
             for _ in segs:
                 n = next(n_iter)
+                if n == 0:
+                    per_seg.append(next(s_iter))
+                    continue
                 per_seg.append(flat[k] if n == 1 else np.concatenate(flat[k:k + n]))
                 flat[k:k + n] = [None] * n
                 k += n
             out.append(per_seg)
         return out
 
-    def _encode_pieces(self, chunks: list, threads: int, cut: bool) -> list[np.ndarray]:
+    def _encode_pieces(self, chunks: Iterable, threads: int, cut: bool, stream: bool = False) -> list[np.ndarray]:
         """Ids of every chunk as arrays of the output dtype. When a document was ``cut``, at most
         ``GROUP_PIECES_PER_THREAD × threads`` pieces are with the tokenizer at a time (bounds what it
         holds for a huge document — its result objects for all of it took 2.0 GB for 100 MB with
@@ -293,16 +368,55 @@ class Encoder:
         as soon as it is done: calls of a group of pieces left the library's threads idle while one
         thread converted the group's ids (100 MB, 2 threads: 25.7 s vs 22.9 s for one call with all
         the pieces; pooled 22.8 s, benchmarks/preprocess_huge_phases.py). SentencePiece and tiktoken
-        hand out arrays; one task per piece was slower for them (tiktoken 3.7 vs 2.8 s), so they
-        keep groups of that many pieces, one call each (the call spreads them over the threads)."""
-        step = GROUP_PIECES_PER_THREAD * threads if cut else len(chunks)
-        if cut and threads > 1 and self.tok.releases_gil and self.tok.pieces_one_per_task:
-            return self._encode_pieces_pooled(chunks, threads, step)
+        hand out arrays; they keep groups of that many pieces, one call each (the call spreads them
+        over the threads), except for a ``stream`` of pieces (:meth:`_encode_stream`), which goes to
+        the pool for any tokenizer that releases the GIL, so that the pieces are tokenized on other
+        threads while this one decodes and cuts the next ones."""
+        if cut and self.tok.releases_gil and (stream or (threads > 1 and self.tok.pieces_one_per_task)):
+            return self._encode_pieces_pooled(chunks, threads, GROUP_PIECES_PER_THREAD * threads)
+        num_threads = threads if threads > 1 else None
+        if not cut:
+            return self._checked(self.tok.tokenize_batch_arrays(list(chunks), num_threads=num_threads))
         out: list[np.ndarray] = []
-        for i in range(0, len(chunks), max(step, 1)):
-            out += self._checked(self.tok.tokenize_batch_arrays(chunks[i:i + step],
-                                                                num_threads=threads if threads > 1 else None))
+        it = iter(chunks)
+        while group := list(islice(it, GROUP_PIECES_PER_THREAD * threads)):
+            out += self._checked(self.tok.tokenize_batch_arrays(group, num_threads=num_threads))
         return out
+
+    def _encode_stream(self, span: Span, res: BatchResult) -> np.ndarray:
+        """Ids of a long text left in its line (a :class:`Span`): its JSON string is decoded
+        ``STREAM_CHUNK_BYTES`` at a time and cut as it arrives (``cut_stream``: the pieces
+        ``cut_document`` gives for the whole text), and the pieces go to the tokenizer's threads
+        while this thread decodes and cuts the next ones. So the tokenizing starts after the first
+        piece instead of after the whole text was parsed, copied, decoded and cut, and the decoded
+        text is never held whole. Same ids as the whole text's (the same pieces as :meth:`_chunks`)."""
+        tok, opts = self.tok, self.opts
+        first_cut = 0
+        if tok.has_tie_runs:  # no cut before the last run of spaces (cut_start): find it in the line
+            if not self._bytes_ok or span.line.find(b"\\u", span.start, span.end) >= 0:
+                # (an escape may make a space, and positions in the line are not the text's): whole
+                text = span.decode() if self._bytes_ok else span.decode().decode("utf-8")
+                pieces = self._chunks(text)
+                res.uncut += len(pieces) == 1 and len(text) > opts.chunk_chars
+                ids = self._encode_pieces(pieces, opts.spread_threads, cut=len(pieces) > 1)
+                return ids[0] if len(ids) == 1 else np.concatenate(ids)
+            run_end = tok.cut_start(span.line, span.start, span.end) - 1
+            if run_end >= 0:  # each escape (no \u among them) is two bytes of the line for one of the text
+                escapes = span.line.count(b"\\", span.start, run_end) - span.line.count(b"\\\\", span.start, run_end)
+                first_cut = run_end - span.start - escapes + 1
+        chunks: Iterable = span.chunks()
+        if not self._bytes_ok:
+            chunks = (c.decode("utf-8") for c in chunks)
+        sizes: list[int] = []
+
+        def pieces() -> Iterator:
+            for piece in cut_stream(chunks, opts.chunk_chars, tok.cut_mode, tok.cut_guards, first_cut):
+                sizes.append(len(piece))
+                yield piece
+
+        ids = self._encode_pieces(pieces(), opts.spread_threads, cut=True, stream=True)
+        res.uncut += len(sizes) == 1 and sizes[0] > opts.chunk_chars
+        return ids[0] if len(ids) == 1 else np.concatenate(ids)
 
     def _checked(self, arrays) -> list[np.ndarray]:
         vocab = self.tok.vocab_size
@@ -313,7 +427,7 @@ class Encoder:
             out.append(a.astype(self.dtype, copy=False))
         return out
 
-    def _encode_pieces_pooled(self, chunks: list, threads: int, window: int) -> list[np.ndarray]:
+    def _encode_pieces_pooled(self, chunks: Iterable, threads: int, window: int) -> list[np.ndarray]:
         from concurrent.futures import ThreadPoolExecutor
 
         task = lambda piece: self._checked(self.tok.tokenize_batch_arrays([piece]))[0]  # noqa: E731
@@ -321,8 +435,8 @@ class Encoder:
         pending: deque = deque()
         with ThreadPoolExecutor(threads, thread_name_prefix="pieces") as pool:
             try:
-                for i in range(len(chunks)):
-                    pending.append(pool.submit(task, chunks[i]))
+                for piece in chunks:
+                    pending.append(pool.submit(task, piece))
                     if len(pending) >= window:
                         out.append(pending.popleft().result())
                 while pending:
@@ -335,7 +449,8 @@ class Encoder:
     def _tokenize_one_by_one(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
         out: list[Optional[list[np.ndarray]]] = []
         for line_no, _, key, segs in docs:
-            pieces = [[p.decode("utf-8") if isinstance(p, bytes) else p for p in seg] for seg in segs]
+            # (each segment is a list of pieces, or still its text where _tokenize stopped early)
+            pieces = [[_text(p) for p in ([seg] if isinstance(seg, (str, bytes, Span)) else seg)] for seg in segs]
             try:
                 out.append([np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64) for c in seg]
                                            ).astype(self.dtype) for seg in pieces])
