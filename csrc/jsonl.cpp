@@ -3,7 +3,8 @@
 //
 //   extract_strings(line: bytes, keys: list[str]) -> list[bytes | None] | None
 //   extract_strings_batch(lines: list[bytes], keys: list[str], span_min=0) -> list[that, per line]
-//   unescape_span(line: bytes, start, end) -> bytes
+//   extract_strings_at(buffer, start, end, keys, span_min=0) -> the same for buffer[start:end)
+//   unescape_span(line: bytes | buffer, start, end) -> bytes
 //
 // With span_min > 0, in a line of at least span_min bytes a value whose JSON string takes at least
 // span_min bytes is returned as (start, end), the offsets of its contents (between the quotes) in
@@ -535,6 +536,22 @@ const unsigned char* bytes_data(PyObject* obj, size_t* size) {
 
 // span_min > 0: a line of at least span_min bytes is checked without copying its values; those of
 // span_min bytes or more are left as spans, the others decoded from their checked contents.
+// A read-only view of any object with the buffer protocol (bytes, mmap), released on destruction.
+class View {
+ public:
+  explicit View(const py::handle& obj) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  }
+  ~View() { PyBuffer_Release(&view_); }
+  View(const View&) = delete;
+  View& operator=(const View&) = delete;
+  const unsigned char* data() const { return static_cast<const unsigned char*>(view_.buf); }
+  size_t size() const { return static_cast<size_t>(view_.len); }
+
+ private:
+  Py_buffer view_;
+};
+
 void parse_line(const unsigned char* data, size_t size, const std::vector<std::string>& keys, size_t span_min,
                 LineResult* r) {
   const bool spans = span_min > 0 && size >= span_min;
@@ -612,12 +629,33 @@ py::list extract_strings_batch(const py::list& lines, const std::vector<std::str
   return out;
 }
 
-// The text of line[start:end), a part of a string's contents that extract_strings_batch returned as
-// a span, cut before and after a whole character outside any escape sequence.
-py::bytes unescape_span(const py::bytes& line, size_t start, size_t end) {
-  size_t size = 0;
-  const unsigned char* data = bytes_data(line.ptr(), &size);
-  if (start > end || end > size) throw py::value_error("unescape_span: the span is outside the line");
+// One line that is buffer[start:end) of a larger buffer (a mapped file), followed there by its
+// newline (which ends the parser's scans as the NUL of a bytes object does): extract_strings with
+// span_min, the spans as offsets in the buffer.
+py::object extract_strings_at(const py::handle& buffer, size_t start, size_t end, const std::vector<std::string>& keys,
+                              size_t span_min) {
+  const View buf(buffer);
+  if (start > end || end >= buf.size() || buf.data()[end] != '\n') {
+    throw py::value_error("extract_strings_at: the line must lie inside the buffer and be followed by a newline");
+  }
+  LineResult r;
+  {
+    py::gil_scoped_release release;  // `buffer` stays referenced by the caller
+    parse_line(buf.data() + start, end - start, keys, span_min, &r);
+  }
+  for (auto& sp : r.spans) {
+    if (sp.second != 0) sp = {sp.first + start, sp.second + start};
+  }
+  return to_python(&r);
+}
+
+// The text of line[start:end) (line: bytes, or any buffer such as a mapped file), a part of a
+// string's contents that extract_strings_batch or extract_strings_at returned as a span, cut
+// before and after a whole character outside any escape sequence.
+py::bytes unescape_span(const py::handle& line, size_t start, size_t end) {
+  const View buf(line);
+  const unsigned char* data = buf.data();
+  if (start > end || end > buf.size()) throw py::value_error("unescape_span: the span is outside the line");
   PyObject* obj = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(end - start));
   if (obj == nullptr) throw py::error_already_set();
   char* to = PyBytes_AS_STRING(obj);
@@ -675,6 +713,10 @@ PYBIND11_MODULE(_jsonl, m) {
         "extract_strings for every line of a list (bytes), parsed with the GIL released once; with span_min, "
         "values of span_min bytes or more in lines of span_min bytes or more come back as (start, end) offsets of "
         "their contents in the line (checked, not copied: see unescape_span).");
+  m.def("extract_strings_at", &extract_strings_at, py::arg("buffer"), py::arg("start"), py::arg("end"),
+        py::arg("keys"), py::arg("span_min") = 0,
+        "extract_strings for the line buffer[start:end) of a buffer (a mapped file) in which a newline follows it; "
+        "spans are offsets in the buffer.");
   m.def("unescape_span", &unescape_span, py::arg("line"), py::arg("start"), py::arg("end"),
         "The UTF-8 text of line[start:end), part of a string value that extract_strings_batch returned as a span, "
         "cut outside escape sequences and characters.");

@@ -104,17 +104,20 @@ class IndexedDatasetBuilder:
         self.sequence_lengths.extend(int(n) for n in lengths)
         self.end_document()
 
-    def add_documents(self, tokens: np.ndarray, sequence_lengths: Sequence[int] | np.ndarray,
+    def add_documents(self, tokens: np.ndarray | list[np.ndarray], sequence_lengths: Sequence[int] | np.ndarray,
                       sequences_per_document: Sequence[int] | np.ndarray) -> None:
-        """Append many documents at once: ``tokens`` back to back, the length of each sequence,
-        and how many sequences each document has (one write, no per-sequence Python work)."""
-        arr = np.asarray(tokens, dtype=self.dtype)
+        """Append many documents at once: ``tokens`` back to back (an array, or a list of arrays
+        written one after the other), the length of each sequence, and how many sequences each
+        document has (no per-sequence Python work)."""
+        arrays = [np.asarray(t, dtype=self.dtype) for t in (tokens if isinstance(tokens, list) else [tokens])]
+        size = sum(a.size for a in arrays)
         lengths = np.asarray(sequence_lengths, dtype=np.int64)
         counts = np.asarray(sequences_per_document, dtype=np.int64)
-        if int(lengths.sum()) != arr.size or int(counts.sum()) != lengths.size:
-            raise ValueError(f"add_documents: {arr.size} tokens, sequence lengths summing to {int(lengths.sum())}, "
+        if int(lengths.sum()) != size or int(counts.sum()) != lengths.size:
+            raise ValueError(f"add_documents: {size} tokens, sequence lengths summing to {int(lengths.sum())}, "
                              f"{lengths.size} sequences but sequences_per_document sums to {int(counts.sum())}")
-        self._file.write(arr.tobytes(order="C"))
+        for a in arrays:
+            self._file.write(memoryview(np.ascontiguousarray(a)).cast("B"))  # (no copy into a bytes object)
         base = len(self.sequence_lengths)
         self.sequence_lengths.extend(lengths.tolist())
         self.document_indices.extend((base + np.cumsum(counts)).tolist())

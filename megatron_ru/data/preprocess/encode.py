@@ -15,15 +15,15 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch
+from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch, MappedLine
 from megatron_ru.data.preprocess.cuts import cut_document, cut_stream
 from megatron_ru.data.preprocess.text import split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import Tokenizer
 
 try:  # csrc/jsonl.cpp: string values straight from the line's bytes (see Encoder._fields)
-    from megatron_ru.data.preprocess._jsonl import extract_strings_batch, unescape_span
+    from megatron_ru.data.preprocess._jsonl import extract_strings_at, extract_strings_batch, unescape_span
 except ImportError:  # not built: every line goes through json.loads (same results, slower)
-    extract_strings_batch = unescape_span = None
+    extract_strings_at = extract_strings_batch = unescape_span = None
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,10 @@ class EncodeOptions:
 
 @dataclass
 class Output:
-    """Documents for one dataset: tokens back to back, tokens per sequence, sequences per doc."""
+    """Documents for one dataset: tokens back to back (one array, or for a huge document the
+    arrays of its pieces, written one after the other), tokens per sequence, sequences per doc."""
 
-    tokens: np.ndarray
+    tokens: "np.ndarray | list[np.ndarray]"
     sequence_lengths: np.ndarray
     sequences_per_document: np.ndarray
 
@@ -73,6 +74,7 @@ GROUP_PIECES_PER_THREAD = 8
 # bytes of their JSON string at a time
 STREAM_PIECES = 4
 STREAM_CHUNK_BYTES = 1 << 20
+WRITE_PIECES_OVER = 1 << 22  # tokens of one output of a batch: written array by array (Encoder._assemble)
 _NON_SPACE = re.compile(r"\S")
 _NON_SPACE_BYTES = re.compile(rb"\S")
 # In UTF-8 text: an ASCII byte that is not whitespace for ``\s``, or the lead byte of a character
@@ -104,9 +106,10 @@ class Invalid(Exception):
 class Span:
     """A long string value left in its line: ``line[start:end]`` are the contents of a JSON string
     that the C++ parser has checked (csrc/jsonl.cpp, ``span_min``), decoded part by part
-    (:meth:`chunks`) so that a huge text is never held decoded as a whole."""
+    (:meth:`chunks`) so that a huge text is never held decoded as a whole. ``line`` is the line's
+    bytes, or the mapped file of a :class:`MappedLine` (offsets in the file)."""
 
-    line: bytes
+    line: object
     start: int
     end: int
 
@@ -142,7 +145,8 @@ def _split_point(line: bytes, lo: int, want: int, end: int) -> int:
     return end if p < 0 else p + 1
 
 
-def _parse(line: bytes, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
+def _parse(line, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
+    line = bytes(line)  # (a MappedLine: copied only here, for a line the C++ parser did not take)
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -225,7 +229,8 @@ class Encoder:
         Texts are UTF-8 bytes when the tokenizer takes them (no str round trip), else str."""
         if values is not None and None not in values:
             n = len(self.opts.json_keys)
-            values = [Span(raw, *v) if isinstance(v, tuple) else v for v in values]
+            line = raw.mm if isinstance(raw, MappedLine) else raw
+            values = [Span(line, *v) if isinstance(v, tuple) else v for v in values]
             group = _text(values[n]) if len(values) > n else None
             texts = values[:n] if self._bytes_ok else [v if isinstance(v, Span) else _text(v) for v in values[:n]]
             return group, texts
@@ -257,13 +262,18 @@ class Encoder:
         :meth:`encode`, which the main thread runs ahead for worker threads so that they overlap
         tokenizing. ``batch.data`` is released."""
         batch.size = len(batch.data) + batch.trailing
-        lines = batch.data.split(b"\n")
+        if isinstance(batch.data, MappedLine):  # one huge line, parsed where it lies in the file
+            m = batch.data
+            lines = [m]
+            values = [extract_strings_at(m.mm, m.start, m.end, self._keys, self._stream_bytes)]
+        else:
+            lines = batch.data.split(b"\n")
+            if lines and lines[-1] == b"":
+                lines.pop()
+            values = (extract_strings_batch(lines, self._keys, self._stream_bytes)
+                      if extract_strings_batch is not None else None)
         batch.data = b""
-        if lines and lines[-1] == b"":
-            lines.pop()
         batch.lines = lines
-        values = (extract_strings_batch(lines, self._keys, self._stream_bytes)
-                  if extract_strings_batch is not None else None)
         if values is not None and not self._bytes_ok:  # a tokenizer that takes str only: decode here too
             for i, v in enumerate(values):
                 if v is not None and None not in v:
@@ -286,7 +296,8 @@ class Encoder:
         docs: list[tuple[int, Optional[str], str, list[str]]] = []
         for i, raw in enumerate(lines):
             line_no = batch.first_line + i
-            if _NON_SPACE_BYTES.search(raw) is None:
+            if (_NON_SPACE_BYTES.search(raw.mm, raw.start, raw.end) if isinstance(raw, MappedLine)
+                    else _NON_SPACE_BYTES.search(raw)) is None:
                 res.skipped["blank line"] += 1
                 continue
             lines[i] = b""  # the parsed text is what we keep (matters for a 100 MB line)
@@ -310,8 +321,9 @@ class Encoder:
             self._assemble(docs, arrays, res)
         return res
 
-    def _tokenize(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
-        """Per document, one id array (of the output dtype) per segment; None for a document the
+    def _tokenize(self, docs, res: BatchResult, path: str) -> list[Optional[list[list[np.ndarray]]]]:
+        """Per document, per segment the id arrays (of the output dtype) of its pieces, which
+        :meth:`_assemble` concatenates once with the rest of the batch; None for a document the
         tokenizer refused. The documents' texts are replaced by their pieces (``docs[i][3]``
         becomes a list of piece lists), so a huge text is not held twice."""
         chunks: list = []
@@ -349,10 +361,7 @@ class Encoder:
             per_seg = []
             for _ in segs:
                 n = next(n_iter)
-                if n == 0:
-                    per_seg.append(next(s_iter))
-                    continue
-                per_seg.append(flat[k] if n == 1 else np.concatenate(flat[k:k + n]))
+                per_seg.append(next(s_iter) if n == 0 else flat[k:k + n])
                 flat[k:k + n] = [None] * n
                 k += n
             out.append(per_seg)
@@ -383,7 +392,7 @@ class Encoder:
             out += self._checked(self.tok.tokenize_batch_arrays(group, num_threads=num_threads))
         return out
 
-    def _encode_stream(self, span: Span, res: BatchResult) -> np.ndarray:
+    def _encode_stream(self, span: Span, res: BatchResult) -> list[np.ndarray]:
         """Ids of a long text left in its line (a :class:`Span`): its JSON string is decoded
         ``STREAM_CHUNK_BYTES`` at a time and cut as it arrives (``cut_stream``: the pieces
         ``cut_document`` gives for the whole text), and the pieces go to the tokenizer's threads
@@ -398,8 +407,7 @@ class Encoder:
                 text = span.decode() if self._bytes_ok else span.decode().decode("utf-8")
                 pieces = self._chunks(text)
                 res.uncut += len(pieces) == 1 and len(text) > opts.chunk_chars
-                ids = self._encode_pieces(pieces, opts.spread_threads, cut=len(pieces) > 1)
-                return ids[0] if len(ids) == 1 else np.concatenate(ids)
+                return self._encode_pieces(pieces, opts.spread_threads, cut=len(pieces) > 1)
             run_end = tok.cut_start(span.line, span.start, span.end) - 1
             if run_end >= 0:  # each escape (no \u among them) is two bytes of the line for one of the text
                 escapes = span.line.count(b"\\", span.start, run_end) - span.line.count(b"\\\\", span.start, run_end)
@@ -416,7 +424,7 @@ class Encoder:
 
         ids = self._encode_pieces(pieces(), opts.spread_threads, cut=True, stream=True)
         res.uncut += len(sizes) == 1 and sizes[0] > opts.chunk_chars
-        return ids[0] if len(ids) == 1 else np.concatenate(ids)
+        return ids
 
     def _checked(self, arrays) -> list[np.ndarray]:
         vocab = self.tok.vocab_size
@@ -452,8 +460,8 @@ class Encoder:
             # (each segment is a list of pieces, or still its text where _tokenize stopped early)
             pieces = [[_text(p) for p in ([seg] if isinstance(seg, (str, bytes, Span)) else seg)] for seg in segs]
             try:
-                out.append([np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64) for c in seg]
-                                           ).astype(self.dtype) for seg in pieces])
+                out.append([[np.concatenate([np.asarray(self.tok.tokenize(c), dtype=np.int64) for c in seg]
+                                            ).astype(self.dtype)] for seg in pieces])
             except Exception as e:
                 if _has_lone_surrogate([p for seg in pieces for p in seg]):
                     err = Invalid("invalid UTF-8", f"key '{key}' contains a lone surrogate escape (\\ud800-\\udfff)",
@@ -472,21 +480,26 @@ class Encoder:
         for (line_no, group, key, _), segs in zip(docs, arrays):
             if segs is None:
                 continue
-            segs = [s for s in segs if s.size]
-            if not segs:
+            sizes = [sum(a.size for a in s) for s in segs]
+            if not any(sizes):
                 res.skipped[f"no tokens '{key}'"] += 1
                 continue
             toks, lens, counts = parts.setdefault((group, key), ([], [], []))
-            toks.extend(segs)
-            lens.extend(s.size for s in segs)
+            for s, n in zip(segs, sizes):
+                if n:
+                    toks.extend(s)
+                    lens.append(n)
             if eod is not None:  # the end-of-document token belongs to the document's last sequence
                 toks.append(eod)
                 lens[-1] += 1
-            counts.append(len(segs))
+            counts.append(sum(1 for n in sizes if n))
             res.documents += 1
         for k, (toks, lens, counts) in parts.items():
-            tokens = np.concatenate(toks) if len(toks) > 1 else toks[0]  # (ids checked in _encode_pieces)
-            res.tokens += tokens.size
+            size = sum(lens)
+            # (ids checked in _encode_pieces) one array, except for millions of tokens (a huge document's
+            # pieces): written as they are, not copied once more (55 MB: 0.06 s of the main thread)
+            tokens = toks if size > WRITE_PIECES_OVER else np.concatenate(toks) if len(toks) > 1 else toks[0]
+            res.tokens += size
             res.outputs[k] = Output(tokens, np.asarray(lens, dtype=np.int32), np.asarray(counts, dtype=np.int64))
 
     def _count(self, res: BatchResult, reason: str, path: str, line_no: int) -> None:

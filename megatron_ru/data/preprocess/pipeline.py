@@ -260,7 +260,9 @@ def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer,
     t0 = time.perf_counter()
     try:
         warned_uncut = False
-        for r in _results(read_batches(segments, batch_bytes), encoder, workers, worker_type):
+        # huge lines stay in the mapped file where the batches stay in this process
+        mapped = encode_module.extract_strings_at is not None and (worker_type == "thread" or workers == 1)
+        for r in _results(read_batches(segments, batch_bytes, mapped), encoder, workers, worker_type):
             if r.error is not None:
                 raise ValueError(r.error)
             if r.uncut and not warned_uncut:
