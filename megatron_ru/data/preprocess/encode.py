@@ -409,9 +409,8 @@ class Encoder:
                 res.uncut += len(pieces) == 1 and len(text) > opts.chunk_chars
                 return self._encode_pieces(pieces, opts.spread_threads, cut=len(pieces) > 1)
             run_end = tok.cut_start(span.line, span.start, span.end) - 1
-            if run_end >= 0:  # each escape (no \u among them) is two bytes of the line for one of the text
-                escapes = span.line.count(b"\\", span.start, run_end) - span.line.count(b"\\\\", span.start, run_end)
-                first_cut = run_end - span.start - escapes + 1
+            if run_end >= 0:  # (just after a space: its place in the text is the length of what precedes)
+                first_cut = len(unescape_span(span.line, span.start, run_end)) + 1
         chunks: Iterable = span.chunks()
         if not self._bytes_ok:
             chunks = (c.decode("utf-8") for c in chunks)
