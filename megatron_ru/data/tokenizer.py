@@ -32,6 +32,9 @@ class Tokenizer(ABC):
     releases_gil: bool = False
     # True when tokenize_batch_arrays also takes UTF-8 ``bytes`` (same ids as for the str).
     accepts_utf8_bytes: bool = False
+    # True when it takes them only to decode them itself (the library takes str): a huge document
+    # streamed to threads is then decoded by the thread that cuts it (Encoder._encode_stream)
+    decodes_utf8: bool = False
     # the pieces of a cut document go to a pool of threads one at a time (Encoder._encode_pieces):
     # for libraries that hand ids out as Python lists (tokenizers), whose conversion otherwise
     # leaves the library's threads idle after every call

@@ -400,11 +400,14 @@ class Encoder:
         piece instead of after the whole text was parsed, copied, decoded and cut, and the decoded
         text is never held whole. Same ids as the whole text's (the same pieces as :meth:`_chunks`)."""
         tok, opts = self.tok, self.opts
+        # str for a tokenizer that needs it, also one that decodes bytes itself: decoded here, while
+        # the pool's threads tokenize (with one worker the decoding leaves the tokenizing thread)
+        as_str = not self._bytes_ok or tok.decodes_utf8
         first_cut = 0
         if tok.has_tie_runs:  # no cut before the last run of spaces (cut_start): find it in the line
-            if not self._bytes_ok or span.line.find(b"\\u", span.start, span.end) >= 0:
+            if as_str or span.line.find(b"\\u", span.start, span.end) >= 0:
                 # (an escape may make a space, and positions in the line are not the text's): whole
-                text = span.decode() if self._bytes_ok else span.decode().decode("utf-8")
+                text = span.decode().decode("utf-8") if as_str else span.decode()
                 pieces = self._chunks(text)
                 res.uncut += len(pieces) == 1 and len(text) > opts.chunk_chars
                 return self._encode_pieces(pieces, opts.spread_threads, cut=len(pieces) > 1)
@@ -412,7 +415,7 @@ class Encoder:
             if run_end >= 0:  # (just after a space: its place in the text is the length of what precedes)
                 first_cut = len(unescape_span(span.line, span.start, run_end)) + 1
         chunks: Iterable = span.chunks()
-        if not self._bytes_ok:
+        if as_str:
             chunks = (c.decode("utf-8") for c in chunks)
         sizes: list[int] = []
 

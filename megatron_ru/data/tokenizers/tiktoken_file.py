@@ -90,6 +90,7 @@ class TikTokenizer(Tokenizer):
     # UTF-8 bytes are decoded in the thread that encodes them: a huge document's pieces are
     # decoded by every thread instead of the whole text by one (0.3 s for 100 MB here)
     accepts_utf8_bytes = True
+    decodes_utf8 = True  # (tiktoken itself takes str)
 
     def __init__(self, path: str, num_threads: int = 1) -> None:
         if not path or not os.path.isfile(path):
