@@ -5,12 +5,13 @@
 
 For the 100 MB one-line corpus of benchmarks/preprocess.py (built there if missing), the steps
 ``tools/preprocess_data.py`` takes for it, in order: interpreter start to imports done, loading the
-tokenizer, reading the line (``read_batches``), splitting the batch into lines and parsing the JSON
-(``Encoder.parse``: the C++ fast path), cutting the text into ~100 k pieces (``cut_document``),
-tokenizing the pieces as the tool does (``Encoder._encode_pieces``: UTF-8 decode included where the
-tokenizer takes bytes, ids checked and converted to the output dtype), and concatenating the ids. Then the
-limit's own call on the same pieces (one batch, as benchmarks/preprocess.py times it): everything
-before the tokenizing step is work the limit does not do.
+tokenizer, finding the line (``read_batches``: the line stays in the mapped file), checking the
+line where it lies and finding its string (``Encoder.parse``: the C++ parser), and the stream —
+decoding the string 1 MB at a time, cutting it into ~100 k pieces as it arrives and tokenizing the
+pieces on k threads meanwhile (``Encoder._encode_stream``: ids checked and converted to the output
+dtype). Then the limit's own call on the same text's pieces, as ``str``, one batch (as
+benchmarks/preprocess.py times it): everything but the stream is work the limit does not do, and
+the stream does the decoding and cutting the limit does not do.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def phases(flags: list[str], corpus: str, threads: int) -> dict:
     from megatron_ru.config.tokenizer import TokenizerConfig
     from megatron_ru.data.indexed_dataset import best_fitting_dtype
     from megatron_ru.data.preprocess.cuts import cut_document
-    from megatron_ru.data.preprocess.encode import EncodeOptions, Encoder
+    from megatron_ru.data.preprocess.encode import BatchResult, EncodeOptions, Encoder, Span
     from megatron_ru.data.preprocess.reader import Segment, read_batches
     from megatron_ru.data.tokenizer import build_tokenizer
 
@@ -46,32 +47,27 @@ def phases(flags: list[str], corpus: str, threads: int) -> dict:
     out["start-up and imports"] = t - T0
     tok = build_tokenizer(parse_configs([TokenizerConfig], flags)[TokenizerConfig])
     dtype = np.dtype(best_fitting_dtype(tok.vocab_size))
-    encoder = Encoder(tok, EncodeOptions(dtype=dtype.name))
+    encoder = Encoder(tok, EncodeOptions(dtype=dtype.name, spread_threads=threads))
     out["load the tokenizer"], t = time.perf_counter() - t, time.perf_counter()
-    batch = next(read_batches([Segment(corpus)], 1 << 20))
-    out["read the line"], t = time.perf_counter() - t, time.perf_counter()
+    batch = next(read_batches([Segment(corpus)], 1 << 20, map_huge_lines=True))
+    out["find the line (mapped)"], t = time.perf_counter() - t, time.perf_counter()
     encoder.parse(batch)
-    text = batch.values[0][0]
-    batch.values = batch.lines = None
-    if not tok.accepts_utf8_bytes and isinstance(text, bytes):  # (Encoder.parse decodes for str-only tokenizers)
-        text = text.decode("utf-8")
-    out["split lines, parse JSON" + ("" if tok.accepts_utf8_bytes else ", decode UTF-8")] = time.perf_counter() - t
-    t = time.perf_counter()
-    pieces = cut_document(text, 100_000, tok.cut_mode, tok.cut_guards, tok.cut_start(text))
-    del text
-    out["cut into pieces"], t = time.perf_counter() - t, time.perf_counter()
-    ids = encoder._encode_pieces(list(pieces), threads, cut=True)  # checked, in the output dtype
-    out["tokenize (the tool's way), ids checked and converted"], t = time.perf_counter() - t, time.perf_counter()
-    np.concatenate(ids)
-    out["ids concatenated"] = time.perf_counter() - t
+    group, texts = encoder._fields(batch.lines[0], batch.values[0])
+    span = texts[0]
+    assert isinstance(span, Span), "the huge text was not left in its line (is the C++ parser built?)"
+    out["check the line, find the string (C++)"], t = time.perf_counter() - t, time.perf_counter()
+    ids = encoder._encode_stream(span, BatchResult())
+    out[f"stream: decode, cut, tokenize on {threads} thread(s)"], t = time.perf_counter() - t, time.perf_counter()
     out["total"] = time.perf_counter() - T0
     import preprocess as matrix
 
-    texts = [p.decode("utf-8") if isinstance(p, bytes) else p for p in pieces]
+    text = span.decode().decode("utf-8")
+    texts = cut_document(text, 100_000, "keep")
+    del text, ids
     encode = matrix.fastest_encode(flags, threads, tokenizer=tok)
     t = time.perf_counter()
     encode(texts)
-    out["limit: the same pieces as str, one batch"] = time.perf_counter() - t
+    out["limit: the same text as str pieces, one batch"] = time.perf_counter() - t
     return out
 
 

@@ -41,7 +41,7 @@ class EncodeOptions:
     # of one document are spread over all of them (tools/preprocess_data.py: --workers)
     spread_threads: int = 1
     # a text whose JSON string takes at least this many bytes is decoded and cut as a stream while
-    # its first pieces are tokenized (Encoder._encode_stream); None: STREAM_PIECES × chunk_chars
+    # its first pieces are tokenized (Encoder._encode_stream); None: STREAM_PIECES × chunk_chars; 0: never
     stream_bytes: Optional[int] = None
 
 
@@ -219,7 +219,7 @@ class Encoder:
         self._stream_bytes = 0
         if (extract_strings_batch is not None and tokenizer.cut_mode is not None
                 and not (opts.split_paragraphs or opts.split_sentences)):
-            self._stream_bytes = opts.stream_bytes or STREAM_PIECES * opts.chunk_chars
+            self._stream_bytes = STREAM_PIECES * opts.chunk_chars if opts.stream_bytes is None else opts.stream_bytes
 
     def _fields(self, raw: bytes, values: Optional[list]) -> tuple[Optional[str], list]:
         """(group, texts) of one line. ``values`` is the C++ fast path's result for it (csrc/jsonl.cpp:
@@ -398,33 +398,32 @@ class Encoder:
         ``cut_document`` gives for the whole text), and the pieces go to the tokenizer's threads
         while this thread decodes and cuts the next ones. So the tokenizing starts after the first
         piece instead of after the whole text was parsed, copied, decoded and cut, and the decoded
-        text is never held whole. Same ids as the whole text's (the same pieces as :meth:`_chunks`)."""
+        text is never held whole. The text is cut as UTF-8 bytes (``chunk_chars`` bytes a piece);
+        for a tokenizer that takes ``str`` — or decodes bytes itself — each piece is decoded here,
+        off the tokenizing threads. Same ids as the whole text's."""
         tok, opts = self.tok, self.opts
-        # str for a tokenizer that needs it, also one that decodes bytes itself: decoded here, while
-        # the pool's threads tokenize (with one worker the decoding leaves the tokenizing thread)
+        if tok.has_tie_runs and span.line.find(b"\\u", span.start, span.end) >= 0:
+            # no cut before the last run of spaces (cut_start), and an escape may make a space:
+            # the text is decoded whole to find it
+            text = span.decode()
+            pieces: Iterable[bytes] = self._chunks(text)
+            del text
+        else:
+            first_cut = 0
+            if tok.has_tie_runs:  # the last run of spaces, found in the line (no escape makes one)
+                run_end = tok.cut_start(span.line, span.start, span.end) - 1
+                if run_end >= 0:  # (just after a space: its place in the text is the length of what precedes)
+                    first_cut = len(unescape_span(span.line, span.start, run_end)) + 1
+            pieces = cut_stream(span.chunks(), opts.chunk_chars, tok.cut_mode, tok.cut_guards, first_cut)
         as_str = not self._bytes_ok or tok.decodes_utf8
-        first_cut = 0
-        if tok.has_tie_runs:  # no cut before the last run of spaces (cut_start): find it in the line
-            if as_str or span.line.find(b"\\u", span.start, span.end) >= 0:
-                # (an escape may make a space, and positions in the line are not the text's): whole
-                text = span.decode().decode("utf-8") if as_str else span.decode()
-                pieces = self._chunks(text)
-                res.uncut += len(pieces) == 1 and len(text) > opts.chunk_chars
-                return self._encode_pieces(pieces, opts.spread_threads, cut=len(pieces) > 1)
-            run_end = tok.cut_start(span.line, span.start, span.end) - 1
-            if run_end >= 0:  # (just after a space: its place in the text is the length of what precedes)
-                first_cut = len(unescape_span(span.line, span.start, run_end)) + 1
-        chunks: Iterable = span.chunks()
-        if as_str:
-            chunks = (c.decode("utf-8") for c in chunks)
         sizes: list[int] = []
 
-        def pieces() -> Iterator:
-            for piece in cut_stream(chunks, opts.chunk_chars, tok.cut_mode, tok.cut_guards, first_cut):
+        def counted() -> Iterator:
+            for piece in pieces:
                 sizes.append(len(piece))
-                yield piece
+                yield piece.decode("utf-8") if as_str else piece
 
-        ids = self._encode_pieces(pieces(), opts.spread_threads, cut=True, stream=True)
+        ids = self._encode_pieces(counted(), opts.spread_threads, cut=True, stream=True)
         res.uncut += len(sizes) == 1 and sizes[0] > opts.chunk_chars
         return ids
 
