@@ -50,7 +50,7 @@ def make_corpus(directory: str, vocab: int, tokens: int) -> str:
     return prefix
 
 
-def pretrain_argv(p: dict, prefix: str, cache: str, iters: int, bf16: bool) -> list[str]:
+def pretrain_argv(p: dict, prefix: str, cache: str, iters: int, bf16: bool, zero_stage: int = 0) -> list[str]:
     argv = ["--num-layers", p["layers"], "--hidden-size", p["hidden"], "--num-attention-heads", p["heads"],
             "--group-query-attention", "--num-query-groups", p["groups"], "--ffn-hidden-size", p["ffn"],
             "--seq-length", p["seq"], "--max-position-embeddings", p["seq"], "--position-embedding-type", "rope",
@@ -61,7 +61,7 @@ def pretrain_argv(p: dict, prefix: str, cache: str, iters: int, bf16: bool) -> l
             "--tokenizer-type", "NullTokenizer", "--vocab-size", p["vocab"] - 1,
             "--make-vocab-size-divisible-by", "128", "--data-path", prefix, "--data-cache-path", cache,
             "--split", "100,0,0", "--num-workers", "0", "--eval-iters", "0", "--eval-interval", "0",
-            "--log-interval", 10 ** 6]
+            "--log-interval", 10 ** 6, "--zero-stage", zero_stage]
     return [str(a) for a in argv] + (["--bf16"] if bf16 else [])
 
 
@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps of each (after warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--zero-stage", type=int, default=None,
+                    help="pretrain_gpt's --zero-stage (default: 1 with --bf16, else 0; DeepSpeed refuses bf16 at "
+                         "ZeRO 0: 'unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32')")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json", help="also write the results here")
     opts = ap.parse_args()
@@ -124,7 +127,8 @@ def main() -> None:
     from megatron_ru.training.metrics import device_peak_tflops, flops_per_token
     from megatron_ru.training.pretrain import model_shape, setup
 
-    args = parse_arguments(pretrain_argv(p, prefix, os.path.join(tmp, "cache"), total + 1, opts.bf16),
+    zero_stage = opts.zero_stage if opts.zero_stage is not None else (1 if opts.bf16 else 0)
+    args = parse_arguments(pretrain_argv(p, prefix, os.path.join(tmp, "cache"), total + 1, opts.bf16, zero_stage),
                            world_size=1)
     trainer = setup(args)
     device = trainer.device
@@ -151,7 +155,7 @@ def main() -> None:
     flops = flops_per_token(model_shape(args, p["vocab"] - 1)) * tokens_per_step
     peak = device_peak_tflops("bf16" if opts.bf16 else "fp32", None)
     out = {"preset": opts.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "dtype": str(dtype), "threads": torch.get_num_threads(), "median_step_s": med,
+           "dtype": str(dtype), "zero_stage": zero_stage, "threads": torch.get_num_threads(), "median_step_s": med,
            "median_step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()}, "tokens_per_sec": tps,
            "ratio_vs_plain_torch": tps["pretrain_gpt"] / tps["plain_torch"],
            "ratio_vs_transformers": tps["pretrain_gpt"] / tps["transformers"],
