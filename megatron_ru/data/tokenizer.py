@@ -55,7 +55,7 @@ class Tokenizer(ABC):
         if self.cut_mode is None or self._tie_runs is None:
             return 0
         hi = len(text) if hi is None else hi
-        raw = isinstance(text, bytes)
+        raw = not isinstance(text, str)  # (bytes, or a mapped file's line)
         if not _has_other_spaces(text, lo, hi):  # ASCII spaces only: the last run by rfind
             start = text.rfind(b"   " if raw else "   ", lo, hi)
             if start < 0:
@@ -258,7 +258,7 @@ _OTHER_SPACES_STR = tuple("\u00a0\u202f\u205f\u3000") + tuple(chr(c) for c in ra
 
 
 def _has_other_spaces(text: str | bytes, lo: int = 0, hi: Optional[int] = None) -> bool:
-    """``text[lo:hi]`` holds one of ``_OTHER_SPACES_STR`` (as UTF-8 for bytes): fast substring
+    """``text[lo:hi]`` holds one of ``_OTHER_SPACES_STR`` (as UTF-8 for bytes or a mapped file): fast substring
     searches, and for U+2000-U+200A / U+202F (bytes E2 80 80-8A / AF, a prefix that dashes and
     quotes share) one vectorised pass."""
     hi = len(text) if hi is None else hi
