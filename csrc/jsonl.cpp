@@ -120,6 +120,46 @@ inline bool ascii_or_pairs8(uint64_t w, uint64_t* carry) {
 
 constexpr int kMaxDepth = 256;
 
+inline int hex_digit(unsigned char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// The four hex digits at p (before end) of a \u escape.
+inline bool hex4(const unsigned char* p, const unsigned char* end, uint32_t* out) {
+  if (end - p < 4) return false;
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) {
+    const int h = hex_digit(p[i]);
+    if (h < 0) return false;
+    v = (v << 4) | static_cast<uint32_t>(h);
+  }
+  *out = v;
+  return true;
+}
+
+// Code point cp as UTF-8 at o; returns the end of what was written (1-4 bytes).
+inline char* write_utf8(uint32_t cp, char* o) {
+  if (cp < 0x80) {
+    *o++ = static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    *o++ = static_cast<char>(0xC0 | (cp >> 6));
+    *o++ = static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    *o++ = static_cast<char>(0xE0 | (cp >> 12));
+    *o++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    *o++ = static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    *o++ = static_cast<char>(0xF0 | (cp >> 18));
+    *o++ = static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    *o++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    *o++ = static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return o;
+}
+
 // Bytes that stand for themselves inside a JSON string: 0x20-0x7F except '"' and '\\'.
 struct PlainAsciiTable {
   bool v[256] = {};
@@ -169,42 +209,15 @@ class Parser {
     while (p_ < end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
   }
 
-  static int hex(unsigned char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-  }
-
   bool read_u16(uint32_t* out) {  // p_ just after "\u"
-    if (end_ - p_ < 4) return false;
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) {
-      int h = hex(p_[i]);
-      if (h < 0) return false;
-      v = (v << 4) | static_cast<uint32_t>(h);
-    }
+    if (!hex4(p_, end_, out)) return false;
     p_ += 4;
-    *out = v;
     return true;
   }
 
   static void put_utf8(uint32_t cp, std::string* out) {
-    if (cp < 0x80) {
-      out->push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else if (cp < 0x10000) {
-      out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else {
-      out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    }
+    char buf[4];
+    out->append(buf, static_cast<size_t>(write_utf8(cp, buf) - buf));
   }
 
   // Length of the valid UTF-8 sequence at p_ (lead byte >= 0x80), or 0 when invalid
@@ -454,35 +467,6 @@ struct LineResult {
 // std::string::npos for a malformed escape (never for a span the Parser accepted).
 size_t unescape(const unsigned char* p, const unsigned char* end, char* out) {
   char* o = out;
-  auto put = [&o](uint32_t cp) {
-    if (cp < 0x80) {
-      *o++ = static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      *o++ = static_cast<char>(0xC0 | (cp >> 6));
-      *o++ = static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      *o++ = static_cast<char>(0xE0 | (cp >> 12));
-      *o++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      *o++ = static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      *o++ = static_cast<char>(0xF0 | (cp >> 18));
-      *o++ = static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      *o++ = static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      *o++ = static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  };
-  auto hex4 = [&end](const unsigned char* q, uint32_t* v) {
-    if (end - q < 4) return false;
-    *v = 0;
-    for (int i = 0; i < 4; ++i) {
-      const unsigned char c = q[i];
-      const int h = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                  : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-      if (h < 0) return false;
-      *v = (*v << 4) | static_cast<uint32_t>(h);
-    }
-    return true;
-  };
   while (p < end) {
     const unsigned char* q = static_cast<const unsigned char*>(std::memchr(p, '\\', static_cast<size_t>(end - p)));
     const unsigned char* stop = q ? q : end;
@@ -502,11 +486,11 @@ size_t unescape(const unsigned char* p, const unsigned char* end, char* out) {
       case 't': *o++ = '\t'; break;
       case 'u': {
         uint32_t cp = 0;
-        if (!hex4(p, &cp)) return std::string::npos;
+        if (!hex4(p, end, &cp)) return std::string::npos;
         p += 4;
         if (cp >= 0xD800 && cp <= 0xDBFF) {
           uint32_t lo = 0;
-          if (end - p < 6 || p[0] != '\\' || p[1] != 'u' || !hex4(p + 2, &lo) || lo < 0xDC00 || lo > 0xDFFF) {
+          if (end - p < 6 || p[0] != '\\' || p[1] != 'u' || !hex4(p + 2, end, &lo) || lo < 0xDC00 || lo > 0xDFFF) {
             return std::string::npos;
           }
           p += 6;
@@ -514,7 +498,7 @@ size_t unescape(const unsigned char* p, const unsigned char* end, char* out) {
         } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
           return std::string::npos;
         }
-        put(cp);
+        o = write_utf8(cp, o);
         break;
       }
       default:

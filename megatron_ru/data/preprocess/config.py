@@ -37,8 +37,7 @@ class PreprocessConfig:
     skip_invalid: bool = arg(False, "Skip (and count) invalid lines instead of stopping at the first one.")
     batch_bytes: int = arg(1 << 20, "Bytes of input per batch sent to a worker.")
     tokenize_chunk_chars: int = arg(100_000, "Texts longer than this are tokenized in pieces of about this size "
-                                    "(UTF-8 bytes where the text stays bytes, and for texts of 4 pieces or more, which are "
-                                    "streamed), cut only where the tokenizer's ids "
+                                    "(UTF-8 bytes where the text stays bytes), cut only where the tokenizer's ids "
                                     "stay those of the whole text, and spread over all workers' threads (bounds "
                                     "memory for huge documents; see docs/data_format.md).")
     dataset_impl: str = arg("mmap", "Accepted for Megatron-LM scripts; only the mmap format exists.",

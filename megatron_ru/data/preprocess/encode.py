@@ -74,6 +74,7 @@ GROUP_PIECES_PER_THREAD = 8
 # bytes of their JSON string at a time
 STREAM_PIECES = 4
 STREAM_CHUNK_BYTES = 1 << 20
+STREAM_STR_CHUNK_BYTES = 1 << 18
 WRITE_PIECES_OVER = 1 << 22  # tokens of one output of a batch: written array by array (Encoder._assemble)
 _NON_SPACE = re.compile(r"\S")
 _NON_SPACE_BYTES = re.compile(rb"\S")
@@ -373,7 +374,7 @@ class Encoder:
         holds for a huge document — its result objects for all of it took 2.0 GB for 100 MB with
         the tokenizers library). For tokenizers whose ids come out as Python lists
         (``pieces_one_per_task``: the tokenizers library) and several threads, each piece is a task
-        of a thread pool that also checks and converts its ids, and a thread takes the next piece
+        of a thread pool that also converts its ids to an array, and a thread takes the next piece
         as soon as it is done: calls of a group of pieces left the library's threads idle while one
         thread converted the group's ids (100 MB, 2 threads: 25.7 s vs 22.9 s for one call with all
         the pieces; pooled 22.8 s, benchmarks/preprocess_huge_phases.py). SentencePiece and tiktoken
@@ -398,16 +399,21 @@ class Encoder:
         ``cut_document`` gives for the whole text), and the pieces go to the tokenizer's threads
         while this thread decodes and cuts the next ones. So the tokenizing starts after the first
         piece instead of after the whole text was parsed, copied, decoded and cut, and the decoded
-        text is never held whole. The text is cut as UTF-8 bytes (``chunk_chars`` bytes a piece);
-        for a tokenizer that takes ``str`` — or decodes bytes itself — each piece is decoded here,
-        off the tokenizing threads. Same ids as the whole text's."""
+        text is never held whole. A tokenizer that takes ``str`` — or decodes bytes itself — gets
+        ``str`` decoded here (``STREAM_STR_CHUNK_BYTES`` at a time: decoding holds the GIL, which
+        the tokenizing threads need between pieces), off the tokenizing threads, and pieces of
+        ``chunk_chars`` characters as the limit's. Same ids as the whole text's."""
         tok, opts = self.tok, self.opts
-        if tok.has_tie_runs and span.line.find(b"\\u", span.start, span.end) >= 0:
-            # no cut before the last run of spaces (cut_start), and an escape may make a space:
-            # the text is decoded whole to find it
-            text = span.decode()
-            pieces: Iterable[bytes] = self._chunks(text)
+        as_str = not self._bytes_ok or tok.decodes_utf8
+        if tok.has_tie_runs and (as_str or span.line.find(b"\\u", span.start, span.end) >= 0):
+            # no cut before the last run of spaces (cut_start), which is found in the line only when
+            # the text is cut as bytes and no escape can make a space: else the text is decoded whole
+            text = span.decode().decode("utf-8") if as_str else span.decode()
+            pieces: Iterable = self._chunks(text)
             del text
+        elif as_str:
+            chunks = (c.decode("utf-8") for c in span.chunks(STREAM_STR_CHUNK_BYTES))
+            pieces = cut_stream(chunks, opts.chunk_chars, tok.cut_mode, tok.cut_guards)
         else:
             first_cut = 0
             if tok.has_tie_runs:  # the last run of spaces, found in the line (no escape makes one)
@@ -415,13 +421,12 @@ class Encoder:
                 if run_end >= 0:  # (just after a space: its place in the text is the length of what precedes)
                     first_cut = len(unescape_span(span.line, span.start, run_end)) + 1
             pieces = cut_stream(span.chunks(), opts.chunk_chars, tok.cut_mode, tok.cut_guards, first_cut)
-        as_str = not self._bytes_ok or tok.decodes_utf8
         sizes: list[int] = []
 
         def counted() -> Iterator:
             for piece in pieces:
                 sizes.append(len(piece))
-                yield piece.decode("utf-8") if as_str else piece
+                yield piece
 
         ids = self._encode_pieces(counted(), opts.spread_threads, cut=True, stream=True)
         res.uncut += len(sizes) == 1 and sizes[0] > opts.chunk_chars
@@ -431,7 +436,7 @@ class Encoder:
         vocab = self.tok.vocab_size
         out = []
         for a in arrays:
-            if a.size and (a.min() < 0 or a.max() >= vocab):
+            if a.size and ((a.dtype.kind != "u" and a.min() < 0) or a.max() >= vocab):
                 raise ValueError(f"token id {int(a.max())} outside the vocabulary of {vocab}")
             out.append(a.astype(self.dtype, copy=False))
         return out
@@ -439,7 +444,9 @@ class Encoder:
     def _encode_pieces_pooled(self, chunks: Iterable, threads: int, window: int) -> list[np.ndarray]:
         from concurrent.futures import ThreadPoolExecutor
 
-        task = lambda piece: self._checked(self.tok.tokenize_batch_arrays([piece]))[0]  # noqa: E731
+        # (the ids are checked and converted by this thread, which only hands out pieces otherwise:
+        # with one tokenizing thread that takes the work off it)
+        task = lambda piece: self.tok.tokenize_batch_arrays([piece])[0]  # noqa: E731
         out: list[np.ndarray] = []
         pending: deque = deque()
         with ThreadPoolExecutor(threads, thread_name_prefix="pieces") as pool:
@@ -447,9 +454,9 @@ class Encoder:
                 for piece in chunks:
                     pending.append(pool.submit(task, piece))
                     if len(pending) >= window:
-                        out.append(pending.popleft().result())
+                        out += self._checked([pending.popleft().result()])
                 while pending:
-                    out.append(pending.popleft().result())
+                    out += self._checked([pending.popleft().result()])
             finally:
                 for f in pending:
                     f.cancel()
