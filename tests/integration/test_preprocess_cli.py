@@ -162,6 +162,33 @@ def test_workers_partitions_and_chunking_give_identical_bytes(tmp_path, corpus, 
     assert len(news) == (len(TEXTS) + 1) // 2
 
 
+@pytest.mark.parametrize("tok_name", ["gpt2", "hf"])
+def test_tokenizers_library_calls_stay_on_the_worker_threads(tmp_path, corpus, tok_files, tok_name, monkeypatch):
+    """The worker threads are the parallelism: a `tokenizers` batch call made by one of them does
+    not also spread over the library's own pool (TOKENIZERS_PARALLELISM=false while the tool runs,
+    a user's `true` included), and the user's setting is back afterwards."""
+    from megatron_ru.data.tokenizers import huggingface
+
+    seen = []
+    original = huggingface.fast_batch_arrays
+
+    def recording(fast, texts):
+        seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        return original(fast, texts)
+
+    monkeypatch.setattr(huggingface, "fast_batch_arrays", recording)  # (GPT-2 BPE imports it at each call)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    run(corpus, tmp_path / "w2", tok_files[tok_name], "--workers", "2", "--batch-bytes", "2000", "--append-eod")
+    assert len(seen) > 2 and set(seen) == {"false"}
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    run(corpus, tmp_path / "w1", tok_files[tok_name], "--append-eod")
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
+    for ext in (".bin", ".idx"):
+        assert open(tmp_path / f"w2_text_document{ext}", "rb").read() == \
+            open(tmp_path / f"w1_text_document{ext}", "rb").read()
+
+
 @pytest.mark.parametrize("tok_name", ["sp", "gptsp", "unigram", "gpt2", "hf", "tiktoken"])
 def test_huge_documents_equal_the_whole_text_encoding(tmp_path, tok_files, tok_name):
     """Documents of several MB are cut into pieces spread over the workers; their ids are exactly
