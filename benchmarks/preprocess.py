@@ -55,7 +55,7 @@ from megatron_ru.data.tokenizers.huggingface import LLAMA3_PATTERN  # noqa: E402
 TOKENIZERS = ("sp-bpe", "sp-unigram", "gpt2-bpe", "hf-bytelevel", "tiktoken")
 SHAPES = ("ordinary", "longtail", "huge")
 BATCH_CHARS = 4 << 20
-SIZE_MB = {"sp-bpe": 100, "sp-unigram": 300, "gpt2-bpe": 80, "hf-bytelevel": 80, "tiktoken": 200}
+SIZE_MB = {"sp-bpe": 100, "sp-unigram": 300, "gpt2-bpe": 80, "hf-bytelevel": 80, "tiktoken": 300}
 PIECE_CHARS = 100_000
 
 
@@ -334,8 +334,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--size-mb", type=float, default=None,
-                    help="ordinary and longtail corpora (default per tokenizer: SIZE_MB, 7-15 s of the "
-                         "tokenizer alone on 2 threads here, so that the tool's fixed start-up of 0.2-0.4 s is "
+                    help="ordinary and longtail corpora (default per tokenizer: SIZE_MB, 6-12 s of the "
+                         "tokenizer alone on 2 threads here, so that the tool's fixed start-up of 0.15-0.25 s is "
                          "a few per cent)")
     ap.add_argument("--huge-mb", type=float, default=100.0, help="the one-document corpus")
     ap.add_argument("--repeat", type=int, default=3, help="paired rounds")
