@@ -49,10 +49,10 @@ def phases(flags: list[str], corpus: str, threads: int) -> dict:
     dtype = np.dtype(best_fitting_dtype(tok.vocab_size))
     encoder = Encoder(tok, EncodeOptions(dtype=dtype.name, spread_threads=threads))
     out["load the tokenizer"], t = time.perf_counter() - t, time.perf_counter()
-    batch = next(read_batches([Segment(corpus)], 1 << 20, map_huge_lines=True))
+    batch = next(read_batches([Segment(corpus)], 1 << 20, mapped=True))
     out["find the line (mapped)"], t = time.perf_counter() - t, time.perf_counter()
     encoder.parse(batch)
-    group, texts = encoder._fields(batch.lines[0], batch.values[0])
+    group, texts = encoder._fields(batch.lines[0], batch.values[0], batch.buffer)
     span = texts[0]
     assert isinstance(span, Span), "the huge text was not left in its line (is the C++ parser built?)"
     out["check the line, find the string (C++)"], t = time.perf_counter() - t, time.perf_counter()

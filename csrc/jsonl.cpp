@@ -3,7 +3,8 @@
 //
 //   extract_strings(line: bytes, keys: list[str]) -> list[bytes | None] | None
 //   extract_strings_batch(lines: list[bytes], keys: list[str], span_min=0) -> list[that, per line]
-//   extract_strings_at(buffer, start, end, keys, span_min=0) -> the same for buffer[start:end)
+//   extract_strings_lines(buffer, start, end, keys, span_min=0) -> per line of buffer[start:end)
+//   count_newlines(buffer, start, end) -> int
 //   unescape_span(line: bytes | buffer, start, end) -> bytes
 //
 // With span_min > 0, in a line of at least span_min bytes a value whose JSON string takes at least
@@ -613,28 +614,73 @@ py::list extract_strings_batch(const py::list& lines, const std::vector<std::str
   return out;
 }
 
-// One line that is buffer[start:end) of a larger buffer (a mapped file), followed there by its
-// newline (which ends the parser's scans as the NUL of a bytes object does): extract_strings with
-// span_min, the spans as offsets in the buffer.
-py::object extract_strings_at(const py::handle& buffer, size_t start, size_t end, const std::vector<std::string>& keys,
-                              size_t span_min) {
+// Every line of buffer[start:end) (a batch: a bytes object, or a range of a mapped file that
+// starts at a line start), split at '\n' as bytes.split does, less the empty piece after a final
+// newline: per line, extract_strings's list (spans as offsets in the buffer) when every key has a
+// string value, or (line_start, line_end) for a line that Python must parse itself: one the fast
+// path refuses or where a key is absent or not a string, and one not
+// followed by a newline inside the buffer (nor by the NUL of a bytes object), which the scanning
+// loops need as their sentinel. The lines are never copied into objects of their own.
+py::list extract_strings_lines(const py::handle& buffer, size_t start, size_t end,
+                               const std::vector<std::string>& keys, size_t span_min) {
   const View buf(buffer);
-  if (start > end || end >= buf.size() || buf.data()[end] != '\n') {
-    throw py::value_error("extract_strings_at: the line must lie inside the buffer and be followed by a newline");
-  }
-  LineResult r;
+  if (start > end || end > buf.size()) throw py::value_error("extract_strings_lines: the range is outside the buffer");
+  const unsigned char* data = buf.data();
+  const bool nul_after = PyBytes_Check(buffer.ptr());
+  std::vector<std::pair<size_t, size_t>> bounds;
+  std::vector<LineResult> results;
   {
     py::gil_scoped_release release;  // `buffer` stays referenced by the caller
-    parse_line(buf.data() + start, end - start, keys, span_min, &r);
+    size_t a = start;
+    while (a < end) {
+      const void* nl = std::memchr(data + a, '\n', end - a);
+      const size_t b = nl == nullptr ? end : static_cast<size_t>(static_cast<const unsigned char*>(nl) - data);
+      bounds.emplace_back(a, b);
+      a = b + 1;
+    }
+    results.resize(bounds.size());
+    for (size_t i = 0; i < bounds.size(); ++i) {
+      const size_t a_i = bounds[i].first, b_i = bounds[i].second;
+      const bool sentinel = b_i < buf.size() ? data[b_i] == '\n' : nul_after;
+      if (sentinel) parse_line(data + a_i, b_i - a_i, keys, span_min, &results[i]);
+    }
   }
-  for (auto& sp : r.spans) {
-    if (sp.second != 0) sp = {sp.first + start, sp.second + start};
+  py::list out(bounds.size());
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    LineResult& r = results[i];
+    bool all_found = r.ok;
+    for (size_t k = 0; all_found && k < r.found.size(); ++k) all_found = r.found[k];
+    if (!all_found) {  // (a key absent or not a string: json.loads gives the message, or the skip)
+      out[i] = py::make_tuple(bounds[i].first, bounds[i].second);
+      continue;
+    }
+    for (auto& sp : r.spans) {
+      if (sp.second != 0) sp = {sp.first + bounds[i].first, sp.second + bounds[i].first};
+    }
+    out[i] = to_python(&r);
   }
-  return to_python(&r);
+  return out;
+}
+
+// The number of newlines in buffer[start:end).
+size_t count_newlines(const py::handle& buffer, size_t start, size_t end) {
+  const View buf(buffer);
+  if (start > end || end > buf.size()) throw py::value_error("count_newlines: the range is outside the buffer");
+  const unsigned char* p = buf.data() + start;
+  const unsigned char* const stop = buf.data() + end;
+  size_t n = 0;
+  py::gil_scoped_release release;
+  while (p < stop) {
+    const void* nl = std::memchr(p, '\n', static_cast<size_t>(stop - p));
+    if (nl == nullptr) break;
+    ++n;
+    p = static_cast<const unsigned char*>(nl) + 1;
+  }
+  return n;
 }
 
 // The text of line[start:end) (line: bytes, or any buffer such as a mapped file), a part of a
-// string's contents that extract_strings_batch or extract_strings_at returned as a span, cut
+// string's contents that extract_strings_batch or extract_strings_lines returned as a span, cut
 // before and after a whole character outside any escape sequence.
 py::bytes unescape_span(const py::handle& line, size_t start, size_t end) {
   const View buf(line);
@@ -697,10 +743,13 @@ PYBIND11_MODULE(_jsonl, m) {
         "extract_strings for every line of a list (bytes), parsed with the GIL released once; with span_min, "
         "values of span_min bytes or more in lines of span_min bytes or more come back as (start, end) offsets of "
         "their contents in the line (checked, not copied: see unescape_span).");
-  m.def("extract_strings_at", &extract_strings_at, py::arg("buffer"), py::arg("start"), py::arg("end"),
+  m.def("extract_strings_lines", &extract_strings_lines, py::arg("buffer"), py::arg("start"), py::arg("end"),
         py::arg("keys"), py::arg("span_min") = 0,
-        "extract_strings for the line buffer[start:end) of a buffer (a mapped file) in which a newline follows it; "
-        "spans are offsets in the buffer.");
+        "extract_strings for every line of buffer[start:end) (split at newlines as bytes.split, less the empty "
+        "piece after a final newline), with the GIL released once; spans are offsets in the buffer, and a line "
+        "left to Python (refused, or a key absent or not a string) comes back as its (start, end) in the buffer.");
+  m.def("count_newlines", &count_newlines, py::arg("buffer"), py::arg("start"), py::arg("end"),
+        "The number of newlines in buffer[start:end) (the GIL released).");
   m.def("unescape_span", &unescape_span, py::arg("line"), py::arg("start"), py::arg("end"),
         "The UTF-8 text of line[start:end), part of a string value that extract_strings_batch returned as a span, "
         "cut outside escape sequences and characters.");

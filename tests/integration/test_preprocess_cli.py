@@ -332,7 +332,7 @@ def test_json_fast_path_changes_no_byte(tmp_path, corpus, tok_files, tok_name, m
 
     extra = ["--append-eod", "--group-by-key", "domain", "--workers", "2"]
     run(corpus, tmp_path / "fast", tok_files[tok_name], *extra)
-    monkeypatch.setattr(encode_module, "extract_strings_batch", None)
+    monkeypatch.setattr(encode_module, "extract_strings_lines", None)
     run(corpus, tmp_path / "slow", tok_files[tok_name], *extra)
     names = [n for n in os.listdir(tmp_path) if n.startswith("fast_")]
     assert len(names) == 4
@@ -384,7 +384,7 @@ def test_utf8_bom_at_file_start_is_accepted(tmp_path, corpus, tok_files, fast, g
     with (gzip.open(bom, "wb") if gz else open(bom, "wb")) as f:
         f.write(b"\xef\xbb\xbf" + data)
     if not fast:
-        monkeypatch.setattr(encode_module, "extract_strings_batch", None)
+        monkeypatch.setattr(encode_module, "extract_strings_lines", None)
     extra = ["--append-eod", "--workers", "2", "--batch-bytes", "500"]
     run(corpus, tmp_path / "plain", tok_files["gptsp"], *extra)
     run(bom, tmp_path / "bom", tok_files["gptsp"], *extra, "--partitions", "2")

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from megatron_ru.data.preprocess import encode as encode_module
-from megatron_ru.data.preprocess._jsonl import extract_strings, extract_strings_batch, read_range
+from megatron_ru.data.preprocess._jsonl import (count_newlines, extract_strings, extract_strings_batch,
+                                                extract_strings_lines, read_range)
 from megatron_ru.data.preprocess.encode import EncodeOptions, Encoder, is_blank
 from megatron_ru.data.preprocess.reader import Batch
 from megatron_ru.data.tokenizer import NullTokenizer
@@ -164,6 +165,49 @@ def test_random_lines_agree_with_json_loads():
         extract_strings_batch([b"{}", "{}"], KEYS)
 
 
+def test_lines_of_a_buffer_are_parsed_as_line_by_line(tmp_path):
+    """extract_strings_lines (the batch parsed where it lies: its bytes or the mapped file) gives
+    every line's values exactly as extract_strings does for the line alone — spans shifted to the
+    buffer — and, for a line left to Python (refused, a key absent or not a string, or with no
+    newline or bytes end after it to stop the scans), the line's place in the buffer."""
+    import mmap
+
+    rng = random.Random(26112026)
+    lines = []
+    for _ in range(1500):
+        line = _random_line(rng)
+        lines += [line, _corrupt(rng, line), rng.choice([b"", b"  ", b"\r", b'{"text": "x"}'])]
+    for trial in range(300):
+        batch = rng.sample(lines, rng.randint(0, 12))
+        data = b"\n".join(batch) + rng.choice([b"", b"\n"])
+        pre, post = rng.choice([b"", b'{"text": "before"}\n']), rng.choice([b"", b'{"text": "after"}\n'])
+        path = tmp_path / "buf.jsonl"
+        path.write_bytes(pre + data + post)
+        span_min = rng.choice([0, 1, 40])
+        want_lines = data.split(b"\n")
+        if want_lines[-1] == b"":
+            want_lines.pop()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if (pre + data + post) else \
+                open(path, "rb") as mm:
+            buffers = [pre + data + post] + ([mm] if isinstance(mm, mmap.mmap) else [])
+            for buf in buffers:
+                got = extract_strings_lines(buf, len(pre), len(pre) + len(data), KEYS, span_min)
+                assert len(got) == len(want_lines)
+                at = len(pre)
+                for line, entry in zip(want_lines, got):
+                    alone = extract_strings_batch([line], KEYS, span_min)[0]
+                    after = at + len(line)
+                    sentinel = buf[after] == ord("\n") if after < len(buf) else isinstance(buf, bytes)
+                    if alone is None or None in alone or not sentinel:
+                        assert entry == (at, after), (line, entry)
+                    else:
+                        assert entry == [(v[0] + at, v[1] + at) if isinstance(v, tuple) else v for v in alone]
+                    at += len(line) + 1
+                assert count_newlines(buf, len(pre), len(pre) + len(data)) == data.count(b"\n")
+    with pytest.raises(ValueError, match="outside the buffer"):
+        extract_strings_lines(b"{}", 0, 3, KEYS)
+
+
 _VALID_ATOMS = [b"a", b"Z", b" ", b"~", "д".encode(), "я".encode(), b"\xc2\x80", b"\xdf\xbf", "—".encode(),
                 "😀".encode(), b"\\n", b'\\"', b"\\u0430", b"\x7f"]
 _INVALID_ATOMS = [b"\xc0\x80", b"\xc1\xbf", b"\x80", b"\xbf", b"\xd0", b"\xd0a", b"\xd0\xd0\xb0", b"\x1f", b"\x00", b"\t",
@@ -224,7 +268,7 @@ def test_encoder_gives_the_same_result_with_and_without_the_fast_path(monkeypatc
         lines.append(line)
     data = b"\n".join(lines) + b"\n"
     fast = Encoder(tok, opts).encode(Batch("in.jsonl", 1, data))
-    monkeypatch.setattr(encode_module, "extract_strings_batch", None)
+    monkeypatch.setattr(encode_module, "extract_strings_lines", None)
     batch = Batch("in.jsonl", 1, data)
     slow = Encoder(tok, opts).encode(batch)
     assert batch.data == b""  # released once split (a 100 MB line is not held twice)

@@ -17,7 +17,7 @@ from megatron_ru.data.preprocess import encode as encode_module
 from megatron_ru.data.preprocess._jsonl import extract_strings, extract_strings_batch, unescape_span
 from megatron_ru.data.preprocess.cuts import cut_document, cut_stream
 from megatron_ru.data.preprocess.encode import EncodeOptions, Encoder, Span, _split_point
-from megatron_ru.data.preprocess.reader import Batch, MappedLine, Segment, read_batches
+from megatron_ru.data.preprocess.reader import Batch, MappedLines, Segment, read_batches
 from megatron_ru.data.tokenizer import NullTokenizer, build_tokenizer
 from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece,
                                       make_tiktoken_file, sample_texts, tricky_text)
@@ -506,8 +506,8 @@ def test_unigram_tie_runs_in_a_streamed_document(tokenizers, spy, where, escaped
 
 @pytest.mark.parametrize("name", ["unigram", "tiktoken", "hf"])
 def test_a_huge_line_left_in_the_mapped_file_is_streamed(tokenizers, spy, tmp_path, monkeypatch, name):
-    """A line longer than a batch stays in the mapped file (read_batches(map_huge_lines=True), what
-    the tool does with worker threads): it is parsed there and its text streamed — for Unigram
+    """A line longer than a batch stays in the mapped file (read_batches(mapped=True), what the
+    tool does with worker threads): it is parsed there and its text streamed — for Unigram
     with the last tie run found in the mapped line (a mapping is neither bytes nor str: this once
     fell back to tokenizing the whole text on one thread) — and every line gets its own ids."""
     tok = tokenizers[name]
@@ -517,8 +517,9 @@ def test_a_huge_line_left_in_the_mapped_file_is_streamed(tokenizers, spy, tmp_pa
     path.write_bytes(b"".join(jsonl_line(t, "raw") + b"\n" for t in texts))
     monkeypatch.setattr(Encoder, "_tokenize_one_by_one", lambda *a: pytest.fail("fell back to one by one"))
     enc = Encoder(tok, EncodeOptions(chunk_chars=2000, spread_threads=2, append_eod=True))
-    batches = list(read_batches([Segment(str(path))], 64 << 10, map_huge_lines=True))
-    assert [type(b.data) for b in batches] == [bytes, MappedLine, bytes]
+    batches = list(read_batches([Segment(str(path))], 64 << 10, mapped=True))
+    assert [type(b.data) for b in batches] == [MappedLines] * 3
+    assert len(batches[1].data) == len(jsonl_line(text, "raw")) and batches[1].trailing == 1
     ids = []
     for b in batches:
         res = enc.encode(b)

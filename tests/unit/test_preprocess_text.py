@@ -3,13 +3,15 @@ the batch reader / partition planner (every line exactly once, with its true lin
 from __future__ import annotations
 
 import gzip
+import itertools
 import random
 import re
 
 import pytest
 
 from megatron_ru.config.tokenizer import TokenizerConfig
-from megatron_ru.data.preprocess.reader import MIN_TAIL_BATCH, expand_inputs, plan_partitions, read_batches, Segment
+from megatron_ru.data.preprocess.reader import (MIN_TAIL_BATCH, MappedLines, Segment, expand_inputs, plan_partitions,
+                                                read_batches)
 from megatron_ru.data.preprocess.text import sanitize_name, split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import build_tokenizer
 from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_sentencepiece, sample_texts
@@ -67,16 +69,19 @@ def test_reader_and_partitions_cover_every_line_once(tmp_path):
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.jsonl", "b.jsonl", "c.jsonl.gz"]
     expected = ([("a.jsonl", i + 1, lines[i]) for i in range(150)] + [("b.jsonl", i + 1, lines[150 + i]) for i in range(150)]
                 + [("c.jsonl.gz", i + 1, lines[300 + i]) for i in range(100)])
-    for n in (1, 2, 3, 7, 1000):
-        for batch_bytes in (1, 500, 1 << 20):
+    for n, batch_bytes, mapped in itertools.product((1, 2, 3, 7, 1000), (1, 500, 1 << 20), (False, True)):
+        if True:
             got = []
             for part in plan_partitions(files, n):
-                for b in read_batches(part, batch_bytes):
-                    ls = b.data.split(b"\n")
+                for b in read_batches(part, batch_bytes, mapped):
+                    # (mapped: a range of the mapping, but for a last line without newline longer than a batch)
+                    assert isinstance(b.data, MappedLines) == (mapped and not b.path.endswith(".gz")) or \
+                        (mapped and b.trailing == 0 and len(b.data) > batch_bytes)
+                    ls = bytes(b.data).split(b"\n")
                     if ls[-1] == b"":
                         ls.pop()
                     got += [(b.path.rsplit("/", 1)[1], b.first_line + i, l) for i, l in enumerate(ls)]
-            assert got == expected, (n, batch_bytes)
+            assert got == expected, (n, batch_bytes, mapped)
     with pytest.raises(FileNotFoundError, match="--input .*nothing\\*.jsonl: the pattern matches no file"):
         expand_inputs([str(tmp_path / "nothing*.jsonl")])
     with pytest.raises(FileNotFoundError, match="--input .*missing.jsonl: no such file"):
@@ -93,19 +98,22 @@ def test_a_line_longer_than_a_batch_is_read_whole_without_a_copy(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + data)
     with gzip.open(tmp_path / "a.jsonl.gz", "wb") as f:
         f.write(b"\xef\xbb\xbf" + data)
-    for name in ("a.jsonl", "a.jsonl.gz"):
+    for name, mapped in itertools.product(("a.jsonl", "a.jsonl.gz"), (False, True)):
         for n_parts in (1, 2, 3):
             got, total = [], 0
             for part in plan_partitions([str(tmp_path / name)], n_parts):
-                for b in read_batches(part, 1000):
+                for b in read_batches(part, 1000, mapped):
                     total += len(b.data) + b.trailing
-                    ls = b.data.split(b"\n")
+                    ls = bytes(b.data).split(b"\n")
                     if len(b.data) > 1000 and not name.endswith(".gz"):
-                        assert len(ls) == 1 and ls[0] is b.data and b.trailing == (b.data != lines[-1])
+                        assert len(ls) == 1 and b.trailing == (bytes(b.data) != lines[-1])
+                        # left in the mapping (a last line without newline is copied: see _mapped_batches)
+                        assert isinstance(b.data, MappedLines) == (mapped and b.trailing == 1)
+                        assert mapped or ls[0] is b.data
                     if ls[-1] == b"":
                         ls.pop()
                     got += [(b.first_line + i, l) for i, l in enumerate(ls)]
-            assert got == list(enumerate(lines, 1)), (name, n_parts)
+            assert got == list(enumerate(lines, 1)), (name, n_parts, mapped)
             if not name.endswith(".gz"):
                 assert total == len(data)
 

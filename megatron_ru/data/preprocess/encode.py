@@ -15,15 +15,15 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch, MappedLine
+from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch, MappedLines
 from megatron_ru.data.preprocess.cuts import cut_document, cut_stream
 from megatron_ru.data.preprocess.text import split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import Tokenizer
 
 try:  # csrc/jsonl.cpp: string values straight from the line's bytes (see Encoder._fields)
-    from megatron_ru.data.preprocess._jsonl import extract_strings_at, extract_strings_batch, unescape_span
+    from megatron_ru.data.preprocess._jsonl import extract_strings_lines, unescape_span
 except ImportError:  # not built: every line goes through json.loads (same results, slower)
-    extract_strings_at = extract_strings_batch = unescape_span = None
+    extract_strings_lines = unescape_span = None
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,8 @@ class Invalid(Exception):
 class Span:
     """A long string value left in its line: ``line[start:end]`` are the contents of a JSON string
     that the C++ parser has checked (csrc/jsonl.cpp, ``span_min``), decoded part by part
-    (:meth:`chunks`) so that a huge text is never held decoded as a whole. ``line`` is the line's
-    bytes, or the mapped file of a :class:`MappedLine` (offsets in the file)."""
+    (:meth:`chunks`) so that a huge text is never held decoded as a whole. ``line`` is the batch's
+    bytes, or the mapped file of a :class:`MappedLines` batch (offsets in it)."""
 
     line: object
     start: int
@@ -149,7 +149,6 @@ def _split_point(line: bytes, lo: int, want: int, end: int) -> int:
 
 
 def _parse(line, opts: EncodeOptions) -> tuple[Optional[str], list[str]]:
-    line = bytes(line)  # (a MappedLine: copied only here, for a line the C++ parser did not take)
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -220,20 +219,21 @@ class Encoder:
         self._bytes_ok = tokenizer.accepts_utf8_bytes and not (opts.split_paragraphs or opts.split_sentences)
         # JSON strings of this many bytes or more stay in their line as a Span and are streamed (0: never)
         self._stream_bytes = 0
-        if (extract_strings_batch is not None and tokenizer.cut_mode is not None
+        if (extract_strings_lines is not None and tokenizer.cut_mode is not None
                 and not (opts.split_paragraphs or opts.split_sentences)):
             self._stream_bytes = STREAM_PIECES * opts.chunk_chars if opts.stream_bytes is None else opts.stream_bytes
 
-    def _fields(self, raw: bytes, values: Optional[list]) -> tuple[Optional[str], list]:
+    def _fields(self, raw: Optional[bytes], values: Optional[list], buffer) -> tuple[Optional[str], list]:
         """(group, texts) of one line. ``values`` is the C++ fast path's result for it (csrc/jsonl.cpp:
         no Python objects for the whole line, the GIL released): used when the line is a
         well-formed object whose values are all strings; anything else — including every
         invalid line — goes through :func:`_parse`, which gives the same values or the error.
-        Texts are UTF-8 bytes when the tokenizer takes them (no str round trip), else str."""
+        Texts are UTF-8 bytes when the tokenizer takes them (no str round trip), else str; a value
+        left where it lies (a span) is a :class:`Span` of ``buffer``, the batch's bytes or mapping.
+        ``raw`` (the line) is None for a line the fast path parsed from the batch itself."""
         if values is not None and None not in values:
             n = len(self.opts.json_keys)
-            line = raw.mm if isinstance(raw, MappedLine) else raw
-            values = [Span(line, *v) if isinstance(v, tuple) else v for v in values]
+            values = [Span(buffer, *v) if isinstance(v, tuple) else v for v in values]
             group = _text(values[n]) if len(values) > n else None
             texts = values[:n] if self._bytes_ok else [v if isinstance(v, Span) else _text(v) for v in values[:n]]
             return group, texts
@@ -263,20 +263,26 @@ class Encoder:
         """Split ``batch`` into lines and run the C++ JSON fast path over them (the GIL released),
         and, for a tokenizer that takes ``str`` only, decode the values' UTF-8: the first steps of
         :meth:`encode`, which the main thread runs ahead for worker threads so that they overlap
-        tokenizing. ``batch.data`` is released."""
-        batch.size = len(batch.data) + batch.trailing
-        if isinstance(batch.data, MappedLine):  # one huge line, parsed where it lies in the file
-            m = batch.data
-            lines = [m]
-            values = [extract_strings_at(m.mm, m.start, m.end, self._keys, self._stream_bytes)]
+        tokenizing. With the C++ extension the lines are parsed where they lie (in the batch's
+        bytes or the mapped file) and only those it leaves to ``json.loads`` are copied out.
+        ``batch.data`` is released."""
+        data = batch.data
+        buffer, start, end = (data.mm, data.start, data.end) if isinstance(data, MappedLines) else (data, 0, len(data))
+        batch.size = end - start + batch.trailing
+        if extract_strings_lines is not None:
+            entries = extract_strings_lines(buffer, start, end, self._keys, self._stream_bytes)
+            lines = [buffer[e[0]:e[1]] if isinstance(e, tuple) else None for e in entries]
+            values = [None if isinstance(e, tuple) else e for e in entries]
+            if isinstance(data, MappedLines) and not any(isinstance(v, tuple) for e in values if e for v in e):
+                data.release()  # (the values are copies: its pages can go)
         else:
-            lines = batch.data.split(b"\n")
+            lines = bytes(data).split(b"\n") if isinstance(data, MappedLines) else data.split(b"\n")
             if lines and lines[-1] == b"":
                 lines.pop()
-            values = (extract_strings_batch(lines, self._keys, self._stream_bytes)
-                      if extract_strings_batch is not None else None)
+            values = None
         batch.data = b""
         batch.lines = lines
+        batch.buffer = buffer if values is not None else None
         if values is not None and not self._bytes_ok:  # a tokenizer that takes str only: decode here too
             for i, v in enumerate(values):
                 if v is not None and None not in v:
@@ -292,20 +298,19 @@ class Encoder:
             self.parse(batch)
         res = BatchResult(bytes=batch.size)
         o = self.opts
-        lines, fast = batch.lines, batch.values
-        batch.lines = batch.values = None
+        lines, fast, buffer = batch.lines, batch.values, batch.buffer
+        batch.lines = batch.values = batch.buffer = None
         res.lines = len(lines)
         # (line number, group, key, segments) per non-empty text, in input order
         docs: list[tuple[int, Optional[str], str, list[str]]] = []
         for i, raw in enumerate(lines):
             line_no = batch.first_line + i
-            if (_NON_SPACE_BYTES.search(raw.mm, raw.start, raw.end) if isinstance(raw, MappedLine)
-                    else _NON_SPACE_BYTES.search(raw)) is None:
+            if raw is not None and _NON_SPACE_BYTES.search(raw) is None:  # (a parsed line is an object)
                 res.skipped["blank line"] += 1
                 continue
-            lines[i] = b""  # the parsed text is what we keep (matters for a 100 MB line)
+            lines[i] = None  # the parsed text is what we keep (matters for a 100 MB line)
             try:
-                group, texts = self._fields(raw, fast[i] if fast is not None else None)
+                group, texts = self._fields(raw, fast[i] if fast is not None else None, buffer)
                 del raw
                 if fast is not None:
                     fast[i] = None

@@ -261,8 +261,8 @@ def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer,
     t0 = time.perf_counter()
     try:
         warned_uncut = False
-        # huge lines stay in the mapped file where the batches stay in this process
-        mapped = encode_module.extract_strings_at is not None and (worker_type == "thread" or workers == 1)
+        # batches stay in the mapped file where they are parsed in this process
+        mapped = encode_module.extract_strings_lines is not None and (worker_type == "thread" or workers == 1)
         for r in _results(read_batches(segments, batch_bytes, mapped), encoder, workers, worker_type):
             if r.error is not None:
                 raise ValueError(r.error)
@@ -411,7 +411,7 @@ def _run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig, files: list[str]) -> S
                          skip_invalid=cfg.skip_invalid, chunk_chars=cfg.tokenize_chunk_chars,
                          dtype=np.dtype(dtype).name, spread_threads=max(cfg.workers, tok_cfg.tokenizer_num_threads))
     worker_type = choose_worker_type(cfg.worker_type, cfg.workers, tokenizer)
-    if encode_module.extract_strings_batch is None:
+    if encode_module.extract_strings_lines is None:
         log.warning("the C++ JSONL fast path (megatron_ru.data.preprocess._jsonl, csrc/jsonl.cpp) is not built: "
                     "every line goes through Python's json module (same output, slower). Build it with "
                     "'pip install --no-build-isolation -e .' or 'python setup.py build_ext --inplace'")
