@@ -126,10 +126,9 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int, mapped: bool = F
     left = None if any(n is None for n in sizes) else sum(sizes)
     for seg, size in zip(segments, sizes):
         if mapped and size is not None and count_newlines is not None:
-            for b, consumed in _mapped_batches(seg, size, batch_bytes, left):
-                if left is not None:
-                    left -= consumed
-                yield b
+            yield from _mapped_batches(seg, size, batch_bytes, left)
+            if left is not None:
+                left -= size
             continue
         line_no = seg.first_line
         with _open(seg.path) as f:
@@ -193,10 +192,10 @@ def read_batches(segments: Sequence[Segment], batch_bytes: int, mapped: bool = F
                 yield out.pop()
 
 
-def _mapped_batches(seg: Segment, size: int, batch_bytes: int, left: Optional[int]) -> Iterator[tuple[Batch, int]]:
+def _mapped_batches(seg: Segment, size: int, batch_bytes: int, left: Optional[int]) -> Iterator[Batch]:
     """``read_batches`` for a plain file mapped into memory: batches of whole lines as ranges of
-    the mapping (each with the input bytes it consumed, for the caller's count of what is left).
-    A last line without a newline that is longer than a batch is copied out (the parser needs a
+    the mapping; ``left``: the input bytes left from this segment's start (shrinks the batches
+    near the end). A last line without a newline that is longer than a batch is copied out (the parser needs a
     newline, or a bytes object, after a line)."""
     import mmap
 
@@ -228,12 +227,12 @@ def _mapped_batches(seg: Segment, size: int, batch_bytes: int, left: Optional[in
             data = MappedLines(mm, pos, cut)
             lines = count_newlines(mm, pos, cut)
         batch = Batch(seg.path, line_no, data, trailing)
-        consumed, done, pos = cut - done, cut, cut
         if left is not None:
-            left -= consumed
+            left -= cut - done
+        done = pos = cut
         line_no += lines
         del data
-        yield batch, consumed
+        yield batch
         del batch
 
 
