@@ -531,6 +531,43 @@ def test_a_huge_line_left_in_the_mapped_file_is_streamed(tokenizers, spy, tmp_pa
         assert spy["cuts"][0]["first_cut"] == tok.cut_start(text.encode("utf-8")) > 0
 
 
+def test_piece_threads_last_the_run_and_each_keeps_its_own_tiktoken_encoding(tokenizers, monkeypatch):
+    """tiktoken's regex caches are fast only for the first thread that used them, so every thread
+    encodes with its own Encoding; the threads that tokenize pieces live for the whole run, so those
+    Encodings are built once per thread, not once per huge document — and the ids stay the whole
+    texts'."""
+    import tiktoken
+
+    tok = build_tokenizer(TokenizerConfig("TikTokenizer", tokenizers["tiktoken"].path))
+    built, used = [], {}
+    real_init, real_here = tiktoken.Encoding.__init__, type(tok)._encoding_here
+
+    def init(self, *a, **k):
+        built.append(threading.get_ident())
+        real_init(self, *a, **k)
+
+    def here(self):
+        enc = real_here(self)
+        used.setdefault(threading.get_ident(), set()).add(id(enc))
+        return enc
+    monkeypatch.setattr(tiktoken.Encoding, "__init__", init)
+    monkeypatch.setattr(type(tok), "_encoding_here", here)
+    enc = Encoder(tok, EncodeOptions(chunk_chars=2000, stream_bytes=5000, spread_threads=2, append_eod=True))
+    texts = [big_text(300_000, seed=s) for s in (11, 12, 13)]
+    threads_per_document = []
+    for t in texts:
+        used.clear()
+        batch = Batch("in.jsonl", 1, jsonl_line(t, "raw") + b"\n")
+        res = enc.encode(batch)
+        assert res.error is None and output_ids(res.outputs[(None, "text")]) == expected_output(tok, [t])[0]
+        threads_per_document.append(set(used))
+        assert all(len(e) == 1 for e in used.values())  # one Encoding per thread ...
+        assert len({e for ids in used.values() for e in ids}) == len(used)  # ... and not another thread's
+    assert threading.get_ident() not in threads_per_document[0]  # (the pieces went to the pool)
+    assert threads_per_document[0] == threads_per_document[1] == threads_per_document[2]
+    assert sorted(built) == sorted(threads_per_document[0])  # built once per thread for all three
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. blank and invalid huge values: the same outcome streamed as not
 # ---------------------------------------------------------------------------------------------

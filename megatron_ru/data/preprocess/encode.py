@@ -7,6 +7,7 @@ order) is reported with its file, line number and a fix unless ``skip_invalid``.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -214,6 +215,7 @@ class Encoder:
         self.tok = tokenizer
         self.opts = opts
         self.dtype = np.dtype(opts.dtype)
+        self._pools: dict = {}  # (pid, threads) -> pool of _encode_pieces_pooled
         self._keys = list(opts.json_keys) + ([opts.group_by_key] if opts.group_by_key is not None else [])
         # Texts stay UTF-8 bytes from the line to the tokenizer when nothing needs them as str.
         self._bytes_ok = tokenizer.accepts_utf8_bytes and not (opts.split_paragraphs or opts.split_sentences)
@@ -451,9 +453,20 @@ class Encoder:
             out.append(a.astype(self.dtype, copy=False))
         return out
 
-    def _encode_pieces_pooled(self, chunks: Iterable, threads: int, window: int) -> list[np.ndarray]:
+    def _pieces_pool(self, threads: int):
+        """The thread pool that tokenizes the pieces of cut documents: one per process and thread
+        count for the whole run, so that its threads keep what a tokenizer keeps per thread
+        (TikTokenizer: its own Encoding) from one document to the next; a forked worker process
+        makes its own."""
         from concurrent.futures import ThreadPoolExecutor
 
+        key = (os.getpid(), threads)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = ThreadPoolExecutor(threads, thread_name_prefix="pieces")
+        return pool
+
+    def _encode_pieces_pooled(self, chunks: Iterable, threads: int, window: int) -> list[np.ndarray]:
         # (the ids are checked and converted by this thread, which only hands out pieces otherwise:
         # with one tokenizing thread that takes the work off it)
         per_task = 1 if self.tok.pieces_one_per_task else POOLED_PIECES_PER_TASK
@@ -461,17 +474,20 @@ class Encoder:
         out: list[np.ndarray] = []
         pending: deque = deque()
         it = iter(chunks)
-        with ThreadPoolExecutor(threads, thread_name_prefix="pieces") as pool:
-            try:
-                while group := list(islice(it, per_task)):
-                    pending.append(pool.submit(task, group))
-                    if len(pending) >= max(1, window // per_task):
-                        out += self._checked(pending.popleft().result())
-                while pending:
+        pool = self._pieces_pool(threads)
+        try:
+            while group := list(islice(it, per_task)):
+                pending.append(pool.submit(task, group))
+                if len(pending) >= max(1, window // per_task):
                     out += self._checked(pending.popleft().result())
-            finally:
-                for f in pending:
-                    f.cancel()
+            while pending:
+                out += self._checked(pending.popleft().result())
+        finally:
+            for f in pending:  # (a failed document: the rest of its pieces are not tokenized)
+                f.cancel()
+            for f in pending:
+                if not f.cancelled():
+                    f.exception()  # (waits: no piece of it is still running when this returns)
         return out
 
     def _tokenize_one_by_one(self, docs, res: BatchResult, path: str) -> list[Optional[list[np.ndarray]]]:
