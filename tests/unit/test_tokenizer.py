@@ -49,6 +49,11 @@ def test_round_trip_and_batch(files, name):
     arrays = tok.tokenize_batch_arrays(TEXTS)
     assert [a.tolist() for a in arrays] == [tok.tokenize(t) for t in TEXTS]
     assert all(np.issubdtype(a.dtype, np.integer) for a in arrays)
+    # what a pool thread does with a huge document's pieces (UTF-8 bytes for the tokenizers that take them)
+    pieces = [t.encode("utf-8") for t in TEXTS] if tok.accepts_utf8_bytes else TEXTS
+    here = tok.tokenize_arrays_here(pieces)
+    assert [a.tolist() for a in here] == [tok.tokenize(t) for t in TEXTS]
+    assert all(np.issubdtype(a.dtype, np.integer) for a in here)
 
 
 def test_sentencepiece_megatron_special_ids(files):

@@ -470,7 +470,7 @@ class Encoder:
         # (the ids are checked and converted by this thread, which only hands out pieces otherwise:
         # with one tokenizing thread that takes the work off it)
         per_task = 1 if self.tok.pieces_one_per_task else POOLED_PIECES_PER_TASK
-        task = lambda group: self.tok.tokenize_batch_arrays(group, num_threads=1)  # noqa: E731
+        task = self.tok.tokenize_arrays_here
         out: list[np.ndarray] = []
         pending: deque = deque()
         it = iter(chunks)
