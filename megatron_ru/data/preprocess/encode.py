@@ -7,7 +7,6 @@ order) is reported with its file, line number and a fix unless ``skip_invalid``.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from megatron_ru.data.preprocess.reader import UTF8_BOM, Batch, MappedLines
 from megatron_ru.data.preprocess.cuts import cut_document, cut_stream
 from megatron_ru.data.preprocess.text import split_paragraphs, split_sentences
 from megatron_ru.data.tokenizer import Tokenizer
+from megatron_ru.utils.threads import kept_pool
 
 try:  # csrc/jsonl.cpp: string values straight from the line's bytes (see Encoder._fields)
     from megatron_ru.data.preprocess._jsonl import extract_strings_lines, unescape_span
@@ -458,13 +458,7 @@ class Encoder:
         count for the whole run, so that its threads keep what a tokenizer keeps per thread
         (TikTokenizer: its own Encoding) from one document to the next; a forked worker process
         makes its own."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        key = (os.getpid(), threads)
-        pool = self._pools.get(key)
-        if pool is None:
-            pool = self._pools[key] = ThreadPoolExecutor(threads, thread_name_prefix="pieces")
-        return pool
+        return kept_pool(self._pools, threads, "pieces")
 
     def _encode_pieces_pooled(self, chunks: Iterable, threads: int, window: int) -> list[np.ndarray]:
         # (the ids are checked and converted by this thread, which only hands out pieces otherwise:

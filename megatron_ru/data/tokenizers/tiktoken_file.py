@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron_ru.data.tokenizer import Tokenizer
+from megatron_ru.utils.threads import kept_pool
 # LLaMA-3's pre-tokenizer pattern, one of those where cutting at a word boundary is proven safe
 from megatron_ru.data.tokenizers.huggingface import LLAMA3_PATTERN
 
@@ -148,11 +149,7 @@ class TikTokenizer(Tokenizer):
         if threads <= 1 or len(texts) <= 1:
             return [self._encode(t) for t in texts]
         # one pool per process for the whole run: its threads keep their Encodings (_encoding_here)
-        key = (os.getpid(), threads)
-        pool = self._pools.get(key)
-        if pool is None:
-            pool = self._pools[key] = ThreadPoolExecutor(threads, thread_name_prefix="tiktoken")
-        return list(pool.map(self._encode, texts))
+        return list(kept_pool(self._pools, threads, "tiktoken").map(self._encode, texts))
 
     def _find_cut_mode(self) -> tuple[Optional[str], str]:
         # LLaMA-3's pattern starts a pre-token at a word-boundary space and looks neither back nor
