@@ -14,8 +14,8 @@ in --workdir by the script (tokenizers trained on the first documents of the ord
   limit(k): the tokenizer alone, in a fresh process, on the same texts already in memory as str
             (read untimed): SentencePiece ``encode(batch, num_threads=k, return_type="numpy")``,
             tokenizers ``encode_batch_fast(batch)`` and each encoding's ``ids`` with a Rust pool of
-            k threads (RAYON_NUM_THREADS), tiktoken ``encode_to_numpy`` per text on a pool of k threads;
-            4 MB batches, and for the huge document the text cut into ~100 k-character pieces
+            k threads (RAYON_NUM_THREADS), tiktoken ``encode_to_numpy`` per text on a pool of k
+            threads (one ``Encoding`` each); 4 MB batches, and for the huge document the text cut into ~100 k-character pieces
             encoded as one batch.
   tool(k):  ``python tools/preprocess_data.py --workers k --append-eod`` as a subprocess: wall
             clock from launch to exit (start-up, reading, JSON, tokenizing, writing), and its peak
@@ -184,11 +184,24 @@ def fastest_encode(flags: list[str], threads: int, tokenizer=None):
             from megatron_ru.data.tokenizer import build_tokenizer
 
             tokenizer = build_tokenizer(TokenizerConfig("TikTokenizer", flags[3]))
-        enc = tokenizer.encoding
-        pool = ThreadPoolExecutor(threads)
-        # tiktoken's fastest: encode_to_numpy (its uint32 buffer) per text on k threads; its
-        # encode_ordinary_batch builds Python lists and was 15-20 % slower here
-        return lambda b: sum(a.size for a in pool.map(lambda t: enc.encode_to_numpy(t, disallowed_special=()), b))
+        import threading
+
+        import tiktoken
+
+        # tiktoken's fastest: encode_to_numpy (its uint32 buffer) per text on k threads, each thread
+        # with its own Encoding, built here, before the clock (a regex's match caches are fast only
+        # for the first thread that used them; sharing one Encoding was ~10 % slower on 2 threads);
+        # its encode_ordinary_batch builds Python lists and was 15-20 % slower here
+        e = tokenizer.encoding
+        free = [tiktoken.Encoding(name=e.name, pat_str=e._pat_str, mergeable_ranks=e._mergeable_ranks,
+                                  special_tokens=e._special_tokens) for _ in range(threads)]
+        local, lock = threading.local(), threading.Lock()
+
+        def take() -> None:
+            with lock:
+                local.enc = free.pop()
+        pool = ThreadPoolExecutor(threads, initializer=take)
+        return lambda b: sum(a.size for a in pool.map(lambda t: local.enc.encode_to_numpy(t, disallowed_special=()), b))
     raise SystemExit(f"no limit for {kind}")
 
 
