@@ -15,8 +15,8 @@ in --workdir by the script (tokenizers trained on the first documents of the ord
             (read untimed): SentencePiece ``encode(batch, num_threads=k, return_type="numpy")``,
             tokenizers ``encode_batch_fast(batch)`` and each encoding's ``ids`` with a Rust pool of
             k threads (RAYON_NUM_THREADS), tiktoken ``encode_to_numpy`` per text on a pool of k
-            threads (one ``Encoding`` each); 4 MB batches, and for the huge document the text cut into ~100 k-character pieces
-            encoded as one batch.
+            threads (one ``Encoding`` each); 4 MB batches, and for the huge document the text cut
+            into ~100 k-character pieces encoded as one batch.
   tool(k):  ``python tools/preprocess_data.py --workers k --append-eod`` as a subprocess: wall
             clock from launch to exit (start-up, reading, JSON, tokenizing, writing), and its peak
             RSS (the largest process of the tool's tree, from wait4). The package is byte-compiled
