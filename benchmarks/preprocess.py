@@ -186,15 +186,11 @@ def fastest_encode(flags: list[str], threads: int, tokenizer=None):
             tokenizer = build_tokenizer(TokenizerConfig("TikTokenizer", flags[3]))
         import threading
 
-        import tiktoken
-
         # tiktoken's fastest: encode_to_numpy (its uint32 buffer) per text on k threads, each thread
         # with its own Encoding, built here, before the clock (a regex's match caches are fast only
         # for the first thread that used them; sharing one Encoding was ~10 % slower on 2 threads);
         # its encode_ordinary_batch builds Python lists and was 15-20 % slower here
-        e = tokenizer.encoding
-        free = [tiktoken.Encoding(name=e.name, pat_str=e._pat_str, mergeable_ranks=e._mergeable_ranks,
-                                  special_tokens=e._special_tokens) for _ in range(threads)]
+        free = [tokenizer.new_encoding() for _ in range(threads)]
         local, lock = threading.local(), threading.Lock()
 
         def take() -> None:

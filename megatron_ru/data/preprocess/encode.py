@@ -453,13 +453,6 @@ class Encoder:
             out.append(a.astype(self.dtype, copy=False))
         return out
 
-    def _pieces_pool(self, threads: int):
-        """The thread pool that tokenizes the pieces of cut documents: one per process and thread
-        count for the whole run, so that its threads keep what a tokenizer keeps per thread
-        (TikTokenizer: its own Encoding) from one document to the next; a forked worker process
-        makes its own."""
-        return kept_pool(self._pools, threads, "pieces")
-
     def _encode_pieces_pooled(self, chunks: Iterable, threads: int, window: int) -> list[np.ndarray]:
         # (the ids are checked and converted by this thread, which only hands out pieces otherwise:
         # with one tokenizing thread that takes the work off it)
@@ -468,7 +461,9 @@ class Encoder:
         out: list[np.ndarray] = []
         pending: deque = deque()
         it = iter(chunks)
-        pool = self._pieces_pool(threads)
+        # one pool per process and thread count for the whole run: its threads keep what a tokenizer
+        # keeps per thread (TikTokenizer: its own Encoding) from one document to the next
+        pool = kept_pool(self._pools, threads, "pieces")
         try:
             while group := list(islice(it, per_task)):
                 pending.append(pool.submit(task, group))
