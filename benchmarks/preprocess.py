@@ -35,6 +35,9 @@ counts are equal but for the tool's one end-of-document token per document, whic
 The outputs of all tool runs of a tokenizer × shape are checked byte-identical across workers.
 Each round also times the tool on one short document (its fixed start-up: interpreter, imports,
 tokenizer load, writing); a second column gives the ratio with that round's start-up taken off.
+The last line of the output is the results JSON; ``--merge LOG...`` prints the tables of several
+whole runs merged round by round (this VM swings by ±20 % between runs a minute apart, so cells
+near 0.95 need more rounds than one run can hold).
 """
 from __future__ import annotations
 
@@ -334,6 +337,65 @@ def compile_tool() -> None:
             raise SystemExit(f"compiling {d} failed")
 
 
+def print_tables(results: dict) -> None:
+    """The matrix and start-up tables of ``results`` (this run's, or several runs' merged): per cell
+    the median over rounds of limit / tool (the tool's one end-of-document token per document
+    counted as work), its spread, the same with that round's start-up taken off, peak RSS; fills
+    in each cell's ``ratios``, ``median_ratio`` and ``median_ratio_after_startup``."""
+    startup = results["startup_s"]
+    print("\n| tokenizer | corpus (MB) | workers | rounds | limit (median s) | tool (median s) | "
+          "**median paired ratio** | min-max | ratio after the tool's start-up | tool peak RSS (MB) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+    for c in results["cells"]:
+        t = c["tokenizer"]
+        eod = (c["tokens"] + c["documents"]) / c["tokens"]
+        ratios = [lim / tool * eod for lim, tool in zip(c["limit_s"], c["tool_s"])]
+        # the same, with the tool's fixed start-up of that round taken off (the limit has none: it is
+        # timed after its process started and loaded the tokenizer)
+        steady = [lim / (tool - up) * eod for lim, tool, up in zip(c["limit_s"], c["tool_s"], startup[t])]
+        c["ratios"] = [round(x, 4) for x in ratios]
+        c["median_ratio"] = round(statistics.median(ratios), 4)
+        c["median_ratio_after_startup"] = round(statistics.median(steady), 4)
+        c["peak_rss_mb"] = max(c["rss_mb"])
+        print(f"| {t} | {c['shape']} ({c['corpus_mb']:.0f}) | {c['workers']} | {len(ratios)} | "
+              f"{statistics.median(c['limit_s']):.2f} | {statistics.median(c['tool_s']):.2f} | "
+              f"**{c['median_ratio']:.3f}** | {min(ratios):.3f}-{max(ratios):.3f} | "
+              f"{c['median_ratio_after_startup']:.3f} | {c['peak_rss_mb']} |")
+    print("\n| tokenizer | tool start-up, one short document (median s) |\n|---|---|")
+    for t, v in startup.items():
+        print(f"| {t} | {statistics.median(v):.2f} |")
+
+
+def merge_results(paths: list[str]) -> dict:
+    """Whole runs of this script merged round by round: each file holds a run's output (its last
+    line starting with '{' is the results JSON). A cell's rounds, and a tokenizer's start-up
+    rounds, are those of every run that has them, in the order given."""
+    merged: dict = {"merged_from": paths, "startup_s": {}, "cells": []}
+    by_cell: dict = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            run = json.loads([line for line in f if line.startswith("{")][-1])
+        for t, v in run["startup_s"].items():
+            merged["startup_s"].setdefault(t, []).extend(v)
+        for c in run["cells"]:
+            c.setdefault("rss_mb", [c.get("peak_rss_mb", 0)] * len(c["limit_s"]))  # (runs before this option)
+            key = (c["tokenizer"], c["shape"], c["workers"])
+            if key not in by_cell:
+                by_cell[key] = {k: c[k] for k in ("tokenizer", "shape", "corpus_mb", "workers", "tokens", "documents")}
+                by_cell[key].update(limit_s=[], tool_s=[], rss_mb=[])
+                merged["cells"].append(by_cell[key])
+            elif (c["tokens"], c["documents"]) != (by_cell[key]["tokens"], by_cell[key]["documents"]):
+                raise SystemExit(f"{path}: {key} ran on another corpus or tokenizer ({c['tokens']} tokens, not "
+                                 f"{by_cell[key]['tokens']}); only runs on the same workdir merge")
+            for k in ("limit_s", "tool_s", "rss_mb"):
+                by_cell[key][k].extend(c[k])
+    for c in merged["cells"]:
+        if len(merged["startup_s"][c["tokenizer"]]) != len(c["limit_s"]):
+            raise SystemExit(f"{c['tokenizer']} {c['shape']} w{c['workers']}: {len(c['limit_s'])} rounds but "
+                             f"{len(merged['startup_s'][c['tokenizer']])} start-up rounds; merge whole runs")
+    return merged
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] in ("--_limit", "--_setup"):
         (limit_main if sys.argv[1] == "--_limit" else setup_main)(*json.loads(sys.argv[2]))
@@ -354,7 +416,15 @@ def main() -> None:
                          "tools/preprocess_data.py runs once per cell of --peer-shapes as a peer")
     ap.add_argument("--peer-shapes", nargs="+", default=["ordinary"], choices=SHAPES)
     ap.add_argument("--peer-workers", type=int, nargs="+", default=[2])
+    ap.add_argument("--merge", nargs="+", default=None, metavar="LOG",
+                    help="run nothing: print the tables of earlier runs' outputs (stdout, or stdout and stderr "
+                         "together) merged round by round, e.g. two runs of 5 rounds as 10")
     args = ap.parse_args()
+    if args.merge:
+        results = merge_results(args.merge)
+        print_tables(results)
+        print(json.dumps(results))
+        return
     os.makedirs(args.workdir, exist_ok=True)
     args.tokenizers = available(args.tokenizers)
     flags, corpora = setup(args)
@@ -388,29 +458,13 @@ def main() -> None:
                "python": platform.python_version(), "load_before": load_before, "load_after": os.getloadavg()[0],
                "startup_s": {t: [round(x, 3) for x in v] for t, v in startup.items()}, "cells": []}
     documents = {c: sum(1 for _ in open(p, "rb")) for c, p in corpora.items()}
-    print("\n| tokenizer | corpus (MB) | workers | limit (median s) | tool (median s) | **median paired ratio** | "
-          "min-max | ratio after the tool's start-up | tool peak RSS (MB) |\n|---|---|---|---|---|---|---|---|---|")
     for t, s, k in cells:
         c = data[(t, s, k)]
-        eod = (c["tokens"] + documents[(t, s)]) / c["tokens"]
-        mb = os.path.getsize(corpora[(t, s)]) / 1e6
-        ratios = [lim / tool * eod for lim, tool in zip(c["limit"], c["tool"])]
-        # the same, with the tool's fixed start-up of that round taken off (the limit has none: it is
-        # timed after its process started and loaded the tokenizer)
-        steady = [lim / (tool - up) * eod for lim, tool, up in zip(c["limit"], c["tool"], startup[t])]
-        row = {"tokenizer": t, "shape": s, "corpus_mb": round(mb, 1), "workers": k, "tokens": c["tokens"],
-               "documents": documents[(t, s)],
-               "limit_s": [round(x, 3) for x in c["limit"]], "tool_s": [round(x, 3) for x in c["tool"]],
-               "ratios": [round(x, 4) for x in ratios], "median_ratio": round(statistics.median(ratios), 4),
-               "median_ratio_after_startup": round(statistics.median(steady), 4),
-               "peak_rss_mb": round(max(c["rss"]))}
-        results["cells"].append(row)
-        print(f"| {t} | {s} ({mb:.0f}) | {k} | {statistics.median(c['limit']):.2f} | {statistics.median(c['tool']):.2f} | "
-              f"**{row['median_ratio']:.3f}** | {min(ratios):.3f}-{max(ratios):.3f} | "
-              f"{row['median_ratio_after_startup']:.3f} | {row['peak_rss_mb']} |")
-    print("\n| tokenizer | tool start-up, one short document (median s) |\n|---|---|")
-    for t in args.tokenizers:
-        print(f"| {t} | {statistics.median(startup[t]):.2f} |")
+        results["cells"].append({"tokenizer": t, "shape": s, "corpus_mb": round(os.path.getsize(corpora[(t, s)]) / 1e6, 1),
+                                 "workers": k, "tokens": c["tokens"], "documents": documents[(t, s)],
+                                 "limit_s": [round(x, 3) for x in c["limit"]], "tool_s": [round(x, 3) for x in c["tool"]],
+                                 "rss_mb": [round(x) for x in c["rss"]]})
+    print_tables(results)
     if args.megatron_lm:
         peer_table(args, cells, data, flags, corpora, documents)
     identical = {}
