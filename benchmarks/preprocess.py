@@ -460,7 +460,7 @@ def main() -> None:
     documents = {c: sum(1 for _ in open(p, "rb")) for c, p in corpora.items()}
     for t, s, k in cells:
         c = data[(t, s, k)]
-        results["cells"].append({"tokenizer": t, "shape": s, "corpus_mb": round(os.path.getsize(corpora[(t, s)]) / 1e6, 1),
+        results["cells"].append({"tokenizer": t, "shape": s, "corpus_mb": round(os.path.getsize(corpora[(t, s)]) / 1e6, 2),
                                  "workers": k, "tokens": c["tokens"], "documents": documents[(t, s)],
                                  "limit_s": [round(x, 3) for x in c["limit"]], "tool_s": [round(x, 3) for x in c["tool"]],
                                  "rss_mb": [round(x) for x in c["rss"]]})
