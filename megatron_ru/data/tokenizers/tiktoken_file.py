@@ -121,8 +121,8 @@ class TikTokenizer(Tokenizer):
         self._pools: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads) -> pool of tokenize_batch_arrays
 
     def _encoding_here(self):
-        """The calling thread's own ``tiktoken.Encoding`` (same ranks, pattern and specials), built on its
-        first call. tiktoken's regexes keep their match caches in pools whose fast path belongs to the
+        """The calling thread's own ``tiktoken.Encoding`` (same ranks, pattern and specials): on its first
+        call the one built at load time if no thread has taken it yet, else a new one. tiktoken's regexes keep their match caches in pools whose fast path belongs to the
         first thread that used them; every other thread takes a locked path at every match. Two threads
         sharing one Encoding took 1.51-1.61 s for the 100 MB benchmark document, one Encoding each
         1.36-1.39 s (6 alternating rounds); building one takes ~20 ms for 32 k ranks."""
