@@ -221,31 +221,137 @@ def limit_batches(texts: list[str], shape: str) -> list[list[str]]:
     return batches + ([cur] if cur else [])
 
 
-def limit_main(flags: list[str], corpus: str, shape: str, threads: int) -> None:
-    """Runs in a fresh process (RAYON_NUM_THREADS set by the parent); prints one JSON line."""
+def limit_main(flags: list[str], corpus: str, shape: str, threads: int, gated: bool = False) -> None:
+    """Runs in a fresh process (RAYON_NUM_THREADS set by the parent); prints one JSON line.
+    ``gated``: once ready to start the clock, print "ready" and wait for a line on stdin (the
+    time-sliced pairs of :func:`run_pair_sliced` time this process from outside)."""
     texts = load_texts(corpus)
     batches = limit_batches(texts, shape)
     encode = fastest_encode(flags, threads)
+    if gated:
+        print("ready", flush=True)
+        sys.stdin.readline()
     t0 = time.perf_counter()
     tokens = sum(encode(b) for b in batches)
-    print(json.dumps({"wall": time.perf_counter() - t0, "tokens": tokens, "texts": len(texts)}))
+    print(json.dumps({"wall": time.perf_counter() - t0, "tokens": tokens, "texts": len(texts)}), flush=True)
+    if gated:
+        os._exit(0)  # the 2 GB of a huge batch's results need not be freed
+
+
+def _limit_cmd(flags: list[str], corpus: str, shape: str, threads: int, gated: bool = False) -> tuple[list[str], dict]:
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS="1")
+    return [sys.executable, os.path.abspath(__file__), "--_limit", json.dumps([flags, corpus, shape, threads, gated])], env
 
 
 def run_limit(flags: list[str], corpus: str, shape: str, threads: int) -> dict:
-    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_limit", json.dumps([flags, corpus, shape, threads])],
-                       capture_output=True, text=True, env=env)
+    cmd, env = _limit_cmd(flags, corpus, shape, threads)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"limit run failed:\n{p.stderr}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def run_tool(flags: list[str], corpus: str, out: str, workers: int) -> dict:
-    """Wall seconds and peak RSS (MB) of one tools/preprocess_data.py run."""
+def _tool_cmd(flags: list[str], corpus: str, out: str, workers: int) -> tuple[list[str], dict]:
     cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus, "--output-prefix", out,
            *flags, "--append-eod", "--workers", str(workers), "--log-interval", "100000000"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAYON_NUM_THREADS", None)
+    return cmd, env
+
+
+def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int, slice_s: float,
+                    tool_first: bool) -> tuple[dict, dict]:
+    """The limit and the tool run as one paired round in alternating time slices of ``slice_s``
+    seconds: while one runs, the other's process group is stopped (SIGSTOP, waited for), so each runs
+    alone on the machine at any moment, and both see the machine's slow swings in speed (±20 % over
+    tens of seconds on this VM) in equal measure. Each side's time is the sum of its slices, timed
+    here: the tool's from the moment it is let go (a shell waiting on stdin then exec's it: start-up
+    counted) to its exit; the limit's from the end of its untimed preparation (texts read, batches
+    made, encoder built, alone, before the tool is let go) to its result line. Once one side is
+    done the other runs to its end alone."""
+    import select
+    import signal
+
+    lcmd, lenv = _limit_cmd(flags, corpus, shape, k, gated=True)
+    tcmd, tenv = _tool_cmd(flags, corpus, out, k)
+    tool = subprocess.Popen(["/bin/sh", "-c", 'read _ && exec "$0" "$@"', *tcmd], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=tenv, start_new_session=True)
+    limit = subprocess.Popen(lcmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lenv,
+                             start_new_session=True)
+    try:
+        if limit.stdout.readline().strip() != b"ready":
+            raise SystemExit(f"limit run failed:\n{limit.stderr.read().decode()}")
+        limit.stdin.write(b"go\n")
+        limit.stdin.flush()
+        os.killpg(limit.pid, signal.SIGSTOP)
+        os.waitpid(limit.pid, os.WUNTRACED)
+        tool_fd = os.pidfd_open(tool.pid)
+        spent = {"limit": 0.0, "tool": 0.0}
+        result: dict = {}
+        line = b""
+
+        def finish(side: str, status: int, usage) -> None:
+            if side == "tool":
+                tool.returncode = os.waitstatus_to_exitcode(status)
+                if tool.returncode != 0:
+                    raise SystemExit(f"preprocess_data.py failed ({' '.join(tcmd)}):\n{tool.stderr.read().decode()}")
+                result["tool"] = {"wall": spent["tool"], "rss_mb": usage.ru_maxrss / 1024}
+            else:
+                limit.returncode = os.waitstatus_to_exitcode(status)
+                out = line + limit.stdout.read()
+                if limit.returncode != 0 or not out.endswith(b"\n"):
+                    raise SystemExit(f"limit run failed:\n{limit.stderr.read().decode()}")
+                res = json.loads(out)
+                result["limit"] = dict(res, wall=spent["limit"], own_wall=res["wall"])
+
+        side = "tool" if tool_first else "limit"
+        while True:
+            proc = tool if side == "tool" else limit
+            if side == "tool" and not tool.stdin.closed:
+                tool.stdin.write(b"go\n")
+                tool.stdin.close()
+            os.killpg(proc.pid, signal.SIGCONT)
+            t0 = time.perf_counter()
+            end = t0 + slice_s if not result else float("inf")
+            fd = tool_fd if side == "tool" else limit.stdout.fileno()
+            done = False
+            while not done and time.perf_counter() < end:
+                if select.select([fd], [], [], min(end - time.perf_counter(), 3600))[0]:
+                    if side == "tool":
+                        done = True
+                    else:
+                        line += os.read(fd, 1 << 16)
+                        done = line.endswith(b"\n")  # the result line: the limit's clock has stopped
+            spent[side] += time.perf_counter() - t0
+            if not done:
+                try:
+                    os.killpg(proc.pid, signal.SIGSTOP)
+                except ProcessLookupError:  # it exited as its slice ended: wait4 below says so
+                    pass
+            _, status, usage = os.wait4(proc.pid, os.WUNTRACED)  # stopped, or exited (the limit exits at once)
+            if not os.WIFSTOPPED(status):
+                finish(side, status, usage)
+                if len(result) == 2:
+                    break
+            side = "limit" if side == "tool" else "tool"
+        os.close(tool_fd)
+        return result["limit"], result["tool"]
+    finally:
+        for proc in (tool, limit):
+            if proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                if f is not None and not f.closed:
+                    f.close()
+
+
+def run_tool(flags: list[str], corpus: str, out: str, workers: int) -> dict:
+    """Wall seconds and peak RSS (MB) of one tools/preprocess_data.py run."""
+    cmd, env = _tool_cmd(flags, corpus, out, workers)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(p.pid, 0)
@@ -375,6 +481,10 @@ def merge_results(paths: list[str]) -> dict:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             run = json.loads([line for line in f if line.startswith("{")][-1])
+        merged.setdefault("sliced_s", run.get("sliced_s", 0.0))
+        if run.get("sliced_s", 0.0) != merged["sliced_s"]:
+            raise SystemExit(f"{path}: --sliced {run.get('sliced_s', 0.0)}, not {merged['sliced_s']} as the runs before: "
+                             "runs of one method only merge")
         for t, v in run["startup_s"].items():
             merged["startup_s"].setdefault(t, []).extend(v)
         for c in run["cells"]:
@@ -411,6 +521,9 @@ def main() -> None:
     ap.add_argument("--huge-mb", type=float, default=100.0, help="the one-document corpus")
     ap.add_argument("--repeat", type=int, default=3, help="paired rounds")
     ap.add_argument("--workdir", default="/tmp/bench_preprocess_matrix")
+    ap.add_argument("--sliced", type=float, default=0.0, metavar="SECONDS",
+                    help="run each round's limit and tool in alternating time slices of SECONDS (each alone on the "
+                         "machine at any moment; see run_pair_sliced) instead of one after the other")
     ap.add_argument("--megatron-lm", default=None, metavar="DIR",
                     help="a Megatron-LM source tree (tools/ and megatron/; see the module docstring): its "
                          "tools/preprocess_data.py runs once per cell of --peer-shapes as a peer")
@@ -443,7 +556,10 @@ def main() -> None:
             out = os.path.join(args.workdir, f"out_{t}_{s}_w{k}")
             steps = ["limit", "tool"] if r % 2 == 0 else ["tool", "limit"]
             res = {}
-            for step in steps:
+            if args.sliced:
+                res["limit"], res["tool"] = run_pair_sliced(flags[t], corpora[(t, s)], s, out, k, args.sliced,
+                                                            steps[0] == "tool")
+            for step in steps if not args.sliced else ():
                 res[step] = (run_limit(flags[t], corpora[(t, s)], s, k) if step == "limit"
                              else run_tool(flags[t], corpora[(t, s)], out, k))
             cell = data[(t, s, k)]
@@ -455,7 +571,7 @@ def main() -> None:
                   f"{res['tool']['wall']:7.2f} s ({res['tool']['rss_mb']:.0f} MB), ratio "
                   f"{res['limit']['wall'] / res['tool']['wall']:.3f}", file=sys.stderr, flush=True)
     results = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "python": platform.python_version(), "load_before": load_before, "load_after": os.getloadavg()[0],
+               "python": platform.python_version(), "sliced_s": args.sliced, "load_before": load_before, "load_after": os.getloadavg()[0],
                "startup_s": {t: [round(x, 3) for x in v] for t, v in startup.items()}, "cells": []}
     documents = {c: sum(1 for _ in open(p, "rb")) for c, p in corpora.items()}
     for t, s, k in cells:
