@@ -33,6 +33,11 @@ Rounds: each runs limit and tool back to back for every cell, the order reversed
 round; the figure is the median over rounds of the per-round ratio limit_wall / tool_wall (token
 counts are equal but for the tool's one end-of-document token per document, which is counted).
 The outputs of all tool runs of a tokenizer × shape are checked byte-identical across workers.
+With ``--sliced SECONDS`` a round runs its limit and tool as one pair in alternating time slices
+instead (the other side's process group stopped; see ``run_pair_sliced``): each side still runs
+alone, and both see the machine's slow swings in speed alike, which the sequential rounds cannot
+separate from a 5 % difference on this VM. ``--sliced-aa`` checks the method: the tool against
+itself.
 Each round also times the tool on one short document (its fixed start-up: interpreter, imports,
 tokenizer load, writing); a second column gives the ratio with that round's start-up taken off.
 The last line of the output is the results JSON; ``--merge LOG...`` prints the tables of several
@@ -260,7 +265,7 @@ def _tool_cmd(flags: list[str], corpus: str, out: str, workers: int) -> tuple[li
 
 
 def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int, slice_s: float,
-                    tool_first: bool) -> tuple[dict, dict]:
+                    tool_first: bool, aa: bool = False) -> tuple[dict, dict]:
     """The limit and the tool run as one paired round in alternating time slices of ``slice_s``
     seconds: while one runs, the other's process group is stopped (SIGSTOP, waited for), so each runs
     alone on the machine at any moment, and both see the machine's slow swings in speed (±20 % over
@@ -268,56 +273,62 @@ def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int,
     here: the tool's from the moment it is let go (a shell waiting on stdin then exec's it: start-up
     counted) to its exit; the limit's from the end of its untimed preparation (texts read, batches
     made, encoder built, alone, before the tool is let go) to its result line. Once one side is
-    done the other runs to its end alone."""
+    done the other runs to its end alone. ``aa``: the method's check, a second run of the tool (to
+    ``out``_aa) in the limit's place, timed as the tool is."""
     import select
     import signal
 
-    lcmd, lenv = _limit_cmd(flags, corpus, shape, k, gated=True)
     tcmd, tenv = _tool_cmd(flags, corpus, out, k)
-    tool = subprocess.Popen(["/bin/sh", "-c", 'read _ && exec "$0" "$@"', *tcmd], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=tenv, start_new_session=True)
-    limit = subprocess.Popen(lcmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lenv,
-                             start_new_session=True)
+    if aa:
+        lcmd, lenv = _tool_cmd(flags, corpus, out + "_aa", k)
+    else:
+        lcmd, lenv = _limit_cmd(flags, corpus, shape, k, gated=True)
+    gate = ["/bin/sh", "-c", 'read _ && exec "$0" "$@"']  # let go by a line on stdin: its start-up is timed
+    procs = {"tool": subprocess.Popen(gate + tcmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, env=tenv, start_new_session=True),
+             "limit": subprocess.Popen((gate if aa else []) + lcmd, stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL if aa else subprocess.PIPE, stderr=subprocess.PIPE,
+                                       env=lenv, start_new_session=True)}
+    by_exit = {"tool": True, "limit": aa}  # timed to its exit, else to its result line
     try:
-        if limit.stdout.readline().strip() != b"ready":
-            raise SystemExit(f"limit run failed:\n{limit.stderr.read().decode()}")
-        limit.stdin.write(b"go\n")
-        limit.stdin.flush()
-        os.killpg(limit.pid, signal.SIGSTOP)
-        os.waitpid(limit.pid, os.WUNTRACED)
-        tool_fd = os.pidfd_open(tool.pid)
+        limit = procs["limit"]
+        if not aa:
+            if limit.stdout.readline().strip() != b"ready":
+                raise SystemExit(f"limit run failed:\n{limit.stderr.read().decode()}")
+            limit.stdin.write(b"go\n")  # read when it is first let run
+            limit.stdin.close()
+            os.killpg(limit.pid, signal.SIGSTOP)
+            os.waitpid(limit.pid, os.WUNTRACED)
+        fds = {s: os.pidfd_open(p.pid) if by_exit[s] else p.stdout.fileno() for s, p in procs.items()}
         spent = {"limit": 0.0, "tool": 0.0}
         result: dict = {}
         line = b""
 
         def finish(side: str, status: int, usage) -> None:
-            if side == "tool":
-                tool.returncode = os.waitstatus_to_exitcode(status)
-                if tool.returncode != 0:
-                    raise SystemExit(f"preprocess_data.py failed ({' '.join(tcmd)}):\n{tool.stderr.read().decode()}")
-                result["tool"] = {"wall": spent["tool"], "rss_mb": usage.ru_maxrss / 1024}
+            proc = procs[side]
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            rest = b"" if by_exit[side] else line + proc.stdout.read()
+            if proc.returncode != 0 or not (by_exit[side] or rest.endswith(b"\n")):
+                raise SystemExit(f"{side} run failed ({' '.join(proc.args)}):\n{proc.stderr.read().decode()}")
+            if by_exit[side]:
+                result[side] = {"wall": spent[side], "rss_mb": usage.ru_maxrss / 1024}
             else:
-                limit.returncode = os.waitstatus_to_exitcode(status)
-                out = line + limit.stdout.read()
-                if limit.returncode != 0 or not out.endswith(b"\n"):
-                    raise SystemExit(f"limit run failed:\n{limit.stderr.read().decode()}")
-                res = json.loads(out)
-                result["limit"] = dict(res, wall=spent["limit"], own_wall=res["wall"])
+                res = json.loads(rest)
+                result[side] = dict(res, wall=spent[side], own_wall=res["wall"])
 
         side = "tool" if tool_first else "limit"
         while True:
-            proc = tool if side == "tool" else limit
-            if side == "tool" and not tool.stdin.closed:
-                tool.stdin.write(b"go\n")
-                tool.stdin.close()
+            proc, fd = procs[side], fds[side]
+            if not proc.stdin.closed:
+                proc.stdin.write(b"go\n")
+                proc.stdin.close()
             os.killpg(proc.pid, signal.SIGCONT)
             t0 = time.perf_counter()
             end = t0 + slice_s if not result else float("inf")
-            fd = tool_fd if side == "tool" else limit.stdout.fileno()
             done = False
             while not done and time.perf_counter() < end:
                 if select.select([fd], [], [], min(end - time.perf_counter(), 3600))[0]:
-                    if side == "tool":
+                    if by_exit[side]:
                         done = True
                     else:
                         line += os.read(fd, 1 << 16)
@@ -334,10 +345,14 @@ def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int,
                 if len(result) == 2:
                     break
             side = "limit" if side == "tool" else "tool"
-        os.close(tool_fd)
+        for s in procs:
+            if by_exit[s]:
+                os.close(fds[s])
+        if aa and not _same_files(out + "_text_document", out + "_aa_text_document"):
+            raise SystemExit(f"the two tool runs of an A/A round wrote different files ({out}, {out}_aa)")
         return result["limit"], result["tool"]
     finally:
-        for proc in (tool, limit):
+        for proc in procs.values():
             if proc.returncode is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -394,7 +409,11 @@ def peer_table(args, cells, data, flags, corpora, documents) -> None:
 
 
 def _same_files(a: str, b: str) -> bool:
-    return all(open(a + e, "rb").read() == open(b + e, "rb").read() for e in (".bin", ".idx"))
+    """Compared in small blocks: this process must stay small, because a child started with vfork
+    (as subprocess does) inherits this process's peak RSS and would report it as its own."""
+    import filecmp
+
+    return all(filecmp.cmp(a + e, b + e, shallow=False) for e in (".bin", ".idx"))
 
 
 def setup_main(workdir: str, tokenizers: list[str], shapes: list[str], size_mb: float | None, huge_mb: float) -> None:
@@ -454,11 +473,12 @@ def print_tables(results: dict) -> None:
           "|---|---|---|---|---|---|---|---|---|---|")
     for c in results["cells"]:
         t = c["tokenizer"]
-        eod = (c["tokens"] + c["documents"]) / c["tokens"]
+        eod = (c["tokens"] + c["documents"]) / c["tokens"] if c["tokens"] else 1.0  # 1 in an A/A run
         ratios = [lim / tool * eod for lim, tool in zip(c["limit_s"], c["tool_s"])]
         # the same, with the tool's fixed start-up of that round taken off (the limit has none: it is
         # timed after its process started and loaded the tokenizer)
-        steady = [lim / (tool - up) * eod for lim, tool, up in zip(c["limit_s"], c["tool_s"], startup[t])]
+        steady = [(lim - up * bool(results.get("sliced_aa"))) / (tool - up) * eod
+                  for lim, tool, up in zip(c["limit_s"], c["tool_s"], startup[t])]
         c["ratios"] = [round(x, 4) for x in ratios]
         c["median_ratio"] = round(statistics.median(ratios), 4)
         c["median_ratio_after_startup"] = round(statistics.median(steady), 4)
@@ -481,10 +501,12 @@ def merge_results(paths: list[str]) -> dict:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             run = json.loads([line for line in f if line.startswith("{")][-1])
-        merged.setdefault("sliced_s", run.get("sliced_s", 0.0))
-        if run.get("sliced_s", 0.0) != merged["sliced_s"]:
-            raise SystemExit(f"{path}: --sliced {run.get('sliced_s', 0.0)}, not {merged['sliced_s']} as the runs before: "
-                             "runs of one method only merge")
+        method = (run.get("sliced_s", 0.0), run.get("sliced_aa", False))
+        merged.setdefault("sliced_s", method[0])
+        merged.setdefault("sliced_aa", method[1])
+        if method != (merged["sliced_s"], merged["sliced_aa"]):
+            raise SystemExit(f"{path}: --sliced {method[0]} (A/A: {method[1]}), not {merged['sliced_s']} "
+                             f"(A/A: {merged['sliced_aa']}) as the runs before: runs of one method only merge")
         for t, v in run["startup_s"].items():
             merged["startup_s"].setdefault(t, []).extend(v)
         for c in run["cells"]:
@@ -524,6 +546,9 @@ def main() -> None:
     ap.add_argument("--sliced", type=float, default=0.0, metavar="SECONDS",
                     help="run each round's limit and tool in alternating time slices of SECONDS (each alone on the "
                          "machine at any moment; see run_pair_sliced) instead of one after the other")
+    ap.add_argument("--sliced-aa", action="store_true",
+                    help="the sliced method's own check: a second run of the tool in the limit's place (ratios "
+                         "should be 1 within the method's error)")
     ap.add_argument("--megatron-lm", default=None, metavar="DIR",
                     help="a Megatron-LM source tree (tools/ and megatron/; see the module docstring): its "
                          "tools/preprocess_data.py runs once per cell of --peer-shapes as a peer")
@@ -533,6 +558,8 @@ def main() -> None:
                     help="run nothing: print the tables of earlier runs' outputs (stdout, or stdout and stderr "
                          "together) merged round by round, e.g. two runs of 5 rounds as 10")
     args = ap.parse_args()
+    if args.sliced_aa and not args.sliced:
+        ap.error("--sliced-aa needs --sliced SECONDS")
     if args.merge:
         results = merge_results(args.merge)
         print_tables(results)
@@ -558,12 +585,12 @@ def main() -> None:
             res = {}
             if args.sliced:
                 res["limit"], res["tool"] = run_pair_sliced(flags[t], corpora[(t, s)], s, out, k, args.sliced,
-                                                            steps[0] == "tool")
+                                                            steps[0] == "tool", args.sliced_aa)
             for step in steps if not args.sliced else ():
                 res[step] = (run_limit(flags[t], corpora[(t, s)], s, k) if step == "limit"
                              else run_tool(flags[t], corpora[(t, s)], out, k))
             cell = data[(t, s, k)]
-            cell["tokens"] = res["limit"]["tokens"]
+            cell["tokens"] = res["limit"].get("tokens", 0)  # (none in an A/A run)
             cell["limit"].append(res["limit"]["wall"])
             cell["tool"].append(res["tool"]["wall"])
             cell["rss"].append(res["tool"]["rss_mb"])
@@ -571,7 +598,7 @@ def main() -> None:
                   f"{res['tool']['wall']:7.2f} s ({res['tool']['rss_mb']:.0f} MB), ratio "
                   f"{res['limit']['wall'] / res['tool']['wall']:.3f}", file=sys.stderr, flush=True)
     results = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "python": platform.python_version(), "sliced_s": args.sliced, "load_before": load_before, "load_after": os.getloadavg()[0],
+               "python": platform.python_version(), "sliced_s": args.sliced, "sliced_aa": args.sliced_aa, "load_before": load_before, "load_after": os.getloadavg()[0],
                "startup_s": {t: [round(x, 3) for x in v] for t, v in startup.items()}, "cells": []}
     documents = {c: sum(1 for _ in open(p, "rb")) for c, p in corpora.items()}
     for t, s, k in cells:
