@@ -327,7 +327,7 @@ def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int,
             end = t0 + slice_s if not result else float("inf")
             done = False
             while not done and time.perf_counter() < end:
-                if select.select([fd], [], [], min(end - time.perf_counter(), 3600))[0]:
+                if select.select([fd], [], [], max(0.0, min(end - time.perf_counter(), 3600)))[0]:
                     if by_exit[side]:
                         done = True
                     else:
