@@ -314,7 +314,7 @@ def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int,
                 result[side] = {"wall": spent[side], "rss_mb": usage.ru_maxrss / 1024}
             else:
                 res = json.loads(rest)
-                result[side] = dict(res, wall=spent[side], own_wall=res["wall"])
+                result[side] = dict(res, wall=spent[side])  # its own clock also ran while it was stopped
 
         side = "tool" if tool_first else "limit"
         while True:
@@ -586,9 +586,10 @@ def main() -> None:
             if args.sliced:
                 res["limit"], res["tool"] = run_pair_sliced(flags[t], corpora[(t, s)], s, out, k, args.sliced,
                                                             steps[0] == "tool", args.sliced_aa)
-            for step in steps if not args.sliced else ():
-                res[step] = (run_limit(flags[t], corpora[(t, s)], s, k) if step == "limit"
-                             else run_tool(flags[t], corpora[(t, s)], out, k))
+            else:
+                for step in steps:
+                    res[step] = (run_limit(flags[t], corpora[(t, s)], s, k) if step == "limit"
+                                 else run_tool(flags[t], corpora[(t, s)], out, k))
             cell = data[(t, s, k)]
             cell["tokens"] = res["limit"].get("tokens", 0)  # (none in an A/A run)
             cell["limit"].append(res["limit"]["wall"])
