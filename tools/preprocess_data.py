@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> Summary:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ChildProcessError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

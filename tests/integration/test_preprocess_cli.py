@@ -372,6 +372,40 @@ def test_ctrl_c_mid_run_leaves_nothing(tmp_path, tok_files, worker_type):
     assert os.listdir(out_dir) == []
 
 
+def test_a_worker_killed_mid_run_ends_the_tool_with_its_name(tmp_path, tok_files):
+    """A worker process killed from outside (the kernel, out of memory): exit 1 with its pid and
+    signal, and no file in the output dir; not a tool that waits forever for the lost batch."""
+    import signal
+
+    from megatron_ru.data.preprocess.synthetic import write_corpus
+
+    big = str(tmp_path / "big.jsonl")
+    write_corpus(big, 24_000_000, seed=3)
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, TOOL, "--input", big, "--output-prefix", str(out_dir / "ds"), *tok_files["gptsp"],
+           "--workers", "2", "--worker-type", "process", "--log-interval", "20", "--batch-bytes", "65536"]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        for line in p.stderr:
+            if "processed " in line:
+                p.send_signal(signal.SIGSTOP)  # keep the corpus from ending before the kill lands
+                break
+        with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+            workers = [int(pid) for pid in f.read().split()]
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        p.send_signal(signal.SIGCONT)
+        rest = p.stderr.read()
+        assert p.wait(timeout=60) == 1, rest
+    finally:
+        p.kill()
+    assert f"error: worker process {workers[0]} was killed by SIGKILL while tokenizing (out of memory? see " \
+           "`dmesg`; lower --workers or --batch-bytes); nothing was written" in rest, rest
+    assert os.listdir(out_dir) == []
+    for pid in workers:  # no worker outlives the tool
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["cpp_json", "python_json"])
 @pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
 def test_utf8_bom_at_file_start_is_accepted(tmp_path, corpus, tok_files, fast, gz, monkeypatch):

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections import Counter, deque
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -31,14 +31,6 @@ from megatron_ru.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
-
-_ENCODER: Optional[Encoder] = None  # set in the parent before forking workers
-
-
-def _encode_in_worker(batch: Batch) -> BatchResult:
-    assert _ENCODER is not None
-    return _ENCODER.encode(batch)
-
 
 def output_prefix(prefix: str, key: str, group: Optional[str], level: str = "document") -> str:
     """``<prefix>_<key>_<level>`` or, grouped, ``<prefix>_<group>_<key>_<level>``; the level is
@@ -165,9 +157,12 @@ def choose_worker_type(requested: str, workers: int, tokenizer: Tokenizer) -> st
 
 class _DeferredInterrupt:
     """While workers run, SIGINT (Ctrl-C) only sets a flag; :meth:`check` raises KeyboardInterrupt
-    between batches. Raised wherever the main thread happens to be, it can land inside
-    multiprocessing's queue code with a lock held, and ``Pool.terminate()`` then waits for that
-    lock forever (seen: the tool hung with its workers already gone)."""
+    between batches. Raised wherever the main thread happens to be, it could land inside a
+    queue's code with its lock held, or between the halves of a message read from a worker, and
+    stopping the workers would then wait for that lock forever. A wait for a batch looks at
+    the flag every POLL_SECONDS, so Ctrl-C does not wait for a long batch to finish."""
+
+    POLL_SECONDS = 0.2
 
     def __init__(self) -> None:
         self.interrupted = False
@@ -192,15 +187,10 @@ class _DeferredInterrupt:
             self.check()  # a Ctrl-C after the last batch still stops the run before anything is renamed
 
 
-def _ignore_sigint() -> None:
-    """Pool workers leave Ctrl-C to the main process (a terminal sends it to the whole group)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_type: str) -> Iterable[BatchResult]:
     """Encoded batches in input order; at most 2 × workers in flight. ``--workers 1``: in the main
-    process, or, with threads, one worker thread beside the main thread that reads and parses."""
-    global _ENCODER
+    process, or, with threads, one worker thread beside the main thread that reads and parses.
+    Ctrl-C is looked at between batches and while waiting for one."""
     if workers == 1 and worker_type != "thread":
         for b in batches:
             yield encoder.encode(b)
@@ -211,17 +201,15 @@ def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_ty
         # The main thread reads and parses the JSON of the next batches (C++, the GIL released)
         # while the workers tokenize: with one worker that takes the parsing off the tokenizing
         # core (the tokenizer calls release the GIL too).
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="encode")
-        submit = lambda b: pool.submit(encoder.encode, encoder.parse(b))  # noqa: E731
-        get = lambda fut: fut.result()  # noqa: E731
+        threads = ThreadPoolExecutor(workers, thread_name_prefix="encode")
+        submit = lambda b: threads.submit(encoder.encode, encoder.parse(b))  # noqa: E731
+        get = _future_result
+        end = abort = lambda: threads.shutdown(wait=True, cancel_futures=True)  # noqa: E731
     else:
-        import multiprocessing as mp  # here: importing it (and its pool) costs ~20 ms of start-up
+        from megatron_ru.data.preprocess.workers import ProcessWorkers
 
-        _ENCODER = encoder
-        # workers inherit the loaded tokenizer: no re-load
-        pool = mp.get_context("fork").Pool(workers, initializer=_ignore_sigint)
-        submit = lambda b: pool.apply_async(_encode_in_worker, (b,))  # noqa: E731
-        get = lambda res: res.get()  # noqa: E731
+        procs = ProcessWorkers(encoder.encode, workers)  # forked: they inherit the loaded tokenizer
+        submit, get, end, abort = procs.submit, procs.result, procs.close, procs.kill
     try:
         with _DeferredInterrupt() as interrupt:
             pending: deque = deque()
@@ -229,18 +217,22 @@ def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_ty
                 interrupt.check()
                 pending.append(submit(b))
                 if len(pending) >= 2 * workers:
-                    result = get(pending.popleft())
-                    interrupt.check()
-                    yield result
+                    yield get(pending.popleft(), interrupt)
             while pending:
-                result = get(pending.popleft())
-                interrupt.check()
-                yield result
-    finally:
-        if worker_type == "thread":
-            pool.shutdown(wait=True, cancel_futures=True)
-        else:
-            pool.terminate()
+                yield get(pending.popleft(), interrupt)
+    except BaseException:  # Ctrl-C, an error here or in the consumer (GeneratorExit)
+        abort()
+        raise
+    end()
+
+
+def _future_result(future, interrupt: "_DeferredInterrupt"):
+    while True:
+        interrupt.check()
+        try:
+            return future.result(timeout=interrupt.POLL_SECONDS)
+        except TimeoutError:
+            pass
 
 
 def _check_all_keys(writers: _Writers, keys: Iterable[str], s: Summary) -> None:
@@ -263,16 +255,19 @@ def process_segments(segments: list[Segment], prefix: str, tokenizer: Tokenizer,
         warned_uncut = False
         # batches stay in the mapped file where they are parsed in this process
         mapped = encode_module.extract_strings_lines is not None and (worker_type == "thread" or workers == 1)
-        for r in _results(read_batches(segments, batch_bytes, mapped), encoder, workers, worker_type):
-            if r.error is not None:
-                raise ValueError(r.error)
-            if r.uncut and not warned_uncut:
-                warned_uncut = True
-                log.warning(f"texts over --tokenize-chunk-chars {opts.chunk_chars} are tokenized whole, on one thread "
-                            f"(no cut is proven to keep the ids for {tokenizer.cut_reason})")
-            summary.add(r)
-            writers.write(r)
-            progress.update(summary)
+        # closed here, not when the traceback is freed: an error stops the workers at once
+        batches = read_batches(segments, batch_bytes, mapped)
+        with closing(_results(batches, encoder, workers, worker_type)) as results:
+            for r in results:
+                if r.error is not None:
+                    raise ValueError(r.error)
+                if r.uncut and not warned_uncut:
+                    warned_uncut = True
+                    log.warning(f"texts over --tokenize-chunk-chars {opts.chunk_chars} are tokenized whole, on one "
+                                f"thread (no cut is proven to keep the ids for {tokenizer.cut_reason})")
+                summary.add(r)
+                writers.write(r)
+                progress.update(summary)
         if require_all_keys:
             _check_all_keys(writers, opts.json_keys, summary)
         writers.finalize()
