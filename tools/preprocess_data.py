@@ -5,11 +5,13 @@
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
 
 Progress goes to stderr every --log-interval documents, then a summary. Exit status 1 with a
-message naming the file, line and fix on bad input (nothing is left at the output paths).
+message naming the file, line and fix on bad input (nothing is left at the output paths); on
+Ctrl-C or SIGTERM, 130 or 143, and nothing is left either.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,6 +35,7 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError, ChildProcessError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Interrupted says which)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"preprocess_data.py: interrupted by {signal.Signals(signum).name}; nothing was written", file=sys.stderr)
+        sys.exit(128 + signum)

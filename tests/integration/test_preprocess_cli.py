@@ -340,36 +340,67 @@ def test_json_fast_path_changes_no_byte(tmp_path, corpus, tok_files, tok_name, m
         assert open(tmp_path / n, "rb").read() == open(tmp_path / ("slow_" + n[5:]), "rb").read(), n
 
 
-@pytest.mark.parametrize("worker_type", ["thread", "process"])
-def test_ctrl_c_mid_run_leaves_nothing(tmp_path, tok_files, worker_type):
-    """SIGINT while workers are busy: exit 130, the message, and no file at all in the output dir."""
+def _alive_in_group(pgid: int) -> list[int]:
+    """Processes of the group that still run (zombies, left for init to reap, do not count)."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(pid))
+    return alive
+
+
+@pytest.mark.parametrize("extra,signame,to_group", [
+    (["--worker-type", "thread"], "SIGINT", False),
+    (["--worker-type", "process"], "SIGINT", False),
+    (["--worker-type", "process"], "SIGTERM", True),
+    (["--worker-type", "thread", "--partitions", "2"], "SIGINT", False),
+    (["--worker-type", "process", "--partitions", "2"], "SIGTERM", False),
+    (["--worker-type", "process", "--partitions", "2"], "SIGINT", True),
+    (["--workers", "1", "--worker-type", "process"], "SIGTERM", False),
+], ids=["thread-int", "process-int", "process-term-group", "thread-parts-int", "process-parts-term",
+        "process-parts-int-group", "main-process-term"])
+def test_stop_signal_mid_run_leaves_nothing(tmp_path, tok_files, extra, signame, to_group):
+    """Ctrl-C or SIGTERM (kill, timeout, a scheduler's time limit), sent to the tool alone or to
+    its whole process group, while workers and partitions are busy: exit 128 + the signal, the
+    message, no file at all in the output dir (no shard of a partition either), no process left."""
     import signal
 
     from megatron_ru.data.preprocess.synthetic import write_corpus
 
+    sig = getattr(signal, signame)
     big = str(tmp_path / "big.jsonl")
     write_corpus(big, 24_000_000, seed=3)
     out_dir = tmp_path / "out"
     cmd = [sys.executable, TOOL, "--input", big, "--output-prefix", str(out_dir / "ds"), *tok_files["gptsp"],
-           "--workers", "2", "--worker-type", worker_type, "--log-interval", "20", "--batch-bytes", "65536"]
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+           "--workers", "2", "--log-interval", "20", "--batch-bytes", "65536", *extra]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         start_new_session=True)
     try:
         for line in p.stderr:  # wait until documents are being written
             if "processed " in line:
                 # hold the tool where it is: on an idle machine it would otherwise finish the
-                # corpus before the interrupt arrives (seen: 24 MB/s on 2 cores)
-                p.send_signal(signal.SIGSTOP)
+                # corpus before the signal arrives (seen: 24 MB/s on 2 cores)
+                os.killpg(p.pid, signal.SIGSTOP)
                 break
         assert p.poll() is None, "the tool finished before it could be interrupted"
         assert os.listdir(out_dir), "temporary outputs exist while the tool runs"
-        p.send_signal(signal.SIGINT)  # delivered when it runs again, in the middle of the corpus
-        p.send_signal(signal.SIGCONT)
+        if to_group:
+            os.killpg(p.pid, sig)  # delivered when they run again, in the middle of the corpus
+        else:
+            p.send_signal(sig)
+        os.killpg(p.pid, signal.SIGCONT)
         rest = p.stderr.read()
-        assert p.wait(timeout=60) == 130, rest
+        assert p.wait(timeout=60) == 128 + sig, rest
     finally:
         p.kill()
-    assert "interrupted; nothing was written" in rest
+    assert f"interrupted by {signame}; nothing was written" in rest, rest
     assert os.listdir(out_dir) == []
+    assert _alive_in_group(p.pid) == []
 
 
 def test_a_worker_killed_mid_run_ends_the_tool_with_its_name(tmp_path, tok_files):

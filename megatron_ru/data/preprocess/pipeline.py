@@ -9,8 +9,6 @@ from the input independently of them and their results are written in input orde
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 import traceback
 from collections import Counter, deque
@@ -25,6 +23,7 @@ from megatron_ru.data.indexed_dataset import IndexedDatasetBuilder, best_fitting
 from megatron_ru.data.preprocess.config import PreprocessConfig
 from megatron_ru.data.preprocess import encode as encode_module
 from megatron_ru.data.preprocess.encode import BatchResult, EncodeOptions, Encoder
+from megatron_ru.data.preprocess.interrupts import DeferredInterrupt, Interrupted, stop_signals_raise
 from megatron_ru.data.preprocess.reader import Batch, Segment, expand_inputs, plan_partitions, read_batches
 from megatron_ru.data.preprocess.text import sanitize_name
 from megatron_ru.data.tokenizer import Tokenizer, build_tokenizer
@@ -155,42 +154,10 @@ def choose_worker_type(requested: str, workers: int, tokenizer: Tokenizer) -> st
     return "thread" if tokenizer.releases_gil and workers <= MAX_AUTO_THREADS else "process"
 
 
-class _DeferredInterrupt:
-    """While workers run, SIGINT (Ctrl-C) only sets a flag; :meth:`check` raises KeyboardInterrupt
-    between batches. Raised wherever the main thread happens to be, it could land inside a
-    queue's code with its lock held, or between the halves of a message read from a worker, and
-    stopping the workers would then wait for that lock forever. A wait for a batch looks at
-    the flag every POLL_SECONDS, so Ctrl-C does not wait for a long batch to finish."""
-
-    POLL_SECONDS = 0.2
-
-    def __init__(self) -> None:
-        self.interrupted = False
-        self._previous = None
-
-    def __enter__(self) -> "_DeferredInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, _signum: int, _frame: object) -> None:
-        self.interrupted = True
-
-    def check(self) -> None:
-        if self.interrupted:
-            raise KeyboardInterrupt
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        if exc_type is None:
-            self.check()  # a Ctrl-C after the last batch still stops the run before anything is renamed
-
-
 def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_type: str) -> Iterable[BatchResult]:
     """Encoded batches in input order; at most 2 × workers in flight. ``--workers 1``: in the main
     process, or, with threads, one worker thread beside the main thread that reads and parses.
-    Ctrl-C is looked at between batches and while waiting for one."""
+    A stop signal (Ctrl-C, SIGTERM) is looked at between batches and while waiting for one."""
     if workers == 1 and worker_type != "thread":
         for b in batches:
             yield encoder.encode(b)
@@ -211,7 +178,7 @@ def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_ty
         procs = ProcessWorkers(encoder.encode, workers)  # forked: they inherit the loaded tokenizer
         submit, get, end, abort = procs.submit, procs.result, procs.close, procs.kill
     try:
-        with _DeferredInterrupt() as interrupt:
+        with DeferredInterrupt() as interrupt:
             pending: deque = deque()
             for b in batches:
                 interrupt.check()
@@ -220,13 +187,13 @@ def _results(batches: Iterable[Batch], encoder: Encoder, workers: int, worker_ty
                     yield get(pending.popleft(), interrupt)
             while pending:
                 yield get(pending.popleft(), interrupt)
-    except BaseException:  # Ctrl-C, an error here or in the consumer (GeneratorExit)
+    except BaseException:  # a stop signal, an error here or in the consumer (GeneratorExit)
         abort()
         raise
     end()
 
 
-def _future_result(future, interrupt: "_DeferredInterrupt"):
+def _future_result(future, interrupt: "DeferredInterrupt"):
     while True:
         interrupt.check()
         try:
@@ -284,6 +251,8 @@ def _partition_main(index, segments, prefix, tokenizer, opts, workers, worker_ty
         summary = process_segments(segments, prefix, tokenizer, opts, workers, batch_bytes, log_interval,
                                    require_all_keys=False, worker_type=worker_type)
         queue.put((index, "ok", summary))
+    except Interrupted as e:  # a signal to the whole group (a terminal's Ctrl-C): the parent stops too
+        queue.put((index, "interrupted", e.signum))
     except BaseException as e:  # reported to the parent, which raises it
         queue.put((index, "error", str(e) if isinstance(e, (ValueError, OSError)) else traceback.format_exc()))
 
@@ -292,7 +261,6 @@ def _run_partitions(parts: list[list[Segment]], cfg: PreprocessConfig, tokenizer
                     opts: EncodeOptions, worker_type: str) -> list[tuple[str, Optional[Summary]]]:
     """Each part in its own process, into temporary shard datasets; returns (shard prefix, summary)."""
     import multiprocessing as mp
-    import queue as queue_module
 
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -301,10 +269,27 @@ def _run_partitions(parts: list[list[Segment]], cfg: PreprocessConfig, tokenizer
     procs = [ctx.Process(target=_partition_main, args=(i, segs, shard_prefixes[i], tokenizer, opts, per_part,
                                                        worker_type, cfg.batch_bytes, cfg.log_interval, queue))
              for i, segs in enumerate(parts)]
-    for p in procs:
-        p.start()
     summaries: list[Optional[Summary]] = [None] * len(parts)
     errors: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        _collect(queue, procs, parts, summaries, errors)
+    except BaseException:  # a stop signal here: the partitions stop too, and leave nothing
+        _stop(procs)
+        _remove_shards(shard_prefixes)
+        raise
+    for p in procs:
+        p.join()
+    if errors:
+        _remove_shards(shard_prefixes)
+        raise ValueError(errors[min(errors)])  # the first error in input order
+    return list(zip(shard_prefixes, summaries))
+
+
+def _collect(queue, procs, parts, summaries: list, errors: dict) -> None:
+    import queue as queue_module
+
     reported: set[int] = set()
     while len(reported) < len(procs):
         try:
@@ -317,27 +302,37 @@ def _run_partitions(parts: list[list[Segment]], cfg: PreprocessConfig, tokenizer
                     errors[i] = f"partition {i} ({parts[i][0].path} ...) died with exit code {p.exitcode}"
             continue
         reported.add(index)
+        if status == "interrupted":
+            raise Interrupted(payload)
         if status == "error":
             errors[index] = payload
         else:
             summaries[index] = payload
+
+
+def _stop(procs, grace: float = 30.0) -> None:
+    """SIGTERM: each partition stops its workers and removes what it wrote; killed if it takes
+    longer than ``grace`` seconds (it may be blocked on its report to the queue nobody reads)."""
     for p in procs:
-        p.join()
-    shards = list(zip(shard_prefixes, summaries))
-    if errors:
-        _remove_shards(shards)
-        raise ValueError(errors[min(errors)])  # the first error in input order
-    return shards
-
-
-def _remove_shards(shards) -> None:
-    for _, s in shards:
-        if s is None:
+        if p.pid is not None and p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        if p.pid is None:
             continue
-        for pre in s.outputs:
-            for ext in (".bin", ".idx"):
-                if os.path.exists(pre + ext):
-                    os.remove(pre + ext)
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _remove_shards(shard_prefixes: list[str]) -> None:
+    """Every file of the shards, finished or not (a partition's unfinished ``*.tmp-<pid>`` too)."""
+    import glob
+
+    for prefix in shard_prefixes:
+        for path in glob.glob(glob.escape(prefix) + "_*"):
+            os.remove(path)
 
 
 def _merge(shards, cfg: PreprocessConfig, dtype: type) -> Summary:
@@ -364,7 +359,7 @@ def _merge(shards, cfg: PreprocessConfig, dtype: type) -> Summary:
         writers.abort()
         raise
     finally:
-        _remove_shards(shards)
+        _remove_shards([prefix for prefix, _ in shards])
     return total
 
 
@@ -374,7 +369,7 @@ def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
     if problems:
         raise ValueError("invalid arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     files = expand_inputs(cfg.input)
-    with _serial_library_calls():
+    with _serial_library_calls(), stop_signals_raise():
         return _run(cfg, tok_cfg, files)
 
 

@@ -23,6 +23,8 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Optional
 
+from megatron_ru.data.preprocess.interrupts import STOP_SIGNALS, ignore_stop_signals
+
 _STOP = object()
 
 
@@ -30,8 +32,8 @@ def _worker_main(index: int, encode: Callable, task_r: Connection, read_lock, re
                  others: list[Connection]) -> None:
     for c in others:  # the parent's ends and the other workers' result pipes: not this process's
         c.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    ignore_stop_signals()  # the parent handles Ctrl-C and SIGTERM, and stops this process
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     out = result_ws[index]
     while True:
         with read_lock:
@@ -76,8 +78,8 @@ class ProcessWorkers:
         self._done: dict = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: Optional[threading.Thread] = None
-        # a Ctrl-C between a fork and the worker's SIG_IGN would kill that worker: held until all run
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        # a stop signal between a fork and the worker's SIG_IGN would kill that worker: held until all run
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for i in range(count):
                 others = [self._task_w, *self._result_rs, *(w for j, w in enumerate(result_ws) if j != i)]
@@ -115,8 +117,8 @@ class ProcessWorkers:
         return seq
 
     def result(self, seq: int, interrupt):
-        """The result of batch ``seq``; ``interrupt.check()`` runs at least every
-        ``interrupt.POLL_SECONDS`` while it waits, and may raise (Ctrl-C)."""
+        """The result of batch ``seq``; ``interrupt.check()`` (a :class:`DeferredInterrupt`'s) runs at
+        least every ``interrupt.POLL_SECONDS`` while it waits, and may raise."""
         sentinels = {p.sentinel: p for p in self._procs}
         while seq not in self._done:
             interrupt.check()
@@ -132,6 +134,7 @@ class ProcessWorkers:
                     raise RuntimeError(f"a worker process failed while tokenizing:\n{error}")
                 self._done[s] = value
             if seq not in self._done and any(c in sentinels for c in ready):
+                interrupt.check()  # a signal to the whole group may have reached the worker first
                 p = next(sentinels[c] for c in ready if c in sentinels)
                 p.join()
                 raise ChildProcessError(_death(p.pid, p.exitcode))
