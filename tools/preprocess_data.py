@@ -10,6 +10,7 @@ Ctrl-C or SIGTERM, 130 or 143, and nothing is left either.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -47,3 +48,10 @@ if __name__ == "__main__":
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"preprocess_data.py: interrupted by {signal.Signals(signum).name}; nothing was written", file=sys.stderr)
         sys.exit(128 + signum)
+    # Done: every output is written, fsynced and renamed, every worker has ended. The interpreter's
+    # teardown (freeing each object and module one by one) added 20-35 ms to every run here (a run
+    # on one short document: 195 -> 160 ms, median of 20 paired), for nothing this process needs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
