@@ -388,12 +388,10 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
 
 
 class TokenizerLoad:
-    """``build_tokenizer(cfg)`` on a thread of its own, started at once, and the tokenizer's
-    :attr:`~Tokenizer.cut_mode` worked out there too (preprocessing asks it next; for SentencePiece
-    it imports protobuf and reads every piece: 20-30 ms); :meth:`result` waits for it (and raises
-    what it raised). The libraries read their files with the GIL released (SentencePiece: a Python
-    thread ran at about half its speed during a load), so a tool's own imports go on meanwhile
-    instead of after."""
+    """``build_tokenizer(cfg)`` on a thread of its own, started at once; :meth:`result` waits for
+    it (and raises what it raised). The libraries read their files with the GIL released
+    (SentencePiece: a Python thread ran at about half its speed during a load), so a tool's own
+    imports go on meanwhile instead of after."""
 
     def __init__(self, cfg: TokenizerConfig) -> None:
         import threading
@@ -405,15 +403,9 @@ class TokenizerLoad:
 
     def _build(self, cfg: TokenizerConfig) -> None:
         try:
-            tokenizer = build_tokenizer(cfg)
+            self._tokenizer = build_tokenizer(cfg)
         except BaseException as e:  # raised in the caller's thread by result()
             self._error = e
-            return
-        try:
-            tokenizer.cut_mode  # noqa: B018  (computed once, kept by the tokenizer)
-        except Exception:  # pragma: no cover - raised again, where it was asked, on first real use
-            pass
-        self._tokenizer = tokenizer
 
     def result(self) -> Tokenizer:
         self._thread.join()
