@@ -14,26 +14,18 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ru.config.base import parse_configs  # noqa: E402
 from megatron_ru.config.tokenizer import TokenizerConfig  # noqa: E402
 from megatron_ru.data.preprocess.config import PreprocessConfig  # noqa: E402
-from megatron_ru.data.tokenizer import TokenizerLoad  # noqa: E402  (numpy with it, before the load starts)
-
-if TYPE_CHECKING:
-    from megatron_ru.data.preprocess.pipeline import Summary
+from megatron_ru.data.preprocess.pipeline import Summary, format_summary, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Summary:
     cfgs = parse_configs([PreprocessConfig, TokenizerConfig], argv, description=__doc__.split("\n")[0])
-    loading = TokenizerLoad(cfgs[TokenizerConfig])
-    # the rest of the tool is imported while the tokenizer loads (start-up is part of its throughput)
-    from megatron_ru.data.preprocess.pipeline import format_summary, run
-
-    summary = run(cfgs[PreprocessConfig], cfgs[TokenizerConfig], loading)
+    summary = run(cfgs[PreprocessConfig], cfgs[TokenizerConfig])
     print(format_summary(summary), file=sys.stderr)
     return summary
 

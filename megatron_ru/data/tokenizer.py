@@ -387,34 +387,6 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     return NullTokenizer(cfg.vocab_size)
 
 
-class TokenizerLoad:
-    """``build_tokenizer(cfg)`` on a thread of its own, started at once; :meth:`result` waits for
-    it (and raises what it raised). The libraries read their files with the GIL released
-    (SentencePiece: a Python thread ran at about half its speed during a load), so a tool's own
-    imports go on meanwhile instead of after."""
-
-    def __init__(self, cfg: TokenizerConfig) -> None:
-        import threading
-
-        self._tokenizer: Optional[Tokenizer] = None
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._build, args=(cfg,), name="tokenizer-load", daemon=True)
-        self._thread.start()
-
-    def _build(self, cfg: TokenizerConfig) -> None:
-        try:
-            self._tokenizer = build_tokenizer(cfg)
-        except BaseException as e:  # raised in the caller's thread by result()
-            self._error = e
-
-    def result(self) -> Tokenizer:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._tokenizer is not None
-        return self._tokenizer
-
-
 def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
     """Megatron's padded vocabulary: the next multiple of ``divisible_by × TP`` (embedding rows)."""
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size

@@ -260,9 +260,7 @@ def test_empty_and_blank_are_skipped_and_counted(tmp_path, tok_files):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "x y"}, {"text": ""}, {"text": " \n "}, "", {"text": "z"}])
     s = run(path, tmp_path / "out", tok_files["gptsp"])
     assert s.documents == 2 and dict(s.skipped) == {"empty 'text'": 2, "blank line": 1}
-    from megatron_ru.data.preprocess.pipeline import format_summary
-
-    assert "skipped 2 × empty 'text' (first at " in format_summary(s)
+    assert "skipped 2 × empty 'text' (first at " in tool.format_summary(s)
     _, docs = read_dataset(str(tmp_path / "out_text_document"))
     assert len(docs) == 2
     empty = write_jsonl(tmp_path / "e.jsonl", [{"text": ""}])

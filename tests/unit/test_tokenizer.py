@@ -239,31 +239,3 @@ def test_worker_type_follows_whether_the_tokenizer_releases_the_gil(files):
     # a tokenizer that holds the GIL: threads fall back to processes (the warning: test_preprocess_cli)
     assert choose_worker_type("thread", 2, toks["null"]) == "process"
     assert choose_worker_type("auto", 2, toks["null"]) == "process"
-
-
-@pytest.mark.parametrize("name", ["gptsp", "gpt2", "hf", "tiktoken"])
-def test_a_load_on_its_own_thread_gives_the_same_tokenizer(files, name, monkeypatch):
-    """tools/preprocess_data.py loads the tokenizer on a thread while it imports the rest: the
-    result tokenizes as build_tokenizer's does, and the load ran on another thread."""
-    import threading
-
-    from megatron_ru.data.tokenizer import TokenizerLoad
-
-    seen = []
-
-    def spy(cfg):
-        seen.append(threading.current_thread() is threading.main_thread())
-        return build_tokenizer(cfg)
-
-    monkeypatch.setattr("megatron_ru.data.tokenizer.build_tokenizer", spy)
-    tok = TokenizerLoad(configs(files)[name]).result()
-    assert seen == [False]
-    assert [tok.tokenize(t) for t in TEXTS] == [build_tokenizer(configs(files)[name]).tokenize(t) for t in TEXTS]
-
-
-def test_a_failed_load_raises_its_error_in_the_caller():
-    from megatron_ru.data.tokenizer import TokenizerLoad
-
-    loading = TokenizerLoad(TokenizerConfig("GPTSentencePieceTokenizer", "/nonexistent/tok.model"))
-    with pytest.raises(ValueError, match=r"--tokenizer-model /nonexistent/tok.model: no such file"):
-        loading.result()

@@ -26,7 +26,7 @@ from megatron_ru.data.preprocess.encode import BatchResult, EncodeOptions, Encod
 from megatron_ru.data.preprocess.interrupts import DeferredInterrupt, Interrupted, stop_signals_raise
 from megatron_ru.data.preprocess.reader import Batch, Segment, expand_inputs, plan_partitions, read_batches
 from megatron_ru.data.preprocess.text import sanitize_name
-from megatron_ru.data.tokenizer import Tokenizer, TokenizerLoad, build_tokenizer
+from megatron_ru.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -363,15 +363,14 @@ def _merge(shards, cfg: PreprocessConfig, dtype: type) -> Summary:
     return total
 
 
-def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig, loading: Optional[TokenizerLoad] = None) -> Summary:
-    """Validate everything, build the tokenizer (or take it from ``loading``, a load of ``tok_cfg``
-    already under way), then process the input (the whole tool)."""
+def run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig) -> Summary:
+    """Validate everything, build the tokenizer, then process the input (the whole tool)."""
     problems = cfg.problems() + tok_cfg.problems()
     if problems:
         raise ValueError("invalid arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     files = expand_inputs(cfg.input)
     with _serial_library_calls(), stop_signals_raise():
-        return _run(cfg, tok_cfg, files, loading)
+        return _run(cfg, tok_cfg, files)
 
 
 @contextmanager
@@ -393,9 +392,8 @@ def _serial_library_calls():
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def _run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig, files: list[str],
-         loading: Optional[TokenizerLoad]) -> Summary:
-    tokenizer = loading.result() if loading is not None else build_tokenizer(tok_cfg)
+def _run(cfg: PreprocessConfig, tok_cfg: TokenizerConfig, files: list[str]) -> Summary:
+    tokenizer = build_tokenizer(tok_cfg)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     opts = EncodeOptions(json_keys=tuple(cfg.json_keys), group_by_key=cfg.group_by_key,
                          split_sentences=cfg.split_sentences, keep_newlines=cfg.keep_newlines,
