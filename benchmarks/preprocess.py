@@ -256,8 +256,8 @@ def run_limit(flags: list[str], corpus: str, shape: str, threads: int) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _tool_cmd(flags: list[str], corpus: str, out: str, workers: int) -> tuple[list[str], dict]:
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus, "--output-prefix", out,
+def _tool_cmd(flags: list[str], corpus: str, out: str, workers: int, root: str = ROOT) -> tuple[list[str], dict]:
+    cmd = [sys.executable, os.path.join(root, "tools", "preprocess_data.py"), "--input", corpus, "--output-prefix", out,
            *flags, "--append-eod", "--workers", str(workers), "--log-interval", "100000000"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAYON_NUM_THREADS", None)
@@ -265,7 +265,7 @@ def _tool_cmd(flags: list[str], corpus: str, out: str, workers: int) -> tuple[li
 
 
 def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int, slice_s: float,
-                    tool_first: bool, aa: bool = False) -> tuple[dict, dict]:
+                    tool_first: bool, aa: bool = False, aa_root: str = ROOT) -> tuple[dict, dict]:
     """The limit and the tool run as one paired round in alternating time slices of ``slice_s``
     seconds: while one runs, the other's process group is stopped (SIGSTOP, waited for), so each runs
     alone on the machine at any moment, and both see the machine's slow swings in speed (±20 % over
@@ -274,13 +274,14 @@ def run_pair_sliced(flags: list[str], corpus: str, shape: str, out: str, k: int,
     counted) to its exit; the limit's from the end of its untimed preparation (texts read, batches
     made, encoder built, alone, before the tool is let go) to its result line. Once one side is
     done the other runs to its end alone. ``aa``: the method's check, a second run of the tool (to
-    ``out``_aa) in the limit's place, timed as the tool is."""
+    ``out``_aa) in the limit's place, timed as the tool is; from the checkout ``aa_root`` for an A/B
+    comparison of two versions of the tool (``--sliced-ab``)."""
     import select
     import signal
 
     tcmd, tenv = _tool_cmd(flags, corpus, out, k)
     if aa:
-        lcmd, lenv = _tool_cmd(flags, corpus, out + "_aa", k)
+        lcmd, lenv = _tool_cmd(flags, corpus, out + "_aa", k, aa_root)
     else:
         lcmd, lenv = _limit_cmd(flags, corpus, shape, k, gated=True)
     gate = ["/bin/sh", "-c", 'read _ && exec "$0" "$@"']  # let go by a line on stdin: its start-up is timed
@@ -501,12 +502,14 @@ def merge_results(paths: list[str]) -> dict:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             run = json.loads([line for line in f if line.startswith("{")][-1])
-        method = (run.get("sliced_s", 0.0), run.get("sliced_aa", False))
+        method = (run.get("sliced_s", 0.0), run.get("sliced_aa", False), run.get("sliced_ab"))
         merged.setdefault("sliced_s", method[0])
         merged.setdefault("sliced_aa", method[1])
-        if method != (merged["sliced_s"], merged["sliced_aa"]):
-            raise SystemExit(f"{path}: --sliced {method[0]} (A/A: {method[1]}), not {merged['sliced_s']} "
-                             f"(A/A: {merged['sliced_aa']}) as the runs before: runs of one method only merge")
+        merged.setdefault("sliced_ab", method[2])
+        if method != (merged["sliced_s"], merged["sliced_aa"], merged["sliced_ab"]):
+            raise SystemExit(f"{path}: --sliced {method[0]} (A/A: {method[1]}, A/B against: {method[2]}), not "
+                             f"{merged['sliced_s']} (A/A: {merged['sliced_aa']}, A/B against: {merged['sliced_ab']}) "
+                             "as the runs before: runs of one method only merge")
         for t, v in run["startup_s"].items():
             merged["startup_s"].setdefault(t, []).extend(v)
         for c in run["cells"]:
@@ -549,6 +552,10 @@ def main() -> None:
     ap.add_argument("--sliced-aa", action="store_true",
                     help="the sliced method's own check: a second run of the tool in the limit's place (ratios "
                          "should be 1 within the method's error)")
+    ap.add_argument("--sliced-ab", default=None, metavar="DIR",
+                    help="as --sliced-aa, but the second tool is DIR's (another checkout, e.g. `git worktree add "
+                         "DIR COMMIT` with its C++ extension built): ratios are DIR's time over this tree's, so "
+                         "above 1 means this tree's tool is faster")
     ap.add_argument("--megatron-lm", default=None, metavar="DIR",
                     help="a Megatron-LM source tree (tools/ and megatron/; see the module docstring): its "
                          "tools/preprocess_data.py runs once per cell of --peer-shapes as a peer")
@@ -558,8 +565,13 @@ def main() -> None:
                     help="run nothing: print the tables of earlier runs' outputs (stdout, or stdout and stderr "
                          "together) merged round by round, e.g. two runs of 5 rounds as 10")
     args = ap.parse_args()
-    if args.sliced_aa and not args.sliced:
-        ap.error("--sliced-aa needs --sliced SECONDS")
+    if (args.sliced_aa or args.sliced_ab) and not args.sliced:
+        ap.error("--sliced-aa and --sliced-ab need --sliced SECONDS")
+    if args.sliced_ab:
+        if not os.path.isfile(os.path.join(args.sliced_ab, "tools", "preprocess_data.py")):
+            ap.error(f"--sliced-ab {args.sliced_ab}: no tools/preprocess_data.py there (a checkout of this repository)")
+        args.sliced_ab = os.path.abspath(args.sliced_ab)
+        args.sliced_aa = True
     if args.merge:
         results = merge_results(args.merge)
         print_tables(results)
@@ -585,7 +597,8 @@ def main() -> None:
             res = {}
             if args.sliced:
                 res["limit"], res["tool"] = run_pair_sliced(flags[t], corpora[(t, s)], s, out, k, args.sliced,
-                                                            steps[0] == "tool", args.sliced_aa)
+                                                            steps[0] == "tool", args.sliced_aa,
+                                                            args.sliced_ab or ROOT)
             else:
                 for step in steps:
                     res[step] = (run_limit(flags[t], corpora[(t, s)], s, k) if step == "limit"
@@ -599,7 +612,7 @@ def main() -> None:
                   f"{res['tool']['wall']:7.2f} s ({res['tool']['rss_mb']:.0f} MB), ratio "
                   f"{res['limit']['wall'] / res['tool']['wall']:.3f}", file=sys.stderr, flush=True)
     results = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "python": platform.python_version(), "sliced_s": args.sliced, "sliced_aa": args.sliced_aa, "load_before": load_before, "load_after": os.getloadavg()[0],
+               "python": platform.python_version(), "sliced_s": args.sliced, "sliced_aa": args.sliced_aa, "sliced_ab": args.sliced_ab, "load_before": load_before, "load_after": os.getloadavg()[0],
                "startup_s": {t: [round(x, 3) for x in v] for t, v in startup.items()}, "cells": []}
     documents = {c: sum(1 for _ in open(p, "rb")) for c, p in corpora.items()}
     for t, s, k in cells:
