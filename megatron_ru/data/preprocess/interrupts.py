@@ -26,19 +26,28 @@ def _raise(signum: int, _frame: object) -> None:
     raise Interrupted(signum)
 
 
+def _handle_stop_signals(handler) -> dict:
+    """``handler`` for every stop signal (main thread only: elsewhere nothing); the handlers it
+    replaced, for :func:`_restore`."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+
+
+def _restore(previous: dict) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
 @contextmanager
 def stop_signals_raise():
     """For the whole run: SIGTERM raises :class:`Interrupted` as Ctrl-C does, so that the
     cleanup of an interrupted run (the ``except``/``finally`` blocks) runs for it too."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, _raise) for s in STOP_SIGNALS}
+    previous = _handle_stop_signals(_raise)
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        _restore(previous)
 
 
 def ignore_stop_signals() -> None:
@@ -61,8 +70,7 @@ class DeferredInterrupt:
         self._previous: dict = {}
 
     def __enter__(self) -> "DeferredInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        self._previous = _handle_stop_signals(self._handle)
         return self
 
     def _handle(self, signum: int, _frame: object) -> None:
@@ -73,7 +81,6 @@ class DeferredInterrupt:
             raise Interrupted(self.signum)
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        _restore(self._previous)
         if exc_type is None:
             self.check()  # a signal after the last batch still stops the run before anything is renamed

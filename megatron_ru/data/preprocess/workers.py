@@ -5,7 +5,7 @@ Not ``multiprocessing.Pool``, for two faults of it that users hit as a tool that
 - ``Pool.terminate()`` can wait forever (CPython gh-96995, gh-73945). Its task-handler thread may
   be blocked writing a batch into the task pipe when the workers are killed; the parent holds that
   pipe's read end itself, so the write never fails, and ``terminate()`` joins the thread forever.
-  Seen here: Ctrl-C hung the tool in CI, and in 1 of 12 tries with three busy loops beside it.
+  Seen here: Ctrl-C hung the tool in CI, and in 5 of 40 tries with three busy loops beside it.
 - A worker killed from outside (out of memory) loses its batch; the Pool starts a new worker and
   the parent waits for the lost result forever.
 
@@ -134,7 +134,6 @@ class ProcessWorkers:
                     raise RuntimeError(f"a worker process failed while tokenizing:\n{error}")
                 self._done[s] = value
             if seq not in self._done and any(c in sentinels for c in ready):
-                interrupt.check()  # a signal to the whole group may have reached the worker first
                 p = next(sentinels[c] for c in ready if c in sentinels)
                 p.join()
                 raise ChildProcessError(_death(p.pid, p.exitcode))
