@@ -298,27 +298,41 @@ _SPACE_RUNS = (re.compile("[ \u00a0\u2000-\u200a\u202f\u205f\u3000]{3,}"),
 
 
 def sentencepiece_cut_mode(tok: "GPTSentencePieceTokenizer") -> tuple[Optional[str], str]:
-    """Cut mode of a SentencePiece model, from its normalizer settings and pieces: a word-boundary
-    space starts a new piece when no piece holds a ``▁`` after another character (true of every
-    model trained with whitespace splitting); the dummy prefix and whitespace collapsing decide
-    how the right piece must start (docstring of megatron_ru/data/preprocess/cuts.py)."""
-    from sentencepiece import sentencepiece_model_pb2
+    """Cut mode of a SentencePiece model, from its pieces and what its normalizer does: a
+    word-boundary space starts a new piece when no piece holds a ``▁`` after another character (true
+    of every model trained with whitespace splitting); the dummy prefix and whitespace collapsing
+    decide how the right piece must start (docstring of megatron_ru/data/preprocess/cuts.py).
 
-    name = tok.name
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(tok.sp.serialized_model_proto())
-    for p in proto.pieces:
-        if "\u2581" in p.piece.lstrip("\u2581"):  # a word start after another character
-            return None, f"{name}: piece {p.piece!r} spans a word start (model trained without whitespace splitting)"
-    spec = proto.normalizer_spec
-    if proto.trainer_spec.model_type == proto.trainer_spec.UNIGRAM and not spec.remove_extra_whitespaces and any(
-            len(p.piece) > 1 and not p.piece.strip("\u2581") for p in proto.pieces):
+    The normalizer is asked rather than read from the model's protobuf (whose import and parse cost
+    20-30 ms of every run's start-up): ``normalize("a")`` shows the dummy prefix (``▁a`` or ``a▁``),
+    ``normalize("a  b")`` whether runs of spaces collapse, and n-best encoding, which SentencePiece
+    offers for Unigram models only, the model type; tests/unit/test_preprocess_cuts.py checks this
+    against the protobuf's settings for every combination of them."""
+    name, sp = tok.name, tok.sp
+    pieces = sp.id_to_piece(list(range(sp.get_piece_size())))
+    for p in pieces:
+        if "\u2581" in p.lstrip("\u2581"):  # a word start after another character
+            return None, f"{name}: piece {p!r} spans a word start (model trained without whitespace splitting)"
+    dummy_prefix = sp.normalize("a") != "a"
+    collapses = "\u2581\u2581" not in sp.normalize("a  b")
+    if not collapses and _is_unigram(sp) and any(len(p) > 1 and not p.strip("\u2581") for p in pieces):
         tok._tie_runs = _SPACE_RUNS
-    if spec.add_dummy_prefix:
-        return ("keep" if spec.remove_extra_whitespaces else "drop"), f"{name}: dummy prefix"
-    if spec.remove_extra_whitespaces:
+    if dummy_prefix:
+        return ("keep" if collapses else "drop"), f"{name}: dummy prefix"
+    if collapses:
         return None, f"{name}: whitespace collapsing without a dummy prefix drops a piece's leading space"
     return "keep", f"{name}: whitespace kept, no dummy prefix"
+
+
+def _is_unigram(sp) -> bool:
+    """Whether a SentencePiece model is a Unigram model: the only type with n-best encoding."""
+    try:
+        sp.nbest_encode_as_ids("a", 1)
+    except RuntimeError as e:
+        if "NBestEncode is not available" in str(e):
+            return False
+        raise
+    return True
 
 
 class NullTokenizer(Tokenizer):

@@ -194,3 +194,47 @@ def test_cut_start_fast_path_equals_the_regex(tokenizers):
         for x in (text, text.encode("utf-8")):
             ends = [m.end() for m in _SPACE_RUNS[isinstance(x, bytes)].finditer(x)]
             assert tok.cut_start(x) == (ends[-1] + 1 if ends else 0), repr(x)
+
+
+def _cut_mode_from_protobuf(sp) -> tuple:
+    """The reference for sentencepiece_cut_mode: the settings read from the model's protobuf."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    if any("\u2581" in p.piece.lstrip("\u2581") for p in proto.pieces):
+        return None, False
+    spec = proto.normalizer_spec
+    ties = (proto.trainer_spec.model_type == proto.trainer_spec.UNIGRAM and not spec.remove_extra_whitespaces
+            and any(len(p.piece) > 1 and not p.piece.strip("\u2581") for p in proto.pieces))
+    if spec.add_dummy_prefix:
+        return ("keep" if spec.remove_extra_whitespaces else "drop"), ties
+    return (None if spec.remove_extra_whitespaces else "keep"), ties
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_sentencepiece_cut_mode_asks_the_normalizer_what_the_protobuf_says(tmp_path, kind):
+    """The cut mode is worked out from the normalizer's behaviour and the pieces (no protobuf import
+    at start-up); it must agree with the protobuf's settings for every combination of them."""
+    import itertools
+
+    import sentencepiece as spm
+
+    seen = set()
+    for dummy, collapse, suffix, norm in itertools.product([True, False], [True, False], [False, True],
+                                                           ["identity", "nmt_nfkc"]):
+        prefix = str(tmp_path / f"{kind}_{dummy}_{collapse}_{suffix}_{norm}")
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample_texts(120)), model_prefix=prefix, vocab_size=400, model_type=kind,
+            hard_vocab_limit=False, minloglevel=2, byte_fallback=True, add_dummy_prefix=dummy,
+            remove_extra_whitespaces=collapse, treat_whitespace_as_suffix=suffix, normalization_rule_name=norm,
+            allow_whitespace_only_pieces=True)
+        tok = build_tokenizer(TokenizerConfig("GPTSentencePieceTokenizer", prefix + ".model"))
+        got = (tok.cut_mode, tok._tie_runs is not None)
+        assert got == _cut_mode_from_protobuf(tok.sp), (prefix, tok.cut_reason)
+        seen.add(got)
+    # every outcome the settings can give is among the cases (Unigram: ties wherever spaces are kept)
+    if kind == "unigram":
+        assert seen == {("keep", True), ("keep", False), ("drop", True), (None, False)}, seen
+    else:
+        assert seen == {("keep", False), ("drop", False), (None, False)}, seen
