@@ -218,20 +218,15 @@ def test_sentencepiece_cut_mode_asks_the_normalizer_what_the_protobuf_says(tmp_p
     at start-up); it must agree with the protobuf's settings for every combination of them."""
     import itertools
 
-    import sentencepiece as spm
-
     seen = set()
     for dummy, collapse, suffix, norm in itertools.product([True, False], [True, False], [False, True],
                                                            ["identity", "nmt_nfkc"]):
-        prefix = str(tmp_path / f"{kind}_{dummy}_{collapse}_{suffix}_{norm}")
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample_texts(120)), model_prefix=prefix, vocab_size=400, model_type=kind,
-            hard_vocab_limit=False, minloglevel=2, byte_fallback=True, add_dummy_prefix=dummy,
-            remove_extra_whitespaces=collapse, treat_whitespace_as_suffix=suffix, normalization_rule_name=norm,
-            allow_whitespace_only_pieces=True)
-        tok = build_tokenizer(TokenizerConfig("GPTSentencePieceTokenizer", prefix + ".model"))
+        model = _sp_plain(tmp_path, model_type=kind, add_dummy_prefix=dummy, remove_extra_whitespaces=collapse,
+                          treat_whitespace_as_suffix=suffix, normalization_rule_name=norm,
+                          allow_whitespace_only_pieces=True)
+        tok = build_tokenizer(TokenizerConfig("GPTSentencePieceTokenizer", model))
         got = (tok.cut_mode, tok._tie_runs is not None)
-        assert got == _cut_mode_from_protobuf(tok.sp), (prefix, tok.cut_reason)
+        assert got == _cut_mode_from_protobuf(tok.sp), (dummy, collapse, suffix, norm, tok.cut_reason)
         seen.add(got)
     # every outcome the settings can give is among the cases (Unigram: ties wherever spaces are kept)
     if kind == "unigram":
