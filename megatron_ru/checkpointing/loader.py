@@ -124,6 +124,7 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from megatron_ru.training.deepspeed_compat import create_flat_optimizer_state
+    from megatron_ru.utils.optim import adam_step_tensor
     cfg = model_config_from_dict(meta.model_args)
     specs = specs_by_name(cfg, int(meta.vocab_size))
     params = list(canonical_named_parameters(engine.module, cfg))
@@ -164,7 +165,7 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
                     safe_set_full_optimizer_state(p, state[k].to(p.device, torch.float32), k)
             else:
                 p.data.copy_(state["fp32"])
-                opt.state[p] = {"step": torch.tensor(float(step)),
+                opt.state[p] = {"step": adam_step_tensor(step, p, opt.param_groups[0]),
                                 "exp_avg": state["exp_avg"].to(p.device, torch.float32).clone(),
                                 "exp_avg_sq": state["exp_avg_sq"].to(p.device, torch.float32).clone()}
         _load_common(engine, common, meta)

@@ -37,6 +37,10 @@ class TrainingConfig:
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
     loss_scale_window: int = arg(1000, "Iterations without overflow before the loss scale grows.")
     hysteresis: int = arg(2, "Overflows tolerated before the dynamic loss scale shrinks.")
+    torch_compile: bool = arg(
+        False, "Run each transformer layer (and, at TP 1, the loss) through torch.compile: fused norms, RoPE, "
+               "SwiGLU and residual adds; numerics equal the eager reference to rounding, not bit for bit. "
+               "The first step pays the compile (tens of seconds).")
     zero_stage: int = arg(0, "DeepSpeed ZeRO stage (0-3 with PP=1, 0-1 with PP>1).",
                           choices=(0, 1, 2, 3))
     deepspeed: bool = arg(False, "Accepted for Megatron-DeepSpeed scripts; DeepSpeed is always used.")
@@ -107,6 +111,11 @@ class OptimizerConfig:
     adam_beta1: float = arg(0.9, "Adam beta1.")
     adam_beta2: float = arg(0.999, "Adam beta2.")
     adam_eps: float = arg(1e-8, "Adam epsilon.")
+    adam_implementation: str = arg(
+        "auto", "torch AdamW kernel: 'fused' (one CUDA kernel over all tensors; the GPU default), 'foreach' "
+                "(batched per op) or 'for-loop' (one tensor at a time; the CPU default). Each updates every "
+                "element on its own, so any sharding gives the same numbers as one process; 'auto' picks by device.",
+        choices=("auto", "fused", "foreach", "for-loop"))
     sgd_momentum: float = arg(0.9, "SGD momentum.")
     clip_grad: float = arg(1.0, "Clip the global gradient norm (over all TP/PP shards) to this; 0: off.")
 

@@ -34,7 +34,10 @@ class RopeSpec:
 
     def inv_freq(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """[head_dim / 2] fp32 inverse frequencies, as transformers' rope init functions compute them
-        (computed once per device; every layer of every step reuses them; do not modify)."""
+        (computed once per device; every layer of every step reuses them; do not modify). Inside
+        ``torch.compile`` they are computed in the graph instead (the compiler does not trace the cache)."""
+        if torch.compiler.is_compiling():
+            return self.compute_inv_freq(device)
         return _cached_inv_freq(self, None if device is None else torch.device(device))
 
     def compute_inv_freq(self, device: Optional[torch.device] = None) -> torch.Tensor:

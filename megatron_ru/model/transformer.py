@@ -212,6 +212,13 @@ class TransformerLayer(nn.Module):
         self.self_attention = Attention(cfg, layer_number, **parts)
         self.pre_mlp_layernorm = Norm(cfg.hidden_size, **norm)
         self.mlp = MLP(cfg, layer_number, **parts)
+        self._compiled = None  # torch.compile'd _forward (--torch-compile); None: eager
+
+    def compile_forward(self) -> None:
+        """Run the block through ``torch.compile`` (inductor fuses the norms, RoPE, SwiGLU and the residual
+        adds around the matmuls; tensor-parallel collectives stay eager graph breaks). Incremental decoding
+        (a KV cache) keeps the eager path."""
+        self._compiled = torch.compile(self._forward, dynamic=False)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:
@@ -229,6 +236,7 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``kv_cache``/``attention_mask``: incremental decoding (see :meth:`Attention.forward`)."""
+        run = self._forward if self._compiled is None or kv_cache is not None else self._compiled
         if self.recompute and self.training and torch.is_grad_enabled() and kv_cache is None:
-            return tp_random.checkpoint(self._forward, x, position_ids, None, attention_mask)
-        return self._forward(x, position_ids, kv_cache, attention_mask)
+            return tp_random.checkpoint(run, x, position_ids, None, attention_mask)
+        return run(x, position_ids, kv_cache, attention_mask)

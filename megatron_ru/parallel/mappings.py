@@ -165,38 +165,52 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_first(grad, ctx.group), None
 
 
+@torch.compiler.disable
+def _collective(fn: type, x: torch.Tensor, group: ProcessGroup, *extra) -> torch.Tensor:
+    """Run ``fn`` (one of the Functions above) outside any ``torch.compile`` graph (``--torch-compile``):
+    a compiled transformer layer breaks its graph here and the collective runs eagerly, on the process
+    group as given."""
+    return fn.apply(x, group, *extra)
+
+
+def _apply(fn: type, x: torch.Tensor, group: ProcessGroup | None, *extra) -> torch.Tensor:
+    if group_size(group) == 1:  # identity both ways (and no graph break in a compiled layer)
+        return x
+    return _collective(fn, x, group, *extra)
+
+
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward identity; backward all-reduce (the input feeds every TP rank's partial op)."""
-    return _CopyToRegion.apply(x, group)
+    return _apply(_CopyToRegion, x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward all-reduce of partial results; backward identity."""
-    return _ReduceFromRegion.apply(x, group)
+    return _apply(_ReduceFromRegion, x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: keep this rank's chunk of the last dimension; backward: all-gather it."""
-    return _ScatterToRegion.apply(x, group)
+    return _apply(_ScatterToRegion, x, group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: all-gather the last dimension; backward: keep this rank's chunk."""
-    return _GatherFromRegion.apply(x, group)
+    return _apply(_GatherFromRegion, x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: keep this rank's chunk of the sequence (dim 0); backward: all-gather it."""
-    return _ScatterToSequenceRegion.apply(x, group)
+    return _apply(_ScatterToSequenceRegion, x, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None,
                                          tensor_parallel_output_grad: bool = True) -> torch.Tensor:
     """Forward: all-gather the sequence (dim 0). Backward: reduce-scatter when the gathered
     tensor feeds a tensor-parallel op (the default), else just keep this rank's chunk."""
-    return _GatherFromSequenceRegion.apply(x, group, tensor_parallel_output_grad)
+    return _apply(_GatherFromSequenceRegion, x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: sum partial results and keep this rank's chunk of the sequence; backward: all-gather."""
-    return _ReduceScatterToSequenceRegion.apply(x, group)
+    return _apply(_ReduceScatterToSequenceRegion, x, group)

@@ -35,6 +35,11 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True))
 
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies (the DataLoader calls this with ``pin_memory=True``), so that :meth:`to` a GPU
+        is an asynchronous copy that overlaps the previous step instead of a host-blocking one."""
+        return Batch(self.tokens.pin_memory(), self.labels.pin_memory())
+
 
 def collate(samples: list[dict[str, np.ndarray]]) -> Batch:
     tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
@@ -106,7 +111,8 @@ def micro_batches(dataset: Optional[SampleDataset], consumed_samples: int, micro
     # its own generator: creating a loader iterator draws a seed, which must not shift the global
     # RNG stream that dropout uses (a resumed run creates its loaders at a different point)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate, generator=torch.Generator().manual_seed(0))
+                                         collate_fn=collate, generator=torch.Generator().manual_seed(0),
+                                         pin_memory=device.type == "cuda")
     if isinstance(dataset, VocabCheckedDataset):
         # the loader yields batches in the sampler's order, so the second pass names each batch's samples
         return (_checked(dataset, batch, indices).to(device) for batch, indices in zip(loader, iter(sampler)))

@@ -206,13 +206,15 @@ def create_flat_optimizer_state(opt: Any, step: int) -> None:
     steps) for each flat fp32 partition, and link every parameter's fragment to it, so that
     ``deepspeed.utils.safe_set_full_optimizer_state`` can set it before the first step."""
     import torch
+
+    from megatron_ru.utils.optim import adam_step_tensor
     for attr in ("optimizer", "_lazy_init_hp_params_optimizer_state", "_hp_optimizer_states_linked"):
         if not hasattr(opt, attr):
             raise _missing(f"{type(opt).__name__}.{attr}")
     base = opt.optimizer
     for group in base.param_groups:
         for flat in group["params"]:
-            base.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
+            base.state[flat] = {"step": adam_step_tensor(step, flat, group), "exp_avg": torch.zeros_like(flat),
                                 "exp_avg_sq": torch.zeros_like(flat)}
     opt._hp_optimizer_states_linked = False
     opt._lazy_init_hp_params_optimizer_state()

@@ -51,12 +51,20 @@ def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch
     tp_group = state.tp_group if state.tp_size > 1 else None
     sp = args.parallel.sequence_parallel
     if state.pp_size == 1:
-        return GPTModel(args.model, vocab_size, tp_group, sp, **common)
-    from deepspeed.pipe import PipelineModule
-    specs = build_layer_specs(args.model, vocab_size, tp_group, sp, **common)
-    # recomputation happens inside our layers (TP-aware RNG), not in DeepSpeed's pipeline
-    return PipelineModule(layers=specs, loss_fn=GPTLoss(vocab_size, tp_group), topology=state.ds_topology(),
-                          partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+        model = GPTModel(args.model, vocab_size, tp_group, sp, **common)
+    else:
+        from deepspeed.pipe import PipelineModule
+        specs = build_layer_specs(args.model, vocab_size, tp_group, sp, **common)
+        # recomputation happens inside our layers (TP-aware RNG), not in DeepSpeed's pipeline
+        model = PipelineModule(layers=specs, loss_fn=GPTLoss(vocab_size, tp_group), topology=state.ds_topology(),
+                               partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+    if args.training.torch_compile:
+        from megatron_ru.model.compile import compile_model
+        compiled = compile_model(model)
+        log_rank0(log, f"--torch-compile: {compiled} transformer layers"
+                       f"{' and the loss' if state.tp_size == 1 else ''} run through torch.compile "
+                       f"(compiled at the first step)")
+    return model
 
 
 def model_vocab_size(args: Arguments, tokenizer_size: int) -> int:

@@ -1,0 +1,632 @@
+"""The GPU suite: correctness on the device, the training-throughput matrix, fp16, and generation, in one
+command that prints one table and writes ``suite.json`` and ``suite.md``.
+
+    python3 benchmarks/gpu_suite.py --out DIR        # on one GPU (DIR default: $OUT)
+    python3 benchmarks/gpu_suite.py --cpu-smoke      # the same code paths at tiny shapes on the CPU (make test)
+
+Parts, each in its own process (a failure is reported in the table, the rest still runs):
+
+* ``correctness``: the model's forward and backward on the device (fp32, TF32 off) against the CPU's; each
+  fused path against its reference (``--torch-compile``'s layers and loss, fused AdamW against the for-loop);
+  50 steps of bf16 training against fp32 (loss curves); the SDPA backends at the 1B attention shape.
+* ``matrix-<shape>``: pretrain_gpt's real train step against the plain PyTorch loop and transformers (recipes
+  in ``benchmarks/train_step.py``), interleaved, medians; at the 1B shape also the variants of ours that show
+  what each change brought (the former defaults: eager, for-loop AdamW; eager with fused AdamW).
+  Shapes: the 1B preset at seq 2048 (micro batch 4) and 4096 (micro batch 2, the same tokens per step), and
+  one TP = 1 slice of LLaMA-3-8B (hidden 4096, 32 heads, 8 query groups, FFN 14336, 4 layers, vocabulary
+  128,256, seq 4096, micro batch 1). When the contenders' states would not fit in the GPU's memory together,
+  each runs in its own process, one after the other (the table says so).
+* ``fp16``: 100 steps of the 1B preset in fp16 with dynamic loss scaling against the same in bf16, steps
+  interleaved, on a learnable corpus: the largest loss difference and the skipped steps.
+* ``generation``: greedy decoding of 8 prompts x 256 new tokens at the 1B shape with the library behind
+  ``tools/generate.py`` against transformers' ``generate`` (KV cache both): tokens/s in bf16, and the tokens
+  of both in fp32 compared.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.train_step import RECIPES  # noqa: E402
+
+SHAPES = {  # layers, hidden, heads, query groups, ffn, vocab (padded), seq, micro batch
+    "1b-seq2048": dict(layers=16, hidden=2048, heads=16, groups=8, ffn=5504, vocab=32000, seq=2048, batch=4),
+    "1b-seq4096": dict(layers=16, hidden=2048, heads=16, groups=8, ffn=5504, vocab=32000, seq=4096, batch=2),
+    "8b-layer-seq4096": dict(layers=4, hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, seq=4096,
+                             batch=1),
+}
+SMOKE_SHAPES = {  # the same code paths at sizes two CPU cores run in seconds
+    "1b-seq2048": dict(layers=2, hidden=64, heads=4, groups=2, ffn=160, vocab=512, seq=64, batch=2),
+    "1b-seq4096": dict(layers=2, hidden=64, heads=4, groups=2, ffn=160, vocab=512, seq=128, batch=1),
+    "8b-layer-seq4096": dict(layers=2, hidden=128, heads=8, groups=2, ffn=352, vocab=1024, seq=128, batch=1),
+}
+#: variants of ours: pretrain_gpt flags and shape changes. "ours" is what the headline figures use; the others
+#: show what each change brought (ours-before: the former defaults) and what a larger micro batch gives.
+OURS = {
+    "ours": (("--torch-compile", "--adam-implementation", "fused"), {}),
+    "ours-eager": (("--adam-implementation", "fused"), {}),
+    "ours-before": (("--adam-implementation", "for-loop"), {}),
+    "ours-mb8": (("--torch-compile", "--adam-implementation", "fused"), {"batch": 8}),
+}
+BASELINES = ("plain", "transformers")
+STATE_BYTES = {"ours": 18, "ours-eager": 18, "ours-before": 18, "ours-mb8": 18, "plain": 16, "transformers": 16}
+
+
+# ---- helpers shared by the parts ------------------------------------------------------------------------
+
+def _device():
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _precision(smoke: bool) -> str:
+    # bf16 on the GPU; fp32 on the CPU smoke run (DeepSpeed's bf16 optimizer is a GPU path)
+    return "fp32" if smoke else "bf16"
+
+
+def _sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rel(a, b) -> float:
+    """max |a - b| / max |b| (0 when both are zero)."""
+    import torch
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    scale = b.abs().max().item()
+    return float((a - b).abs().max().item() / scale) if scale else float((a - b).abs().max().item())
+
+
+def _small_cfg(**over: Any):
+    from megatron_ru.config.model import ModelConfig
+    base = dict(num_layers=2, hidden_size=256, num_attention_heads=8, group_query_attention=True,
+                num_query_groups=4, ffn_hidden_size=704, position_embedding_type="rope", normalization="RMSNorm",
+                swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+                hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=4096)
+    base.update(over)
+    return ModelConfig(**base)
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    import torch
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _fwd_bwd(model, tokens, labels, autocast_dtype=None):
+    import torch
+    model.zero_grad(set_to_none=True)
+    ctx = torch.autocast(tokens.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+    with ctx:
+        logits = model(tokens)
+        loss = model.loss_fn(logits, labels)
+    loss.backward()
+    return logits.detach().float(), loss.detach().float(), {n: p.grad.detach().float().clone()
+                                                            for n, p in model.named_parameters()}
+
+
+def _grads_rel(a: dict, b: dict) -> float:
+    return max(_rel(a[n], b[n]) for n in b)
+
+
+# ---- correctness --------------------------------------------------------------------------------------
+
+def part_correctness(smoke: bool, tmp: str) -> dict[str, Any]:
+    import copy
+
+    import torch
+
+    from megatron_ru.model.compile import compile_model
+    from megatron_ru.model.gpt import GPTModel
+    device = _device()
+    rows: list[dict[str, Any]] = []
+
+    def row(check: str, value: float, tolerance: float, note: str = "") -> None:
+        rows.append({"check": check, "value": value, "tolerance": tolerance, "pass": bool(value <= tolerance),
+                     "note": note})
+
+    seq, vocab = (32, 500) if smoke else (256, 8000)
+    cfg = _small_cfg(num_layers=2, hidden_size=64 if smoke else 256, num_attention_heads=4 if smoke else 8,
+                     num_query_groups=2 if smoke else 4, ffn_hidden_size=160 if smoke else 704)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (2, seq), generator=g)
+    labels = torch.randint(0, vocab, (2, seq), generator=g)
+
+    # 1. the device against the CPU, fp32, TF32 off
+    with _no_tf32():
+        cpu_model = GPTModel(cfg, vocab, seed=7)
+        dev_model = GPTModel(cfg, vocab, seed=7, device=device)
+        ref = _fwd_bwd(cpu_model, tokens, labels)
+        got = _fwd_bwd(dev_model, tokens.to(device), labels.to(device))
+        row(f"{device.type} vs CPU fp32: logits", _rel(got[0], ref[0]), 1e-5)
+        row(f"{device.type} vs CPU fp32: loss", _rel(got[1], ref[1]), 1e-5)
+        row(f"{device.type} vs CPU fp32: gradients (worst tensor)", _grads_rel(got[2], ref[2]), 1e-5)
+
+        # 2. --torch-compile (layers + loss) against eager, fp32
+        compiled = copy.deepcopy(dev_model)
+        compile_model(compiled)
+        eager = _fwd_bwd(dev_model, tokens.to(device), labels.to(device))
+        fused = _fwd_bwd(compiled, tokens.to(device), labels.to(device))
+        row("--torch-compile vs eager fp32: loss", _rel(fused[1], eager[1]), 1e-5)
+        row("--torch-compile vs eager fp32: gradients (worst tensor)", _grads_rel(fused[2], eager[2]), 1e-5)
+
+    # 3. in bf16 the fused path is no less accurate than eager bf16 (both against fp32)
+    if device.type == "cuda":
+        dtype = torch.bfloat16
+        e16 = copy.deepcopy(dev_model).to(dtype)
+        c16 = copy.deepcopy(dev_model).to(dtype)
+        compile_model(c16)
+        t, lab = tokens.to(device), labels.to(device)
+        ref32 = _fwd_bwd(dev_model, t, lab)
+        err_e = _grads_rel(_fwd_bwd(e16, t, lab)[2], ref32[2])
+        err_c = _grads_rel(_fwd_bwd(c16, t, lab)[2], ref32[2])
+        row("--torch-compile bf16 gradient error / eager bf16 error (both vs fp32)", err_c / err_e, 1.5,
+            f"eager bf16 error {err_e:.2e}, compiled {err_c:.2e}")
+
+    # 4. fused AdamW against the for-loop reference, fp32, 3 steps on the same gradients
+    params = [torch.randn(1000, 64, generator=g).to(device) for _ in range(3)]
+    grads = [torch.randn_like(p) for p in params]
+    results = []
+    for kw in ({"foreach": False}, {"fused": True}):
+        ps = [torch.nn.Parameter(p.clone()) for p in params]
+        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, **kw)
+        for _ in range(3):
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+            opt.step()
+        results.append(ps)
+    row("fused AdamW vs for-loop AdamW (3 steps, fp32)",
+        max(_rel(a, b) for a, b in zip(results[1], results[0])), 1e-6)
+
+    # 5. 50 training steps: bf16 against fp32 (pretrain_gpt's trainer, learnable corpus); CPU smoke: 5 fp32 steps
+    from benchmarks.train_step import build_trainer, make_corpus
+    p = dict(layers=4, hidden=512, heads=8, groups=4, ffn=1408, vocab=8064, seq=512, batch=8)
+    iters = 50
+    if smoke:
+        p, iters = dict(layers=2, hidden=64, heads=4, groups=2, ffn=160, vocab=512, seq=32, batch=2), 5
+    prefix = make_corpus(tmp, p["vocab"], (iters + 2) * p["batch"] * (p["seq"] + 1) * 2, structured=True)
+    extra = ("--lr", "3e-4", "--lr-warmup-iters", "5", "--seed", "5")
+    curves = {}
+    precisions = ("fp32",) if smoke else ("fp32", "bf16")
+    for prec in precisions:
+        with _no_tf32():
+            _, trainer = build_trainer(p, prefix, os.path.join(tmp, "cache"), iters, prec,
+                                       0 if prec == "fp32" else 1, extra)
+            curves[prec] = [trainer.train_step() for _ in range(iters)]
+        del trainer
+    if "bf16" in curves:
+        diffs = [abs(a - b) for a, b in zip(curves["bf16"], curves["fp32"])]
+        row("bf16 vs fp32 training, 50 steps: max |loss difference| (nats)", max(diffs), 0.05,
+            f"fp32 loss {curves['fp32'][0]:.3f} -> {curves['fp32'][-1]:.3f}, bf16 {curves['bf16'][-1]:.3f}")
+    else:
+        finite = all(v == v and abs(v) != float("inf") for v in curves["fp32"])
+        row(f"training smoke: {iters} fp32 steps, non-finite losses", 0.0 if finite else 1.0, 0.0)
+    out: dict[str, Any] = {"rows": rows, "curves": curves}
+    if device.type == "cuda":
+        out["sdpa"] = _sdpa_backends()
+    return out
+
+
+def _sdpa_backends() -> dict[str, Any]:
+    """Forward + backward of SDPA at the 1B attention shape (b 4, 16 heads, 8 KV groups, s 2048, d 128, causal,
+    bf16) with each backend forced, and the default choice (grouped keys/values, as the model calls it)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h, kv, s, d = 4, 16, 8, 2048, 128
+    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out: dict[str, Any] = {}
+    cases: dict[str, Callable[[], Any]] = {
+        "default (enable_gqa)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel([backend]):
+                kk, vv = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+        cases[name + " (keys repeated)"] = run
+    for name, fn in cases.items():
+        try:
+            times = []
+            for i in range(8):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn().sum().backward()
+                torch.cuda.synchronize()
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+            out[name] = round(statistics.median(times) * 1e3, 3)
+        except Exception as e:  # noqa: BLE001 - a backend this build lacks is a finding, not a failure
+            out[name] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return {"ms_fwd_bwd": out, "shape": "b 4, heads 16, kv groups 8, seq 2048, head dim 128, causal, bf16"}
+
+
+# ---- the throughput matrix ----------------------------------------------------------------------------
+
+def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps: int, warmup: int
+                ) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.train_step import build_trainer, hf_step_fn, interleave, make_corpus, plain_step_fn
+    from megatron_ru.training.metrics import device_peak_tflops, flops_per_token
+    from megatron_ru.training.pretrain import model_shape
+    p = (SMOKE_SHAPES if smoke else SHAPES)[shape]
+    precision = _precision(smoke)
+    device = _device()
+    total = warmup + steps
+    most = max([p["batch"]] + [OURS[c][1].get("batch", 0) for c in contenders if c in OURS])
+    prefix = make_corpus(tmp, p["vocab"], (total + 3) * most * (p["seq"] + 1) * 2)
+    fns: dict[str, Callable[[], None]] = {}
+    errors: dict[str, str] = {}
+    args = None
+    keep: list[Any] = []
+
+    def build(name: str, make: Callable[[], Callable[[], None]]) -> None:
+        try:  # a contender that cannot be built or stepped is reported; the others still run
+            fn = make()
+            fn()  # its first step (compilation included) before the timed rounds
+            fns[name] = fn
+        except Exception as e:  # noqa: BLE001
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+    shapes = {name: {**p, **OURS[name][1]} if name in OURS else p for name in contenders}
+    for name in contenders:
+        if name in OURS:
+            def make(name=name):
+                nonlocal args
+                args, trainer = build_trainer(shapes[name], prefix, os.path.join(tmp, "cache"), total + 2,
+                                              precision, 0 if precision == "fp32" else 1, OURS[name][0])
+                keep.append(trainer)
+                return trainer.train_step
+            build(name, make)
+    if args is None:  # the baselines alone (a process of their own): the model flags without an engine
+        from benchmarks.train_step import pretrain_argv
+        from megatron_ru.config.arguments import parse_arguments
+        args = parse_arguments(pretrain_argv(p, prefix, os.path.join(tmp, "cache"), total + 1, precision),
+                               world_size=1)
+    vocab = p["vocab"] - 1
+    if "plain" in contenders:
+        build("plain", lambda: plain_step_fn(p, args.model, vocab, device, precision))
+    if "transformers" in contenders:
+        build("transformers", lambda: hf_step_fn(p, p["vocab"], device, precision))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    stats = interleave(fns, warmup, steps, device) if fns else {}
+    tokens = p["batch"] * p["seq"]
+    flops = flops_per_token(model_shape(args, vocab)) * tokens
+    peak = device_peak_tflops(precision, None)
+    for name, st in stats.items():
+        st["micro_batch"] = shapes[name]["batch"]
+        scale = shapes[name]["batch"] / p["batch"]
+        st["tokens_per_s"] = scale * tokens / st["median_s"]
+        st["tflops"] = scale * flops / st["median_s"] / 1e12
+        st["mfu"] = st["tflops"] / peak if peak else None
+    return {"shape": shape, "dims": p, "precision": precision, "contenders": stats, "errors": errors,
+            "tokens_per_step": tokens,
+            "flops_per_step": flops, "peak_tflops": peak,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
+
+
+# ---- fp16 ---------------------------------------------------------------------------------------------
+
+def part_fp16(smoke: bool, tmp: str, iters: int) -> dict[str, Any]:
+    from benchmarks.train_step import build_trainer, make_corpus
+    p = dict(SMOKE_SHAPES if smoke else SHAPES)["1b-seq2048"]
+    prefix = make_corpus(tmp, p["vocab"], (iters + 2) * p["batch"] * (p["seq"] + 1) * 2, structured=True)
+    extra = ("--lr", "3e-4", "--lr-warmup-iters", "10", "--initial-loss-scale", "65536", "--seed", "3",
+             "--adam-implementation", "fused")
+    precisions = ("fp32",) if smoke else ("bf16", "fp16")  # the CPU has no fp16 training path
+    trainers = {prec: build_trainer(p, prefix, os.path.join(tmp, "cache"), iters, prec,
+                                    0 if prec == "fp32" else 1, extra)[1] for prec in precisions}
+    curves: dict[str, list[float]] = {k: [] for k in trainers}
+    for _ in range(iters):
+        for prec, trainer in trainers.items():
+            curves[prec].append(trainer.train_step())
+    out: dict[str, Any] = {"iters": iters, "curves": curves,
+                           "skipped_steps": {k: int(t.engine.skipped_steps) for k, t in trainers.items()}}
+    if "fp16" in curves:
+        diffs = [abs(a - b) for a, b in zip(curves["fp16"], curves["bf16"])]
+        out.update(max_abs_diff=max(diffs), last10_mean_abs_diff=statistics.mean(diffs[-10:]),
+                   final={k: v[-1] for k, v in curves.items()},
+                   loss_scale=float(getattr(trainers["fp16"].engine.optimizer, "cur_scale", float("nan"))))
+    return out
+
+
+# ---- generation ---------------------------------------------------------------------------------------
+
+def part_generation(smoke: bool, new_tokens: int) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_ru.convert.hf_mapping import model_config_from_hf, to_canonical
+    from megatron_ru.inference.generate import generate
+    from megatron_ru.inference.runner import StageRunner
+    from megatron_ru.inference.sampling import SamplingParams
+    from megatron_ru.parallel.env import init_distributed
+    from megatron_ru.parallel.state import ParallelState
+    p = (SMOKE_SHAPES if smoke else SHAPES)["1b-seq2048"]
+    device = _device()
+    init_distributed(None, 10)
+    state = ParallelState.build(1, 1)
+    hf_cfg = LlamaConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["ffn"],
+                         num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
+                         num_key_value_heads=p["groups"], max_position_embeddings=p["seq"], rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, attn_implementation="sdpa", bos_token_id=None,
+                         eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf32 = LlamaForCausalLM(hf_cfg).to(torch.float32).eval()
+    cfg, vocab = model_config_from_hf(hf_cfg.to_dict())
+    hf_tensors = dict(hf32.state_dict())
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, p["vocab"], (8, 32), generator=g)
+    greedy = SamplingParams(greedy=True)
+
+    def ours_run(dtype):
+        runner = StageRunner(cfg, vocab, state, device=device, dtype=dtype)
+        runner.load(lambda name: to_canonical(name, hf_tensors, cfg))
+        return runner, lambda: [c.token_ids for c in generate(runner, prompts.tolist(), max_new_tokens=new_tokens,
+                                                              params=greedy, pad_id=0)]
+
+    def hf_run(model):
+        ids = prompts.to(device)
+        return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
+                                      pad_token_id=0)[:, ids.shape[1]:].tolist()
+
+    def timed_run(fn):
+        fn()  # warm-up (kernels, caches)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        return out, time.perf_counter() - t0
+
+    with _no_tf32():
+        _, ours32 = ours_run(torch.float32)
+        tokens_ours, _ = timed_run(ours32)
+        tokens_hf, _ = timed_run(hf_run(hf32))
+    same = sum(a == b for x, y in zip(tokens_ours, tokens_hf) for a, b in zip(x, y))
+    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tokens_ours, tokens_hf)]
+    speed_dtype = torch.float32 if smoke else torch.bfloat16
+    _, ours16 = ours_run(speed_dtype)
+    hf16 = hf32.to(speed_dtype)
+    _, t_ours = timed_run(ours16)
+    _, t_hf = timed_run(hf_run(hf16))
+    n = prompts.shape[0] * new_tokens
+    return {"prompts": prompts.shape[0], "prompt_tokens": prompts.shape[1], "new_tokens": new_tokens,
+            "fp32_same_tokens": same, "fp32_total_tokens": n, "fp32_first_difference_per_prompt": first_diff,
+            "speed_dtype": str(speed_dtype).replace("torch.", ""),
+            "ours_tokens_per_s": n / t_ours, "transformers_tokens_per_s": n / t_hf, "ratio": t_hf / t_ours}
+
+
+# ---- the orchestrator ---------------------------------------------------------------------------------
+
+def _versions() -> dict[str, str]:
+    import torch
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": str(torch.version.cuda), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+           else "cpu"}
+    for mod in ("deepspeed", "transformers", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent is a fact for the table
+            out[mod] = "absent"
+    if torch.cuda.is_available():
+        out["gpu_memory_gib"] = f"{torch.cuda.get_device_properties(0).total_memory / 2 ** 30:.1f}"
+    return out
+
+
+def _plan(smoke: bool, gpu_bytes: Optional[int]) -> list[tuple[str, list[str], list[str]]]:
+    """(part, worker arguments, contenders) in run order: the headline first, so that a cut-short run
+    still has it. Contenders whose states would not fit together run in processes of their own."""
+    plans: list[tuple[str, list[str], list[str]]] = [("matrix-1b-seq2048", ["--shape", "1b-seq2048"],
+                                                      ["ours", *BASELINES, "ours-eager", "ours-before", "ours-mb8"])]
+    plans.append(("correctness", [], []))
+    plans.append(("generation", [], []))
+    plans.append(("fp16", [], []))
+    for shape in ("1b-seq4096", "8b-layer-seq4096"):
+        plans.append((f"matrix-{shape}", ["--shape", shape], ["ours", *BASELINES]))
+    out = []
+    for part, argv, contenders in plans:
+        if part.startswith("matrix") and gpu_bytes and not smoke:
+            p = SHAPES[argv[1]]
+            params = p["layers"] * (p["hidden"] * (p["hidden"] + 2 * p["hidden"] // p["heads"] * p["groups"])
+                                    + p["hidden"] ** 2 + 3 * p["hidden"] * p["ffn"]) + 2 * p["vocab"] * p["hidden"]
+            states = sum(STATE_BYTES[c] for c in contenders) * params
+            activations = 20 * 2 ** 30 * (p["batch"] * p["seq"] / 8192) * (p["hidden"] / 2048) * p["layers"] / 16
+            activations += 12 * p["batch"] * p["seq"] * p["vocab"]  # fp32 logits and their gradient
+            budget = 0.85 * gpu_bytes - activations
+            if states > budget:  # pack the contenders into as few processes as fit, in order
+                groups: list[list[str]] = [[]]
+                for c in contenders:
+                    if groups[-1] and sum(STATE_BYTES[x] for x in groups[-1] + [c]) * params > budget:
+                        groups.append([])
+                    groups[-1].append(c)
+                for i, g in enumerate(groups):
+                    out.append((f"{part}#{i}", argv, g))
+                continue
+        out.append((part, argv, contenders))
+    return out
+
+
+def _markdown(results: dict[str, Any]) -> str:
+    lines = [f"GPU suite, {results['started']} UTC, {results['versions'].get('device')}; "
+             f"{', '.join(f'{k} {v}' for k, v in results['versions'].items() if k != 'device')}",
+             f"Command: `{results['command']}`; wall time {results['wall_s']:.0f} s.", ""]
+    matrix = {}
+    for part, res in results["parts"].items():
+        if part.startswith("matrix") and "contenders" in res:
+            key = part.split("#")[0]
+            m = matrix.setdefault(key, {"shape": res["shape"], "dims": res["dims"], "contenders": {},
+                                        "split": "#" in part})
+            m["contenders"].update(res["contenders"])
+            m.setdefault("errors", {}).update(res.get("errors", {}))
+    if matrix:
+        lines += ["| shape | contender | micro batch | ms/step | tokens/s | TFLOP/s | MFU | vs plain | vs transformers |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for key, m in matrix.items():
+            c = m["contenders"]
+            for name, st in c.items():
+                vp = (st["tokens_per_s"] / c["plain"]["tokens_per_s"]) if "plain" in c else None
+                vt = (st["tokens_per_s"] / c["transformers"]["tokens_per_s"]) if "transformers" in c else None
+                mfu = f"{100 * st['mfu']:.1f} %" if st.get("mfu") is not None else "n/a"
+                lines.append(f"| {m['shape']}{' (sequential)' if m['split'] else ''} | {name} | {st['micro_batch']} | "
+                             f"{1e3 * st['median_s']:.1f} | {st['tokens_per_s']:,.0f} | {st['tflops']:.1f} | {mfu} | "
+                             f"{'' if vp is None else f'{vp:.3f}'} | {'' if vt is None else f'{vt:.3f}'} |")
+            for name, err in m.get("errors", {}).items():
+                lines.append(f"| {m['shape']} | {name} | | **failed**: {err} | | | | | |")
+        lines += ["", "Recipes (all: the same tokens, bf16 compute, fp32 master weights and Adam state, clipping 1.0):"]
+        lines += [f"- {name}: pretrain_gpt.py --bf16 --zero-stage 1 {' '.join(flags)}"
+                  f"{' --micro-batch-size ' + str(shape['batch']) if shape else ''}; " + RECIPES["pretrain_gpt"]
+                  for name, (flags, shape) in OURS.items()]
+        lines += [f"- plain: {RECIPES['plain_torch']}", f"- transformers: {RECIPES['transformers']}",
+                  "MFU: model FLOPs (6 x matmul parameters x tokens + 12 x layers x hidden x seq x tokens, "
+                  "megatron_ru/training/metrics.py) against the dense bf16 peak (989 TFLOP/s for H100/H200).", ""]
+    corr = results["parts"].get("correctness", {})
+    if "rows" in corr:
+        lines += ["| correctness check | value | tolerance | pass |", "|---|---|---|---|"]
+        for r in corr["rows"]:
+            lines.append(f"| {r['check']}{(' (' + r['note'] + ')') if r['note'] else ''} | {r['value']:.3g} | "
+                         f"{r['tolerance']:g} | {'yes' if r['pass'] else '**no**'} |")
+        lines.append("")
+        if "sdpa" in corr:
+            lines.append("SDPA fwd+bwd ms (" + corr["sdpa"]["shape"] + "): " + "; ".join(
+                f"{k} {v}" for k, v in corr["sdpa"]["ms_fwd_bwd"].items()))
+            lines.append("")
+    fp16 = results["parts"].get("fp16", {})
+    if "max_abs_diff" in fp16:
+        lines += [f"fp16 vs bf16, {fp16['iters']} steps of the 1B preset: max |loss difference| "
+                  f"{fp16['max_abs_diff']:.4f} nats, mean over the last 10 {fp16['last10_mean_abs_diff']:.4f}; "
+                  f"final loss bf16 {fp16['final']['bf16']:.4f}, fp16 {fp16['final']['fp16']:.4f}; skipped steps "
+                  f"{fp16['skipped_steps']}; final loss scale {fp16['loss_scale']:g}", ""]
+    gen = results["parts"].get("generation", {})
+    if "ratio" in gen:
+        lines += [f"Generation, {gen['prompts']} prompts x {gen['new_tokens']} new tokens, greedy, KV cache: ours "
+                  f"{gen['ours_tokens_per_s']:,.0f} tokens/s, transformers {gen['transformers_tokens_per_s']:,.0f} "
+                  f"({gen['speed_dtype']}; ours / transformers {gen['ratio']:.2f}); fp32 tokens equal "
+                  f"{gen['fp32_same_tokens']} of {gen['fp32_total_tokens']}", ""]
+    for part, res in results["parts"].items():
+        if "error" in res:
+            lines.append(f"**{part} failed**: {res['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def _worker(opts: argparse.Namespace) -> None:
+    tmp = tempfile.mkdtemp(prefix="gpu_suite_")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _device().type == "cuda" else "cpu")
+    part = opts.worker
+    if part == "correctness":
+        res = part_correctness(opts.cpu_smoke, tmp)
+    elif part == "generation":
+        res = part_generation(opts.cpu_smoke, 8 if opts.cpu_smoke else 256)
+    elif part == "fp16":
+        res = part_fp16(opts.cpu_smoke, tmp, 4 if opts.cpu_smoke else 100)
+    else:
+        res = part_matrix(opts.cpu_smoke, tmp, opts.shape, opts.contenders.split(","), opts.steps, opts.warmup)
+    with open(opts.json, "w") as f:
+        json.dump(res, f)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for suite.json and suite.md "
+                                                                 "(default: $OUT)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (make test)")
+    ap.add_argument("--parts", default=None, help="comma-separated subset of parts (default: all)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 8; smoke 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; smoke 1)")
+    ap.add_argument("--part-timeout", type=float, default=300, help="seconds before a part is stopped")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--contenders", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    opts.steps = opts.steps or (2 if opts.cpu_smoke else 8)
+    opts.warmup = opts.warmup or (1 if opts.cpu_smoke else 2)
+    if opts.worker:
+        _worker(opts)
+        return 0
+    started = time.time()
+    import torch
+    if not opts.cpu_smoke and not torch.cuda.is_available():
+        ap.error("no GPU here: run with --cpu-smoke for the CPU check of the suite's code paths")
+    out_dir = opts.out or tempfile.mkdtemp(prefix="gpu_suite_out_")
+    os.makedirs(out_dir, exist_ok=True)
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    wanted = set(opts.parts.split(",")) if opts.parts else None
+    results: dict[str, Any] = {"started": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"),
+                               "command": " ".join(["python3", "benchmarks/gpu_suite.py", *(argv or sys.argv[1:])]),
+                               "versions": _versions(), "parts": {}}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               MEGATRON_RU_LOG_LEVEL=os.environ.get("MEGATRON_RU_LOG_LEVEL",
+                                                                                           "WARNING"))
+    failed = 0
+    for part, part_argv, contenders in _plan(opts.cpu_smoke, gpu_bytes):
+        if wanted and part.split("#")[0] not in wanted:
+            continue
+        path = os.path.join(tempfile.mkdtemp(prefix="gpu_suite_part_"), "result.json")
+        worker = "matrix" if part.startswith("matrix") else part
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--json", path,
+               "--steps", str(opts.steps), "--warmup", str(opts.warmup), *part_argv]
+        if contenders:
+            cmd += ["--contenders", ",".join(contenders)]
+        if opts.cpu_smoke:
+            cmd.append("--cpu-smoke")
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.part_timeout)
+            if proc.returncode == 0 and os.path.exists(path):
+                with open(path) as f:
+                    res = json.load(f)
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+                res = {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+        except subprocess.TimeoutExpired:
+            res = {"error": f"stopped after {opts.part_timeout:.0f} s"}
+        res["wall_s"] = time.time() - t0
+        failed += "error" in res
+        results["parts"][part] = res
+        results["wall_s"] = time.time() - started
+        _write(out_dir, results)  # after every part: a run cut short keeps what it measured
+        print(f"[gpu_suite] {part}: {'FAILED ' + res['error'] if 'error' in res else 'done'} "
+              f"({res['wall_s']:.0f} s)", flush=True)
+    results["wall_s"] = time.time() - started
+    _write(out_dir, results)
+    failed += sum(not r["pass"] for r in results["parts"].get("correctness", {}).get("rows", []))
+    print(_markdown(results), flush=True)
+    print(f"[gpu_suite] wrote {out_dir}/suite.json and suite.md", flush=True)
+    return 1 if failed else 0
+
+
+def _write(out_dir: str, results: dict[str, Any]) -> None:
+    for name, text in (("suite.json", json.dumps(results, indent=1)), ("suite.md", _markdown(results))):
+        tmp = os.path.join(out_dir, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""``benchmarks/gpu_suite.py --cpu-smoke``: the GPU suite's code paths at tiny shapes on the CPU, so that the
+suite runs whole on the next GPU machine (every part, every contender, the table and the files)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.slow
+def test_gpu_suite_cpu_smoke(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--cpu-smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "suite.json").read_text())
+    parts = results["parts"]
+    assert set(parts) == {"matrix-1b-seq2048", "correctness", "generation", "fp16", "matrix-1b-seq4096",
+                          "matrix-8b-layer-seq4096"}
+    assert not [p for p, r in parts.items() if "error" in r]
+    assert set(parts["matrix-1b-seq2048"]["contenders"]) == {"ours", "ours-eager", "ours-before", "ours-mb8",
+                                                             "plain", "transformers"}
+    assert not parts["matrix-1b-seq2048"]["errors"]
+    for shape in ("1b-seq4096", "8b-layer-seq4096"):
+        assert set(parts[f"matrix-{shape}"]["contenders"]) == {"ours", "plain", "transformers"}
+    rows = parts["correctness"]["rows"]
+    assert rows and all(r["pass"] for r in rows), rows
+    # the compiled layers and loss agree with the eager reference on the CPU too
+    assert any(r["check"].startswith("--torch-compile vs eager fp32: gradients") for r in rows)
+    gen = parts["generation"]
+    assert gen["fp32_same_tokens"] == gen["fp32_total_tokens"] > 0
+    md = (out / "suite.md").read_text()
+    assert "| 1b-seq2048 | ours-mb8 | 8 |" in md and "Recipes" in md
+    assert md.strip() in proc.stdout  # the one table, printed
