@@ -597,6 +597,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.time()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.part_timeout)
+            with open(os.path.join(out_dir, "parts.log"), "a") as log:
+                log.write(f"==== {part}: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
             if proc.returncode == 0 and os.path.exists(path):
                 with open(path) as f:
                     res = json.load(f)
