@@ -60,9 +60,12 @@ OURS = {
     "ours-eager": (("--adam-implementation", "fused"), {}),
     "ours-before": (("--adam-implementation", "for-loop"), {}),
     "ours-mb8": (("--torch-compile", "--adam-implementation", "fused"), {"batch": 8}),
+    "ours-mb8-ga4": (("--torch-compile", "--adam-implementation", "fused"), {"batch": 8, "accum": 4}),
 }
+ABLATION = ("ours-eager", "ours-before")
 BASELINES = ("plain", "transformers")
-STATE_BYTES = {"ours": 18, "ours-eager": 18, "ours-before": 18, "ours-mb8": 18, "plain": 16, "transformers": 16}
+STATE_BYTES = {"ours": 18, "ours-eager": 18, "ours-before": 18, "ours-mb8": 18, "ours-mb8-ga4": 18, "plain": 16,
+               "transformers": 16}
 
 
 # ---- helpers shared by the parts ------------------------------------------------------------------------
@@ -275,7 +278,8 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
     precision = _precision(smoke)
     device = _device()
     total = warmup + steps
-    most = max([p["batch"]] + [OURS[c][1].get("batch", 0) for c in contenders if c in OURS])
+    most = max([p["batch"]] + [OURS[c][1].get("batch", 0) * OURS[c][1].get("accum", 1)
+                               for c in contenders if c in OURS])
     prefix = make_corpus(tmp, p["vocab"], (total + 3) * most * (p["seq"] + 1) * 2)
     fns: dict[str, Callable[[], None]] = {}
     errors: dict[str, str] = {}
@@ -313,19 +317,47 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     stats = interleave(fns, warmup, steps, device) if fns else {}
+    profile = None
+    if device.type == "cuda" and "ours" in fns and shape == "1b-seq2048":
+        try:
+            profile = _profile(fns["ours"], device)
+        except Exception as e:  # noqa: BLE001 - the figures above stand without it
+            profile = {"error": f"{type(e).__name__}: {e}"}
     tokens = p["batch"] * p["seq"]
     flops = flops_per_token(model_shape(args, vocab)) * tokens
     peak = device_peak_tflops(precision, None)
     for name, st in stats.items():
         st["micro_batch"] = shapes[name]["batch"]
-        scale = shapes[name]["batch"] / p["batch"]
+        st["grad_accum"] = shapes[name].get("accum", 1)
+        scale = shapes[name]["batch"] * st["grad_accum"] / p["batch"]
         st["tokens_per_s"] = scale * tokens / st["median_s"]
         st["tflops"] = scale * flops / st["median_s"] / 1e12
         st["mfu"] = st["tflops"] / peak if peak else None
     return {"shape": shape, "dims": p, "precision": precision, "contenders": stats, "errors": errors,
+            "profile_of_ours": profile,
             "tokens_per_step": tokens,
             "flops_per_step": flops, "peak_tflops": peak,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
+
+
+def _profile(step: Callable[[], None], device, steps: int = 2) -> dict[str, Any]:
+    """Where a step of ours spends its GPU time: torch.profiler over ``steps`` warmed-up steps; the kernel
+    time against the wall time (the rest is the GPU waiting for the host) and the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_s = sum(e.self_device_time_total for e in events) / 1e6
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:25]
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": 1e3 * kernel_s / steps,
+            "top_kernels_ms_per_step": [(e.key[:90], round(e.self_device_time_total / 1e3 / steps, 3), e.count // steps)
+                                        for e in top]}
 
 
 # ---- fp16 ---------------------------------------------------------------------------------------------
@@ -334,7 +366,7 @@ def part_fp16(smoke: bool, tmp: str, iters: int) -> dict[str, Any]:
     from benchmarks.train_step import build_trainer, make_corpus
     p = dict(SMOKE_SHAPES if smoke else SHAPES)["1b-seq2048"]
     prefix = make_corpus(tmp, p["vocab"], (iters + 2) * p["batch"] * (p["seq"] + 1) * 2, structured=True)
-    extra = ("--lr", "3e-4", "--lr-warmup-iters", "10", "--initial-loss-scale", "65536", "--seed", "3",
+    extra = ("--lr", "1e-4", "--lr-warmup-iters", "10", "--initial-loss-scale", "65536", "--seed", "3",
              "--adam-implementation", "fused")
     precisions = ("fp32",) if smoke else ("bf16", "fp16")  # the CPU has no fp16 training path
     trainers = {prec: build_trainer(p, prefix, os.path.join(tmp, "cache"), iters, prec,
@@ -438,16 +470,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _plan(smoke: bool, gpu_bytes: Optional[int]) -> list[tuple[str, list[str], list[str]]]:
+def _plan(smoke: bool, gpu_bytes: Optional[int], no_ablation: bool = False) -> list[tuple[str, list[str], list[str]]]:
     """(part, worker arguments, contenders) in run order: the headline first, so that a cut-short run
     still has it. Contenders whose states would not fit together run in processes of their own."""
-    plans: list[tuple[str, list[str], list[str]]] = [("matrix-1b-seq2048", ["--shape", "1b-seq2048"],
-                                                      ["ours", *BASELINES, "ours-eager", "ours-before", "ours-mb8"])]
+    first = ["ours", *BASELINES, "ours-mb8-ga4", *([] if no_ablation else ABLATION)]
+    plans: list[tuple[str, list[str], list[str]]] = [("matrix-1b-seq2048", ["--shape", "1b-seq2048"], first)]
+    plans.append(("matrix-8b-layer-seq4096", ["--shape", "8b-layer-seq4096"], ["ours", *BASELINES]))
+    plans.append(("fp16", [], []))
+    plans.append(("matrix-1b-seq4096", ["--shape", "1b-seq4096"], ["ours", *BASELINES]))
     plans.append(("correctness", [], []))
     plans.append(("generation", [], []))
-    plans.append(("fp16", [], []))
-    for shape in ("1b-seq4096", "8b-layer-seq4096"):
-        plans.append((f"matrix-{shape}", ["--shape", shape], ["ours", *BASELINES]))
     out = []
     for part, argv, contenders in plans:
         if part.startswith("matrix") and gpu_bytes and not smoke:
@@ -484,23 +516,29 @@ def _markdown(results: dict[str, Any]) -> str:
             m["contenders"].update(res["contenders"])
             m.setdefault("errors", {}).update(res.get("errors", {}))
     if matrix:
-        lines += ["| shape | contender | micro batch | ms/step | tokens/s | TFLOP/s | MFU | vs plain | vs transformers |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| shape | contender | micro batch x accumulation | ms/step | tokens/s | TFLOP/s | MFU | vs plain | "
+                  "vs transformers |", "|---|---|---|---|---|---|---|---|---|"]
         for key, m in matrix.items():
             c = m["contenders"]
             for name, st in c.items():
                 vp = (st["tokens_per_s"] / c["plain"]["tokens_per_s"]) if "plain" in c else None
                 vt = (st["tokens_per_s"] / c["transformers"]["tokens_per_s"]) if "transformers" in c else None
                 mfu = f"{100 * st['mfu']:.1f} %" if st.get("mfu") is not None else "n/a"
-                lines.append(f"| {m['shape']}{' (sequential)' if m['split'] else ''} | {name} | {st['micro_batch']} | "
+                lines.append(f"| {m['shape']}{' (sequential)' if m['split'] else ''} | {name} | {st['micro_batch']} x {st.get('grad_accum', 1)} | "
                              f"{1e3 * st['median_s']:.1f} | {st['tokens_per_s']:,.0f} | {st['tflops']:.1f} | {mfu} | "
                              f"{'' if vp is None else f'{vp:.3f}'} | {'' if vt is None else f'{vt:.3f}'} |")
             for name, err in m.get("errors", {}).items():
                 lines.append(f"| {m['shape']} | {name} | | **failed**: {err} | | | | | |")
+        prof = next((r.get("profile_of_ours") for r in results["parts"].values() if r.get("profile_of_ours")), None)
+        if prof and "error" not in prof:
+            lines += ["", f"Profile of ours (1b-seq2048, {prof['steps']} steps): {prof['wall_ms_per_step']:.1f} ms wall "
+                          f"per step, {prof['kernel_ms_per_step']:.1f} ms of GPU kernels; the largest: " + "; ".join(
+                              f"{name} {ms} ms x{n}" for name, ms, n in prof["top_kernels_ms_per_step"][:8])]
         lines += ["", "Recipes (all: the same tokens, bf16 compute, fp32 master weights and Adam state, clipping 1.0):"]
         lines += [f"- {name}: pretrain_gpt.py --bf16 --zero-stage 1 {' '.join(flags)}"
-                  f"{' --micro-batch-size ' + str(shape['batch']) if shape else ''}; " + RECIPES["pretrain_gpt"]
-                  for name, (flags, shape) in OURS.items()]
+                  f"{' --micro-batch-size ' + str(shape['batch']) if shape else ''}"
+                  f"{' --global-batch-size ' + str(shape['batch'] * shape['accum']) if 'accum' in shape else ''}; "
+                  + RECIPES["pretrain_gpt"] for name, (flags, shape) in OURS.items()]
         lines += [f"- plain: {RECIPES['plain_torch']}", f"- transformers: {RECIPES['transformers']}",
                   "MFU: model FLOPs (6 x matmul parameters x tokens + 12 x layers x hidden x seq x tokens, "
                   "megatron_ru/training/metrics.py) against the dense bf16 peak (989 TFLOP/s for H100/H200).", ""]
@@ -557,6 +595,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--parts", default=None, help="comma-separated subset of parts (default: all)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 8; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; smoke 1)")
+    ap.add_argument("--no-ablation", action="store_true",
+                    help=f"leave out the variants of ours that only show what each change brought ({', '.join(ABLATION)})")
     ap.add_argument("--part-timeout", type=float, default=300, help="seconds before a part is stopped")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -576,14 +616,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     wanted = set(opts.parts.split(",")) if opts.parts else None
-    results: dict[str, Any] = {"started": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"),
+    results: dict[str, Any] = {"started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
                                "command": " ".join(["python3", "benchmarks/gpu_suite.py", *(argv or sys.argv[1:])]),
                                "versions": _versions(), "parts": {}}
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
                MEGATRON_RU_LOG_LEVEL=os.environ.get("MEGATRON_RU_LOG_LEVEL",
                                                                                            "WARNING"))
     failed = 0
-    for part, part_argv, contenders in _plan(opts.cpu_smoke, gpu_bytes):
+    for part, part_argv, contenders in _plan(opts.cpu_smoke, gpu_bytes, opts.no_ablation):
         if wanted and part.split("#")[0] not in wanted:
             continue
         path = os.path.join(tempfile.mkdtemp(prefix="gpu_suite_part_"), "result.json")

@@ -174,6 +174,7 @@ def initialize_engine(model: torch.nn.Module, state: "ParallelState", args: "Arg
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, mpu=None if is_pipe else state,
         lr_scheduler=lambda opt: MegatronLRScheduler(opt, schedule), dist_init_required=False)
+    dsc.skip_single_replica_allreduce(engine, state.dp_size)
     if not (args.training.bf16 or args.training.fp16) and args.training.zero_stage == 0:
         tp_rank, mp_group, max_norm = state.tp_rank, state.mp_group, engine.gradient_clipping()
         dsc.install_fp32_clipping(

@@ -22,7 +22,7 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     assert set(parts) == {"matrix-1b-seq2048", "correctness", "generation", "fp16", "matrix-1b-seq4096",
                           "matrix-8b-layer-seq4096"}
     assert not [p for p, r in parts.items() if "error" in r]
-    assert set(parts["matrix-1b-seq2048"]["contenders"]) == {"ours", "ours-eager", "ours-before", "ours-mb8",
+    assert set(parts["matrix-1b-seq2048"]["contenders"]) == {"ours", "ours-eager", "ours-before", "ours-mb8-ga4",
                                                              "plain", "transformers"}
     assert not parts["matrix-1b-seq2048"]["errors"]
     for shape in ("1b-seq4096", "8b-layer-seq4096"):
@@ -34,5 +34,5 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     gen = parts["generation"]
     assert gen["fp32_same_tokens"] == gen["fp32_total_tokens"] > 0
     md = (out / "suite.md").read_text()
-    assert "| 1b-seq2048 | ours-mb8 | 8 |" in md and "Recipes" in md
+    assert "| 1b-seq2048 | ours-mb8-ga4 | 8 x 4 |" in md and "Recipes" in md
     assert md.strip() in proc.stdout  # the one table, printed
