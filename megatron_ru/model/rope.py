@@ -72,6 +72,16 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def cached_cos_sin(spec: RopeSpec, length: int, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_cos_sin` for positions 0..length-1 (training's case), computed once per length, device
+    and dtype. A compiled layer takes them as inputs (``--torch-compile``): computed inside the graph,
+    inductor fuses the fp32 powers, sines and cosines into the per-element RoPE kernel of q and k, which
+    then evaluates them for every head and batch row (~9 % of a 1B step on an H200). Do not modify."""
+    return rotary_cos_sin(torch.arange(length, device=device), spec.inv_freq(device), dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -16,7 +16,7 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init, scaled_std
 from megatron_ru.model.kv_cache import LayerKVCache
 from megatron_ru.model.lora import add_layer_adapters
-from megatron_ru.model.rope import RopeSpec, apply_rotary, rotary_cos_sin
+from megatron_ru.model.rope import RopeSpec, apply_rotary, cached_cos_sin, rotary_cos_sin
 from megatron_ru.model.spec import layer_prefix
 from megatron_ru.parallel import random as tp_random
 from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -110,21 +110,33 @@ class Attention(nn.Module):
                            groups_local=self.groups_per_rank, heads_per_group=self.heads_per_group)
         add_layer_adapters(cfg, layer_number, "linear_proj", self.linear_proj, seed=seed)
 
+    def rope_tables(self, seq_length: int, device: torch.device, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos/sin tables of positions 0..seq_length-1 (None without RoPE), cached."""
+        if self.rope is None:
+            return None
+        return cached_cos_sin(self.rope, seq_length, torch.device(device), dtype)
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None,
+                rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``position_ids`` [s] or [b, s] (default: the s positions after any cached ones);
         ``kv_cache``: this layer's cache for incremental decoding (this step's keys/values are
         appended, attention covers all cached);
         ``attention_mask`` bool, broadcastable to [b, heads, s, s_k], True = may attend (replaces
         the causal rule; needed for left-padded batches). With ``--sliding-window`` W, attention never
-        reaches a key W or more positions (cache slots) back, mask or not."""
+        reaches a key W or more positions (cache slots) back, mask or not. ``rope_tables``: (cos, sin) of
+        :meth:`rope_tables` for positions 0..s-1, which a compiled layer passes in (``position_ids`` None)."""
         qkv = self.linear_qkv(x)                           # [s, b, groups/tp * (r + 2) * d]
         s, b = qkv.shape[:2]
         r, d = self.heads_per_group, self.head_dim
         qkv = qkv.view(s, b, self.groups_per_rank, r + 2, d)
         q = qkv[:, :, :, :r].reshape(s, b, self.groups_per_rank * r, d)
         k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]      # [s, b, groups/tp, d]
-        if self.rope is not None:
+        if self.rope is not None and rope_tables is not None:
+            cos, sin = (t.to(q.dtype) for t in rope_tables)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        elif self.rope is not None:
             positions = position_ids
             if positions is None:  # after cached tokens, this step continues their positions
                 past = kv_cache.length if kv_cache is not None else 0
@@ -227,16 +239,22 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.hidden_dropout, training=True)
 
     def _forward(self, x: torch.Tensor, position_ids: torch.Tensor | None,
-                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None,
+                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x), position_ids, kv_cache=kv_cache,
-                                   attention_mask=attention_mask)
+                                   attention_mask=attention_mask, rope_tables=rope_tables)
         x = x + self._dropout(attn)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``kv_cache``/``attention_mask``: incremental decoding (see :meth:`Attention.forward`)."""
-        run = self._forward if self._compiled is None or kv_cache is not None else self._compiled
+        run, tables = self._forward, None
+        if self._compiled is not None and kv_cache is None:
+            run = self._compiled
+            if position_ids is None:  # the tables as inputs of the graph, not computed in it
+                tp = self.self_attention.linear_qkv.tp_size if self.sequence_parallel else 1
+                tables = self.self_attention.rope_tables(x.shape[0] * tp, x.device, x.dtype)
         if self.recompute and self.training and torch.is_grad_enabled() and kv_cache is None:
-            return tp_random.checkpoint(run, x, position_ids, None, attention_mask)
-        return run(x, position_ids, kv_cache, attention_mask)
+            return tp_random.checkpoint(run, x, position_ids, None, attention_mask, tables)
+        return run(x, position_ids, kv_cache, attention_mask, tables)
