@@ -118,6 +118,36 @@ def test_fp32_clipping_patch_is_what_the_engine_runs(tmp_path):
     assert r == {"calls": [2], "norm": 123.0}  # weight and bias; DeepSpeed reports our norm
 
 
+# ---- 1b. no gradient all-reduce over one data-parallel replica -----------------------------------------
+
+def check_single_replica_allreduce(out):
+    import torch
+    _init_single_process()
+    result = {}
+    for stage in (0, 1):
+        engine = _engine(torch.nn.Linear(4, 4), zero_stage=stage)
+        skipped = dsc.skip_single_replica_allreduce(engine, dp_size=1)
+        calls = []
+        original = engine.allreduce_gradients
+        engine.allreduce_gradients = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+        x = torch.randn(2, 4)
+        before = engine.module.weight.detach().clone()
+        engine.backward(engine(x).square().sum())
+        engine.step()
+        result[f"zero{stage}"] = {"skipped": skipped, "allreduce_calls": len(calls),
+                                  "stepped": bool((engine.module.weight != before).any())}
+    result["dp2"] = dsc.skip_single_replica_allreduce(engine, dp_size=2)
+    json.dump(result, open(out, "w"))
+
+
+def test_single_replica_skips_only_the_bucket_copy(tmp_path):
+    r = _run("check_single_replica_allreduce", tmp_path)
+    # no-ZeRO: DeepSpeed's all-reduce over one rank is a bucket copy, skipped; the step still happens.
+    # ZeRO 1 moves gradients into its partitions in reduce_gradients: kept. More than one replica: kept.
+    assert r == {"zero0": {"skipped": True, "allreduce_calls": 0, "stepped": True},
+                 "zero1": {"skipped": False, "allreduce_calls": 1, "stepped": True}, "dp2": False}
+
+
 # ---- 3. checkpoint engine load/save -----------------------------------------------------------------
 
 def check_checkpoint_io(out):
