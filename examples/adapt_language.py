@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_ru.data.preprocess.synthetic import write_corpus  # noqa: E402
+from megatron_ru.utils.cli import ArgumentParser  # noqa: E402
 
 PY = sys.executable
 TOOLS = os.path.join(ROOT, "tools")
@@ -182,7 +183,7 @@ def sample_text(out: str, corpus: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "adapt_demo_out"))
     ap.add_argument("--scale", type=float, default=0.5, help="corpus size factor (1.0: about 3.6 MB in all)")
     ap.add_argument("--iters", type=int, default=60, help="iterations of base pretraining and embedding training")

@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_ru.data.preprocess.synthetic import write_corpus  # noqa: E402
+from megatron_ru.utils.cli import ArgumentParser  # noqa: E402
 
 PY = sys.executable
 
@@ -176,7 +177,7 @@ def summary(out: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "demo_out"))
     ap.add_argument("--corpus-mb", type=float, default=4.0)
     args = ap.parse_args(argv)

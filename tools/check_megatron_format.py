@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from megatron_ru.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from megatron_ru.utils.cli import ArgumentParser  # noqa: E402
 
 
 def check(workdir: str, dtype: type, seed: int = 0) -> list[str]:
@@ -57,7 +58,7 @@ def check(workdir: str, dtype: type, seed: int = 0) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--megatron-path", default=None, help="directory to add to sys.path for megatron-core")
     args = ap.parse_args()
     if args.megatron_path:

@@ -44,7 +44,7 @@ def _module(name: str):
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     modules = {}
     for name in SUBCOMMANDS:
@@ -58,9 +58,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, modules
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed by the subcommand's own parser when it names one, so that its mistakes are
+    reported against its flags (argparse would pass a subcommand's unknown flag up to the top level)."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv and argv[0] in subparsers:
+        args = subparsers[argv[0]].parse_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, modules = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, list(sys.argv[1:] if argv is None else argv))
     try:
         report = modules[args.command].run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

@@ -12,8 +12,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ru.adapt.evaluate import main  # noqa: E402
+from megatron_ru.adapt import evaluate  # noqa: E402
 from megatron_ru.training.failure import exit_with  # noqa: E402
+from megatron_ru.utils.cli import with_one_line_errors  # noqa: E402
+
+# usage mistakes as one line with a suggestion, as in every other tool
+evaluate.build_parser = with_one_line_errors(evaluate.build_parser)
 
 if __name__ == "__main__":
-    exit_with(main())
+    exit_with(evaluate.main())

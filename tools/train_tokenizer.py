@@ -23,10 +23,11 @@ from megatron_ru.data.preprocess.encode import iter_texts  # noqa: E402
 from megatron_ru.data.preprocess.reader import expand_inputs  # noqa: E402
 from megatron_ru.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron_ru.data.tokenizers.train import symbols_per_token, train_sentencepiece  # noqa: E402
+from megatron_ru.utils.cli import ArgumentParser  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    ap = ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="JSONL file(s) or quoted globs (.gz ok)")
     ap.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text is used")

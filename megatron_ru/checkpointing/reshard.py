@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_ru.checkpointing.reader import read_checkpoint
 from megatron_ru.checkpointing.writer import write_checkpoint
+from megatron_ru.utils.cli import ArgumentParser
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -96,6 +97,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Any = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="reshard", description=HELP)
+    parser = ArgumentParser(prog="reshard", description=HELP)
     add_arguments(parser)
     return run(parser.parse_args(argv))

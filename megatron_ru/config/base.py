@@ -119,7 +119,8 @@ def accept_negative_numbers(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 
 def build_parser(classes: Iterable[type], description: str = "", **kwargs: Any) -> argparse.ArgumentParser:
-    parser = accept_negative_numbers(argparse.ArgumentParser(
+    from megatron_ru.utils.cli import ArgumentParser
+    parser = accept_negative_numbers(ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs))
     for cls in classes:
         add_config_arguments(parser, cls)

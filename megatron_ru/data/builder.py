@@ -99,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
     import argparse
 
     from megatron_ru.config.base import accept_negative_numbers, add_config_arguments, from_namespace
-    parser = accept_negative_numbers(argparse.ArgumentParser(
+    parser = accept_negative_numbers(cli.ArgumentParser(
         description="Build the GPT dataset index cache and describe the datasets."))
     add_config_arguments(parser, DataConfig)
     parser.add_argument("--train-samples", type=int, required=True)

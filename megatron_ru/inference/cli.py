@@ -36,7 +36,7 @@ _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = accept_negative_numbers(argparse.ArgumentParser(
+    p = accept_negative_numbers(cli.ArgumentParser(
         prog="tools/generate.py", description="Generate text from a megatron_ru checkpoint (any TP/PP).",
         allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))

@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron_ru.config.base import add_config_arguments, from_namespace
     from megatron_ru.config.parallel import ParallelConfig
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_ru.parallel.state",
+    parser = cli.ArgumentParser(prog="python -m megatron_ru.parallel.state",
                                      description="Print the TP/DP/PP process-group layout of a world size.")
     parser.add_argument("--world-size", type=int, required=True, help="number of processes")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")

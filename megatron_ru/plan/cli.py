@@ -29,7 +29,7 @@ from megatron_ru.utils import cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_ru.plan", description=__doc__.splitlines()[0],
+    p = cli.ArgumentParser(prog="python -m megatron_ru.plan", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_arguments(p, ModelConfig)
     add_config_arguments(p, LoraConfig)

@@ -69,8 +69,22 @@ def configure(level: str | int | None = None, stream=None) -> None:
         logging.Formatter("[%(asctime)s rank %(rank)s] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
     root.addHandler(handler)
+    from megatron_ru.utils.elastic import ERROR_FILE_VAR
+    if os.environ.get(ERROR_FILE_VAR):  # under torchrun: its failure report shows our error line
+        errors = _ElasticErrorFile(logging.ERROR)
+        errors.addFilter(_RankFilter())
+        root.addHandler(errors)
     root.propagate = False
     _configured = True
+
+
+class _ElasticErrorFile(logging.Handler):
+    """Each error record also becomes this worker's entry in torchrun's error file
+    (:mod:`megatron_ru.utils.elastic`), so torchrun's report ends on our message, not on a hint."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from megatron_ru.utils.elastic import record_error
+        record_error(record.getMessage())
 
 
 def get_logger(name: str) -> logging.Logger:
