@@ -59,6 +59,14 @@ class TokenizerConfig:
         return found
 
 
+#: files of which a Hugging Face tokenizer directory holds at least one (save_pretrained writes them)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def holds_hf_tokenizer(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in HF_TOKENIZER_FILES)
+
+
 def _file_problem(flag: str, path: Optional[str], ttype: str, want_dir: bool) -> list[str]:
     kind = "directory" if want_dir else "file"
     if not path:
@@ -66,6 +74,13 @@ def _file_problem(flag: str, path: Optional[str], ttype: str, want_dir: bool) ->
     if want_dir and not os.path.isdir(path):
         return [f"{flag} {path}: no such directory (HuggingFaceTokenizer loads a local tokenizer "
                 "directory only; save it with tokenizer.save_pretrained(DIR) first)"]
+    if want_dir and not holds_hf_tokenizer(path):
+        inner = os.path.join(path, "tokenizer")
+        where = (f"; it looks like a checkpoint, whose tokenizer is in {inner}: pass {flag} {inner}"
+                 if holds_hf_tokenizer(inner) else
+                 "; give the directory that tokenizer.save_pretrained(DIR) wrote")
+        return [f"{flag} {path}: this directory holds no Hugging Face tokenizer (none of "
+                f"{', '.join(HF_TOKENIZER_FILES)}){where}"]
     if not want_dir and not os.path.isfile(path):
         return [f"{flag} {path}: no such file"]
     return []
