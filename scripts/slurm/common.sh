@@ -5,12 +5,23 @@
 source "${PROJECT_DIR}/scripts/lib/launch.sh"
 
 # Seconds left in this job (Slurm's own count, so --time on the sbatch command line counts);
-# empty when unlimited or unknown. TIME_LIMIT (H:M:S) overrides.
+# empty when unlimited or unknown. TIME_LIMIT (H:M:S) overrides. squeue gets SQUEUE_TIMEOUT_SECONDS
+# (default 10): a Slurm client that cannot reach a controller (a login node of another cluster, a
+# laptop with slurm-client) retries for about two minutes.
 slurm_time_left() {
-  local left
+  local left status=0 bound=()
   if [ -n "${TIME_LIMIT:-}" ]; then to_seconds "${TIME_LIMIT}"; return 0; fi
   [ -n "${SLURM_JOB_ID:-}" ] && command -v squeue >/dev/null 2>&1 || return 0
-  left="$(squeue -h -j "${SLURM_JOB_ID}" -o %L 2>/dev/null)" || return 0
+  if command -v timeout >/dev/null 2>&1; then bound=(timeout "${SQUEUE_TIMEOUT_SECONDS:-10}"); fi
+  left="$("${bound[@]}" squeue -h -j "${SLURM_JOB_ID}" -o %L 2>/dev/null)" || status=$?
+  if [ "${status}" -ne 0 ]; then
+    if [ "${status}" -eq 124 ]; then
+      launch_log "squeue did not answer within ${SQUEUE_TIMEOUT_SECONDS:-10} s: no time limit from Slurm (set TIME_LIMIT=H:M:S)"
+    else
+      launch_log "squeue failed (status ${status}): no time limit from Slurm (set TIME_LIMIT=H:M:S)"
+    fi
+    return 0
+  fi
   case "${left}" in
     "" | UNLIMITED | INVALID | NOT_SET) return 0 ;;
     *) to_seconds "${left}" ;;

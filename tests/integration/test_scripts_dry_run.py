@@ -251,6 +251,21 @@ def test_slurm_torchrun_rendezvous_on_head_node(tmp_path, slurm_tools):
     assert "head gpu-001, master gpu-001:15077" in proc.stderr
 
 
+def test_squeue_that_does_not_answer_is_bounded(tmp_path):
+    """Item 4 of issue 33: an unreachable Slurm controller costs SQUEUE_TIMEOUT_SECONDS, not the
+    client's two minutes of retries; the job goes on without a time limit and says so."""
+    env = slurm_env(tmp_path, PATH=fake_bin(tmp_path, "squeue", "sleep 120"), SQUEUE_TIMEOUT_SECONDS="1")
+    del env["TIME_LIMIT"]
+    started = time.monotonic()
+    proc = run_script("scripts/slurm/submit_pyxis.sbatch", env)
+    assert time.monotonic() - started < 30
+    assert "squeue did not answer within 1 s: no time limit from Slurm (set TIME_LIMIT=H:M:S)" in proc.stderr
+    assert "--exit-duration-in-mins" not in proc.stdout
+    env["PATH"] = fake_bin(tmp_path, "squeue", "echo 1:02:03")
+    cmd = shlex.split(run_script("scripts/slurm/submit_pyxis.sbatch", env).stdout.strip())
+    assert flag(cmd, "--exit-duration-in-mins") == "47.05"
+
+
 @pytest.mark.parametrize("job_id", [0, 77, 16383, 16384, 123456, 9876543])
 def test_one_master_port_rule_for_scripts_and_package(tmp_path, job_id):
     """The Slurm and ABCI job scripts pick the port srun tasks would derive themselves
