@@ -10,7 +10,7 @@ reads), so no broadcast is needed. Position in the data = consumed samples, stor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +51,49 @@ def dataset_sizes(train_iters: int, global_batch: int, eval_interval: int, eval_
     return (train_iters * global_batch, eval_runs * eval_iters * global_batch, 0)
 
 
+def validation_pass_samples(prefixes: Sequence[str], split: Sequence[float], seq_length: int) -> int:
+    """Samples in one pass over the validation split of every dataset in ``prefixes`` (Megatron's
+    count per epoch: ``(tokens - 1) // seq_length``; the index files only)."""
+    from megatron_ru.data.checks import split_document_ranges
+    from megatron_ru.data.indexed_dataset import IndexedDataset
+    total = 0
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        start, end = split_document_ranges(ds.num_documents, split)[1]
+        if end <= start:
+            continue
+        first, last = int(ds.document_indices[start]), int(ds.document_indices[end])
+        tokens = int(np.asarray(ds.sequence_lengths[first:last], dtype=np.int64).sum())
+        total += max(0, (tokens - 1) // seq_length)
+    return total
+
+
+def cap_eval_iters(args: "Arguments") -> None:
+    """Make one evaluation read the validation split at most once: ``--eval-iters`` × global batch
+    samples beyond it would read the same documents again (a 6-document split read 49 times) at a
+    cost, without a better estimate. Lowers ``args.training.eval_iters`` (never below 1), with a
+    one-line notice; every rank computes the same from the same index files."""
+    t = args.training
+    if t.eval_iters == 0 or args.blend is None or args.split is None:
+        return
+    prefixes = [p for d, p in enumerate(args.blend.prefixes)
+                if args.blend.weights is None or args.blend.weights[d] > 0]
+    one_pass = validation_pass_samples(prefixes, args.split, args.data.seq_length)
+    wanted = t.eval_iters * args.global_batch_size
+    if wanted <= one_pass:
+        return
+    capped = max(1, one_pass // args.global_batch_size)
+    if capped >= t.eval_iters:
+        return
+    from megatron_ru.utils.logging import RANK0, get_logger
+    get_logger(__name__).info(
+        f"--eval-iters {t.eval_iters} asks {wanted:,} validation samples per evaluation, but the validation "
+        f"split holds {one_pass:,} (one pass at --seq-length {args.data.seq_length}): evaluating {capped} "
+        f"iteration(s) of {args.global_batch_size} samples each time (give --eval-iters {capped} or less, or a "
+        f"larger validation share in --split, to silence this)", extra=RANK0)
+    t.eval_iters = capped
+
+
 class VocabCheckedDataset:
     """A train/valid dataset whose batches :func:`micro_batches` checks against the tokenizer's
     vocabulary (one max per batch; ids beyond it would silently train on padding rows)."""
@@ -89,6 +132,7 @@ def build_datasets(args: "Arguments", is_builder_rank: bool, barrier: Optional[C
                    ) -> tuple[Optional[SampleDataset], Optional[SampleDataset], Optional[SampleDataset]]:
     """(train, valid, test); with ``vocab_size`` train and valid are :class:`VocabCheckedDataset`."""
     from megatron_ru.data.builder import build_train_valid_test_datasets
+    cap_eval_iters(args)
     sizes = dataset_sizes(args.train_iters, args.global_batch_size, args.training.eval_interval,
                           args.training.eval_iters)
     train, valid, test = build_train_valid_test_datasets(args.data, args.blend, args.split, sizes, args.training.seed,
