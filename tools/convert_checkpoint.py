@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if report:
         cli.emit(json.dumps(report, default=str))
-        flags = report.get("command_flags") if isinstance(report, dict) else None
-        if flags:
-            sys.stderr.write(f"continue with: python pretrain_gpt.py {flags} ...\n")
+        hint = report.get("continue_with") if isinstance(report, dict) else None
+        if hint:  # the command last, on a line of its own, to paste
+            sys.stderr.write(f"continue with ({hint['note']}):\n{hint['command']}\n")
     return 0
 
 

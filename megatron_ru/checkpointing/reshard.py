@@ -18,6 +18,7 @@ import os
 import shutil
 from typing import Any
 
+from megatron_ru.checkpointing.hints import resume_resharded
 from megatron_ru.checkpointing.reader import read_checkpoint
 from megatron_ru.checkpointing.writer import write_checkpoint
 from megatron_ru.utils.cli import ArgumentParser
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "format": meta.format or "deepspeed"},
             "target": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
             "optimizer_state": optimizer is not None,
-            "command_flags": f"--load {save} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"}
+            "continue_with": resume_resharded(save, tp, pp, optimizer is not None)}
 
 
 def main(argv: Any = None) -> dict[str, Any]:

@@ -23,7 +23,8 @@ import torch
 
 from megatron_ru.convert.hf_io import HFWeights
 from megatron_ru.convert.staging import check_output
-from megatron_ru.convert.tokenizer_files import HF_TYPE, TOKENIZER_DIR, copy_hf_tokenizer, tokenizer_flags
+from megatron_ru.checkpointing.hints import continue_pretraining
+from megatron_ru.convert.tokenizer_files import HF_TYPE, TOKENIZER_DIR, copy_hf_tokenizer
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -67,10 +68,10 @@ class ImportReport:
     pipeline_parallel_size: int
     tensors: int
     tokenizer_files: list[str] = field(default_factory=list)
-    flags: list[str] = field(default_factory=list)
+    continue_with: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__, command_flags=" ".join(self.flags))
+        return dict(self.__dict__)
 
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
@@ -233,9 +234,6 @@ def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional
         write_checkpoint(save, cfg=cfg, vocab_size=vocab_size, tp=tp, pp=pp, get_tensor=get_tensor, dtype=target,
                          extra_meta={"tokenizer": tok_meta} if has_tokenizer else None, force=force,
                          extra_files=side_files)
-    flags = ["--load", save, "--use-checkpoint-args", "--finetune", "--tensor-model-parallel-size", str(tp),
-             "--pipeline-model-parallel-size", str(pp)]
-    if copied:
-        flags += tokenizer_flags(HF_TYPE, os.path.join(save, TOKENIZER_DIR))
+    hint = continue_pretraining(save, tp, pp, cfg.max_position_embeddings, has_tokenizer=bool(copied))
     log.info("imported %s (%s, %d vocabulary rows) into %s at TP=%d PP=%d", load, arch, vocab_size, save, tp, pp)
-    return ImportReport(save, arch, vocab_size, tp, pp, len(expected), copied, flags)
+    return ImportReport(save, arch, vocab_size, tp, pp, len(expected), copied, hint)
