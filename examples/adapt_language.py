@@ -22,7 +22,6 @@ across tokenizers) and characters per token. Everything goes under adapt_demo_ou
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from examples.demo import shown_command  # noqa: E402
 from megatron_ru.data.preprocess.synthetic import write_corpus  # noqa: E402
 from megatron_ru.utils.cli import ArgumentParser  # noqa: E402
 
@@ -47,7 +47,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def step(title: str, cmd: list[str], env: dict[str, str] | None = None) -> str:
-    print(f"\n== {title}\n$ {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)}",
+    print(f"\n== {title}\n$ {shown_command(cmd)}",
           flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)

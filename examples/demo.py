@@ -20,9 +20,9 @@ Everything goes under demo_out/ (or --out).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,8 +37,14 @@ from megatron_ru.utils.cli import ArgumentParser  # noqa: E402
 PY = sys.executable
 
 
+def shown_command(cmd: list[str]) -> str:
+    """``cmd`` as a shell line to paste from the repository root: paths under it made relative, every
+    word quoted where the shell needs it (a report named ``instruct (English tokenizer).json``)."""
+    return shlex.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)
+
+
 def step(title: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-    print(f"\n== {title}\n$ {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)}",
+    print(f"\n== {title}\n$ {shown_command(cmd)}",
           flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)

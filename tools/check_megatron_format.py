@@ -10,7 +10,6 @@ Exit status 0 when everything matches.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile

@@ -35,6 +35,14 @@ _TOKENIZER_FIELDS = {f.name for f in dataclasses.fields(TokenizerConfig)} - {"to
 _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 
 
+def shown_text(text: str) -> str:
+    """A generation as printed: trailing line breaks are counted, not printed (a small model's
+    completion of 24 newlines would be 24 blank lines); ``--output-file`` has the exact text."""
+    body = text.rstrip("\n")
+    breaks = len(text) - len(body)
+    return body + (f"\n[{breaks} trailing line break{'s' if breaks > 1 else ''}]" if breaks > 1 else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = accept_negative_numbers(cli.ArgumentParser(
         prog="tools/generate.py", description="Generate text from a megatron_ru checkpoint (any TP/PP).",
@@ -225,7 +233,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     if state.rank == 0:
         for i, r in enumerate(records):
             cli.emit(f"--- prompt {i} ({len(r['token_ids'])} tokens, {r['finish_reason']}) ---\n"
-                     f"{r['prompt']}{r['completion']}")
+                     + shown_text(r["prompt"] + r["completion"]))
         if ns.output_file:
             write_jsonl(ns.output_file, records)
             log_rank0(log, f"wrote {len(records)} results to {ns.output_file}")

@@ -78,6 +78,24 @@ def configure(level: str | int | None = None, stream=None) -> None:
     _configured = True
 
 
+#: what DeepSpeed logs as a warning when it is imported that asks nothing of our users: a debug record
+#: instead (on a machine without a GPU, CPU is the right choice, and the Makefile sets DS_ACCELERATOR)
+DEEPSPEED_NOTICES = ("Setting accelerator to CPU",)
+
+
+class _DeepSpeedNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(DEEPSPEED_NOTICES):
+            logging.getLogger(f"{_ROOT}.deepspeed").debug(message)
+            return False
+        return True
+
+
+# at import, before DeepSpeed's: its logger keeps this filter when DeepSpeed configures it
+logging.getLogger("DeepSpeed").addFilter(_DeepSpeedNotices())
+
+
 class _ElasticErrorFile(logging.Handler):
     """Each error record also becomes this worker's entry in torchrun's error file
     (:mod:`megatron_ru.utils.elastic`), so torchrun's report ends on our message, not on a hint."""
