@@ -238,12 +238,15 @@ def write_hf_files(out_dir: str, cfg: Any, vocab_size: int, tensors_of: Callable
     the safetensors shards (``tensors_of(spec)`` gives each canonical parameter's Hugging Face
     tensors, full or as row pieces), ``config.json`` and ``generation_config.json``; returns the
     file names written. Token ids in config.json come from ``source_config``, else the tokenizer;
-    ``tokenizer_ids_win``: from the tokenizer first (a new vocabulary)."""
+    ``tokenizer_ids_win``: from the tokenizer first (a new vocabulary). The names returned are every
+    file written: the tokenizer's, the shards and their index, the two configs."""
     from megatron_ru.convert.hf_mapping import hf_config_from_model
     from megatron_ru.model.spec import parameter_specs
 
     extra = _extra_fields(None if tokenizer_ids_win else source_config, dtype)
+    before = set(os.listdir(out_dir))
     tok_ids: dict[str, Any] = write_hf_tokenizer(tokenizer, out_dir) if tokenizer is not None else {}
+    tokenizer_files = sorted(set(os.listdir(out_dir)) - before)
     for key, value in tok_ids.items():
         if value is not None and key not in extra:
             extra[key] = value
@@ -261,7 +264,7 @@ def write_hf_files(out_dir: str, cfg: Any, vocab_size: int, tensors_of: Callable
     if tokenizer_ids_win or not generation_config:  # the source's generation settings are kept as they are
         gen.update({k: extra[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if extra.get(k) is not None})
     _write_json(os.path.join(out_dir, "generation_config.json"), gen)
-    return files + ["config.json", "generation_config.json"]
+    return tokenizer_files + files + ["config.json", "generation_config.json"]
 
 
 def _write_json(path: str, obj: Any) -> None:
