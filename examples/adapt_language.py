@@ -96,12 +96,19 @@ def preprocess(out: str, corpus: str, tokenizer: str, name: str) -> str:
 
 
 # ---- 2. the base model ---------------------------------------------------------------------------
+def quiet_transformers() -> None:
+    """No progress bars from transformers in this process (a tiny model loads and saves in a blink)."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
 def create_hf_model(path: str, tokenizer_model: str) -> None:
     """A tiny Llama-style model, random, with the English tokenizer as Hugging Face files."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_ru.convert.tokenizer_files import sentencepiece_to_llama_fast, special_token_ids
+    quiet_transformers()
     sentencepiece_to_llama_fast(tokenizer_model, path)
     ids = special_token_ids(path)
     import sentencepiece
@@ -146,12 +153,19 @@ def make_instruct(path: str) -> None:
     own (their embedding rows are new rows of the instruct model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    quiet_transformers()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tok.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
     tok.chat_template = CHAT_TEMPLATE
     old = model.get_input_embeddings().weight.shape[0]
-    model.resize_token_embeddings(len(tok), mean_resizing=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its note that new rows start from the old rows' mean: what we ask for
+    try:
+        model.resize_token_embeddings(len(tok), mean_resizing=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     tok.save_pretrained(path)
     model.save_pretrained(path)
     print(f"== instruct twin: {len(tok) - old} chat tokens and a chat template added in {path}", flush=True)
