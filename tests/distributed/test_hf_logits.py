@@ -20,6 +20,8 @@ import torch
 
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 SEQ = 40          # > original_max_position_embeddings (16) of the llama3 model
 TOL = 1e-5

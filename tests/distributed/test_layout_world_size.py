@@ -6,6 +6,8 @@ import pytest
 
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 
 def _body(rank: int, world_size: int, prefix: str) -> str:
     from megatron_ru.config.arguments import parse_arguments

@@ -2,10 +2,13 @@
 without sequence parallelism (and with full recomputation), from the same seed."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.slow
 
 TOL = 1e-5
 VOCAB = 50          # padded to 52 / 56 / 64 at TP=1 / 2 / 4 (divisible-by 4): padding must not matter

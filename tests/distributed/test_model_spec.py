@@ -14,6 +14,8 @@ from megatron_ru.model.spec import (canonical_name, canonical_named_parameters, 
 from megatron_ru.parallel.utils import shard_tensor
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 61
 
 

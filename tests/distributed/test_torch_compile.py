@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.slow
 
 TOL = 1e-5
 VOCAB = 50

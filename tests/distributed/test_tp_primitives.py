@@ -2,11 +2,14 @@
 at TP=2 (two groups of a 4-rank world) and TP=4 — one spawn checks everything."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.slow
 
 TOL = 1e-6
 

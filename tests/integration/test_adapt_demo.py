@@ -4,8 +4,13 @@ only and full training at TP2 x PP2, export, LEP into an instruct twin, generati
 byte printed at every step and falling where training and propagation should lower it."""
 import json
 import os
+import shlex
 import subprocess
 import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,6 +27,10 @@ def test_adapt_demo_runs_end_to_end(tmp_path):
     assert scores["after full training"]["chars_per_token"] > scores["base (English tokenizer)"]["chars_per_token"]
     assert scores["after full training"]["bits_per_byte"] < scores["base (English tokenizer)"]["bits_per_byte"]
     assert "--- prompt 0" in proc.stdout                  # generation with the adapted instruct model ran
+    assert "\n\n\n" not in proc.stdout.split("--- prompt 0")[1]  # no tail of blank lines after the generation
+    echoed = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("$ ")]
+    reports = [cmd[cmd.index("--output-json") + 1] for cmd in echoed if "--output-json" in cmd]
+    assert len(reports) == 7 and all(os.path.isfile(os.path.join(ROOT, r)) for r in reports)  # pasteable: quoted where needed
     for name in ("embeddings", "full"):                   # validation reported bits per byte during training
         records = [json.loads(line) for line in (out / "metrics" / f"{name}.jsonl").read_text().splitlines()]
         assert any(r["type"] == "eval" and r["val_bits_per_byte"] > 0 for r in records)

@@ -17,6 +17,8 @@ from megatron_ru.adapt.model_io import open_model, save_model
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts, sample_texts
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "adapt_vocab.py")
 

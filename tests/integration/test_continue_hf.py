@@ -3,11 +3,14 @@ LlamaForCausalLM at TP = 2 x PP = 2, train with ``--use-checkpoint-args --finetu
 iteration's loss is the loss transformers computes on the same batch (fp32, <= 1e-5)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 from tests.integration._train_helpers import (TINY_MODEL_FLAGS, VOCAB, convert_cli, make_corpus, tiny_argv, train_body,
                                               without_flags)
+
+pytestmark = pytest.mark.slow
 
 HF_VOCAB = 101  # more rows than the tokenizer's 96 ids, as Qwen's config.json has
 

@@ -21,6 +21,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER_SIZE = 96
 SAMPLE = ["привет мир, hello world", "  two  spaces\nand a newline 12345", "ünïcødé ok"]

@@ -3,6 +3,7 @@ names the dataset or flag, no traceback, nothing trained."""
 from __future__ import annotations
 
 import os
+import pytest
 import struct
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import numpy as np
 
 from tests.integration._train_helpers import REPO, tiny_argv
 from tests.fixtures.datasets import write_dataset
+
+pytestmark = pytest.mark.slow
 
 
 def pretrain(argv: list[str], tmp_path) -> subprocess.CompletedProcess:

@@ -19,6 +19,8 @@ from megatron_ru.data.preprocess.synthetic import document
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import make_hf_tokenizer_dir, make_sentencepiece, sample_texts
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "evaluate.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]

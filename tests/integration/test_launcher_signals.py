@@ -28,6 +28,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 RANK_PROGRAM = """
 import os, signal, sys, time
+
+pytestmark = pytest.mark.slow
 out, save = sys.argv[1], sys.argv[2]
 rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
 def save_and_exit(signum, frame):

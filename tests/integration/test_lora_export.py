@@ -12,6 +12,8 @@ from tests.dist_utils import run_distributed
 from tests.integration._train_helpers import (TINY_MODEL_FLAGS, convert_cli, make_corpus, tiny_argv, train_body,
                                               without_flags)
 
+pytestmark = pytest.mark.slow
+
 ENV = {"DS_ACCELERATOR": "cpu"}
 TOL = 1e-5
 

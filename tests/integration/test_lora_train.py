@@ -9,6 +9,8 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.integration._train_helpers import make_corpus, tiny_argv
 
+pytestmark = pytest.mark.slow
+
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 

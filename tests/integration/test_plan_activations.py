@@ -17,6 +17,8 @@ import pytest
 
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 0.15
 S, B = 64, 2
 GPT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, max_position_embeddings=64,

@@ -20,6 +20,8 @@ from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_di
                                       make_tiktoken_file, sample_texts,
                                       tricky_text)
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
 _spec = importlib.util.spec_from_file_location("preprocess_data_tool", TOOL)

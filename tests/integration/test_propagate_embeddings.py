@@ -17,6 +17,8 @@ from megatron_ru.adapt.model_io import open_model, save_model
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import adaptation_tokenizers
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "propagate_embeddings.py")
 EMB, OUT = "embedding.word_embeddings.weight", "output_layer.weight"

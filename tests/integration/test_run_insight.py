@@ -20,6 +20,8 @@ import pytest
 from tests.dist_utils import free_port
 from tests.integration._train_helpers import REPO, make_corpus, tiny_argv
 
+pytestmark = pytest.mark.slow
+
 ITERS, SEQ = 6, 32
 BIN = os.path.dirname(sys.executable)
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 REPO = Path(__file__).resolve().parents[2]
 QSUB_WRAPPER = REPO / "tests/integration/schedulers/bin/qsub"

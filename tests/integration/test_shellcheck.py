@@ -5,7 +5,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.integration.schedulers.system import apt_install
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*REPO.glob("scripts/**/*.sh"), *REPO.glob("scripts/**/*.sbatch"),

@@ -18,6 +18,8 @@ from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts
 from tests.integration._train_helpers import train_body
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {"DS_ACCELERATOR": "cpu"}
 EMB, OUT = "embedding.word_embeddings.weight", "output_layer.weight"

@@ -10,9 +10,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist_utils import run_distributed
 from tests.fixtures.tokenizers import make_sentencepiece, sample_texts
 from tests.integration._train_helpers import REPO, tiny_argv, train_body, without_flags
+
+pytestmark = pytest.mark.slow
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 

@@ -402,6 +402,7 @@ def _tp_body(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # spawns 2 gloo ranks
 def test_tensor_parallel_cached_decoding_equals_one_rank():
     """TP = 2 (one query group per rank; head size 6 != 16 / 4; Q/K/V biases; a window of 4 over 12 tokens;
     llama3 scaling): the full forward and the cached decoding equal the single-rank model."""
