@@ -22,8 +22,10 @@ adapt-demo: install
 test: install
 	$(PY) -m pytest tests
 
+# the edit-test loop: everything not marked slow (no tools run end to end, no ranks, no schedulers);
+# under 3 minutes on 2 cores (tests/conftest.py checks it)
 test-fast: install
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -m "not slow" tests
 
 clean:
 	rm -rf build *.egg-info megatron_ru/data/_helpers*.so megatron_ru/data/preprocess/_jsonl*.so demo_out adapt_demo_out

@@ -19,6 +19,8 @@ from tests.integration.schedulers.gridengine import SGE_CELL, SGE_ROOT, QSUB_WRA
 from tests.integration.schedulers.training import (check_fresh_run, check_ranks, check_resumed, job_env,
                                                    latest_iteration)
 
+pytestmark = pytest.mark.slow  # a real Grid Engine, installed when absent
+
 JOB_TIMEOUT = 150
 SHORT_H_RT = 100  # seconds; the job must save and exit 0 before Grid Engine kills it (20 s to train after
 #                   the 80 s margin: start-up alone took 9 s on a loaded 2-core machine, leaving 1 iteration of 10 s)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "DRY_RUN": "1"}
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -28,8 +30,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 RANK_PROGRAM = """
 import os, signal, sys, time
-
-pytestmark = pytest.mark.slow
 out, save = sys.argv[1], sys.argv[2]
 rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
 def save_and_exit(signum, frame):

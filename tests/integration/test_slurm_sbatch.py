@@ -22,6 +22,8 @@ from tests.integration.schedulers.fixtures import REPO, slurm_cluster, tiny_corp
 from tests.integration.schedulers.training import (check_fresh_run, check_ranks, check_resumed, job_env,
                                                    latest_iteration)
 
+pytestmark = pytest.mark.slow  # a real Slurm, installed when absent
+
 JOB_TIMEOUT = 150
 
 

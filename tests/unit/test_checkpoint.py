@@ -259,6 +259,7 @@ def _run_worker(*args):
                           timeout=240)
 
 
+@pytest.mark.slow  # trains in a subprocess
 def test_crash_during_save_keeps_previous_checkpoint_and_resume_is_exact(tmp_path):
     save, first, second = str(tmp_path / "ckpt"), str(tmp_path / "a.json"), str(tmp_path / "b.json")
     proc = _run_worker("crash", save, first, 1)
@@ -283,6 +284,7 @@ def small_fs(tmp_path):
         yield mnt
 
 
+@pytest.mark.slow  # trains in a subprocess
 def test_disk_full_during_save_names_device_and_path_and_keeps_previous(small_fs, tmp_path):
     """Was ``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0``."""
     save, out = os.path.join(small_fs, "ckpt"), str(tmp_path / "full.json")

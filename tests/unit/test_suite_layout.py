@@ -1,0 +1,39 @@
+"""Item 12 of issue 33: `make test-fast` runs what is not marked slow, and what runs tools, ranks or
+schedulers is marked slow (tests/conftest.py checks the fast suite's budget when it runs)."""
+import glob
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: integration tests fast enough for the edit-test loop (one rank in a few seconds)
+FAST_FILES = {"tests/integration/test_golden_loss.py"}
+
+
+def _all_slow(source: str) -> bool:
+    """The module is marked slow, or every test function in it is."""
+    if re.search(r"^pytestmark = pytest\.mark\.slow", source, re.M):
+        return True
+    lines = source.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("def test_"):
+            decorators = []
+            j = i - 1
+            while j >= 0 and (lines[j].startswith("@") or lines[j].startswith((" ", ")", "]"))):
+                decorators.append(lines[j])
+                j -= 1
+            if not any("pytest.mark.slow" in d for d in decorators):
+                return False
+    return True
+
+
+def test_make_test_fast_runs_the_not_slow_set():
+    makefile = open(os.path.join(ROOT, "Makefile"), encoding="utf-8").read()
+    recipe = re.search(r"^test-fast:.*\n\t(.*)$", makefile, re.M)
+    assert recipe and '-m "not slow" tests' in recipe.group(1)
+
+
+def test_integration_and_distributed_files_are_marked_slow():
+    files = sorted(glob.glob(os.path.join(ROOT, "tests", "integration", "test_*.py"))
+                   + glob.glob(os.path.join(ROOT, "tests", "distributed", "test_*.py")))
+    unmarked = [os.path.relpath(f, ROOT) for f in files if not _all_slow(open(f, encoding="utf-8").read())]
+    assert sorted(set(unmarked) - FAST_FILES) == [], "add pytestmark = pytest.mark.slow (or list it as fast here)"
