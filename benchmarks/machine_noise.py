@@ -8,8 +8,8 @@ memory:  a random gather of 5 M elements from a 400 MB array (cache and TLB miss
          heavy tokenizers spend their time on).
 Each pass is timed; the spread (max / min, and the 10th-90th percentile range) says how far two
 runs of the same work, seconds apart, can differ for reasons outside the code. Benchmarks that
-compare separate processes (benchmarks/preprocess.py) inherit this spread; those that interleave
-both sides finely in one process (benchmarks/preprocess_interleaved.py) mostly do not.
+compare separate processes (benchmarks/preprocess.py) inherit this spread, which is why they pair
+each tool run with a limit run next to it (BENCHMARKS.md, machine noise).
 """
 from __future__ import annotations
 

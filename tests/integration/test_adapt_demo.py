@@ -30,7 +30,8 @@ def test_adapt_demo_runs_end_to_end(tmp_path):
     assert "\n\n\n" not in proc.stdout.split("--- prompt 0")[1]  # no tail of blank lines after the generation
     echoed = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("$ ")]
     reports = [cmd[cmd.index("--output-json") + 1] for cmd in echoed if "--output-json" in cmd]
-    assert len(reports) == 7 and all(os.path.isfile(os.path.join(ROOT, r)) for r in reports)  # pasteable: quoted where needed
+    # pasteable: quoted where needed (the reports' names have spaces and parentheses)
+    assert len(reports) == 7 and all(os.path.isfile(os.path.join(ROOT, r)) for r in reports)
     for name in ("embeddings", "full"):                   # validation reported bits per byte during training
         records = [json.loads(line) for line in (out / "metrics" / f"{name}.jsonl").read_text().splitlines()]
         assert any(r["type"] == "eval" and r["val_bits_per_byte"] > 0 for r in records)

@@ -59,7 +59,8 @@ def test_a_plain_parser_built_elsewhere_gets_one_line_errors(capsys):
 
 
 def _convert_checkpoint():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(ROOT, "tools/convert_checkpoint.py"))
+    path = os.path.join(ROOT, "tools", "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

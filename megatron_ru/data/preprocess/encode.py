@@ -386,7 +386,7 @@ class Encoder:
         of a thread pool that also converts its ids to an array, and a thread takes the next piece
         as soon as it is done: calls of a group of pieces left the library's threads idle while one
         thread converted the group's ids (100 MB, 2 threads: 25.7 s vs 22.9 s for one call with all
-        the pieces; pooled 22.8 s, benchmarks/preprocess_huge_phases.py). SentencePiece and tiktoken
+        the pieces; pooled 22.8 s; the former benchmarks/preprocess_huge_phases.py). SentencePiece and tiktoken
         hand out arrays; they keep groups of that many pieces, one call each (the call spreads them
         over the threads), except for a ``stream`` of pieces (:meth:`_encode_stream`), which goes to
         the pool for any tokenizer that releases the GIL, so that the pieces are tokenized on other
