@@ -122,8 +122,7 @@ def report_tool(prog: str, module: Any, argv: Optional[list[str]] = None) -> int
     """``main`` of a tool built from ``module`` (``HELP``, ``add_arguments(parser)``, ``run(args) -> dict``):
     the report as one JSON line on stdout, exit 0; a user mistake as one ``error:`` line, exit 2."""
     import json
-    parser = ArgumentParser(prog=prog, description=module.HELP,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog=prog, description=module.HELP, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
