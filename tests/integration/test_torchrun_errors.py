@@ -41,6 +41,7 @@ def test_launch_ends_on_our_line_with_status_2():
     assert code == 2, lines[-20:]
     assert lines[-1] == TYPO
     assert not any("Traceback" in line or "ChildFailedError" in line for line in lines), lines
+    assert not any("Setting accelerator" in line for line in lines), lines  # DeepSpeed's notice: debug only
 
 
 def test_launch_ends_on_a_validation_error_and_a_missing_checkpoint():

@@ -25,3 +25,23 @@ def test_trailing_line_breaks_are_counted_not_printed():
     assert shown_text("Новости дня" + "\n" * 24) == "Новости дня\n[24 trailing line breaks]"
     assert shown_text("a\n\nb\n") == "a\n\nb"
     assert shown_text("a") == "a"
+
+
+def test_deepspeed_accelerator_notice_is_a_debug_record():
+    import logging
+
+    import megatron_ru.utils.logging  # noqa: F401 - installs the filter on DeepSpeed's logger
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    ds, keep = logging.getLogger("DeepSpeed"), Keep()
+    ds.addHandler(keep)
+    try:
+        ds.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+        ds.warning("something else")
+    finally:
+        ds.removeHandler(keep)
+    assert seen == ["something else"]
