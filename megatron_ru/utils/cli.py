@@ -101,8 +101,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         line = one_line_error(self, message)
-        from megatron_ru.utils.elastic import record_error
-        record_error(line)
+        from megatron_ru.utils.logging import current_rank
+        if current_rank() == 0:  # every rank parses the same flags; rank 0 is the one that reports
+            from megatron_ru.utils.elastic import record_error
+            record_error(line)
         self.exit(2, f"error: {line}\n")
 
 
