@@ -106,15 +106,6 @@ def architecture_of(config: dict[str, Any], path: str) -> str:
     return known[0]
 
 
-def layout_problems(cfg: Any, tp: int, pp: int) -> list[str]:
-    from megatron_ru.config.model import model_parallel_problems
-    if tp < 1 or pp < 1:
-        return [f"--target-tensor-parallel-size ({tp}) and --target-pipeline-parallel-size ({pp}) must be >= 1"]
-    found = model_parallel_problems(cfg, tp, pp)
-    return [p.replace("--tensor-model-parallel-size", "--target-tensor-parallel-size")
-             .replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size") for p in found]
-
-
 def _shape(s: Any) -> str:
     return "[" + ", ".join(str(int(x)) for x in s) + "]"
 
@@ -187,6 +178,7 @@ def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional
     config_path = os.path.join(load, "config.json")
     arch = architecture_of(config, config_path)
     cfg, vocab_size = model_config_from_hf(config)
+    from megatron_ru.checkpointing.layout import layout_problems
     problems = layout_problems(cfg, tp, pp)
     if problems:
         raise ValueError(f"{config_path} cannot be split at this layout: " + "; ".join(problems))

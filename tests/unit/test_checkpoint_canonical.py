@@ -203,8 +203,8 @@ def test_writer_refuses_existing_output_unless_force(tmp_path):
 
 def test_writer_refuses_a_layout_the_model_cannot_take(tmp_path):
     cfg = tiny_cfg()
-    with pytest.raises(ValueError, match=r"--target-tensor-parallel-size 4 does not divide the model's 2 query "
-                                         r"groups.*--target-pipeline-parallel-size 5 exceeds the model's 3 layers"):
+    with pytest.raises(ValueError, match=r"--num-query-groups \(2\) must be divisible by --target-tensor-parallel-size "
+                                         r"\(4\).*--target-pipeline-parallel-size \(5\) exceeds --num-layers \(3\)"):
         write(tmp_path / "out", cfg, canonical_tensors(cfg), 4, 5)
     assert os.listdir(tmp_path) == []
 
