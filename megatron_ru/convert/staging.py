@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 TMP_MARK = ".tmp-"
 
@@ -15,12 +15,37 @@ def _inside(path: str, parent: str) -> bool:
     return os.path.commonpath([path, parent]) == parent
 
 
-def check_output(save: str, load: str, force: bool, flag: str = "--save") -> None:
-    """Refuse an existing output without ``force``, and any output that is, contains or lies
-    inside the input (``--force`` would delete the input)."""
-    out, src = os.path.realpath(save), os.path.realpath(load)
-    if _inside(out, src) or _inside(src, out):
-        raise ValueError(f"{flag} {save} and --load {load} overlap; write the output to a separate directory")
+#: a tool's inputs: ``(flag, path)`` pairs (a path of None is skipped), or one path given by --load
+Inputs = Union[str, Sequence[Tuple[str, Optional[str]]]]
+
+
+def overlap_problem(save: str, inputs: Inputs, flag: str = "--save") -> Optional[str]:
+    """The one rule of every tool that writes an output directory: the output must not be, contain or
+    lie inside any of its inputs (symbolic links resolved). Replacing the output (``--force``, or the
+    final rename) would otherwise delete an input, or write into one. None when nothing overlaps."""
+    pairs = [("--load", inputs)] if isinstance(inputs, str) else [(f, p) for f, p in inputs if p]
+    out = os.path.realpath(save)
+    for in_flag, path in pairs:
+        src = os.path.realpath(path)
+        if out == src:
+            how = "are the same path"
+        elif _inside(src, out):
+            how = f"overlap: {in_flag} lies inside {flag}, which the output replaces"
+        elif _inside(out, src):
+            how = f"overlap: {flag} lies inside {in_flag}"
+        else:
+            continue
+        return (f"{flag} {save} and {in_flag} {path} {how}; write the output to a directory outside every "
+                f"input (--force never replaces an input)")
+    return None
+
+
+def check_output(save: str, inputs: Inputs, force: bool, flag: str = "--save") -> None:
+    """Refuse an output that overlaps an input (:func:`overlap_problem`), an existing output without
+    ``force``, and an output path that names a file."""
+    problem = overlap_problem(save, inputs, flag)
+    if problem:
+        raise ValueError(problem)
     if os.path.lexists(save):
         if not os.path.isdir(save):
             raise FileExistsError(f"{flag} {save} exists and is not a directory; choose another path")
