@@ -110,7 +110,12 @@ def _lora_base(args: Arguments, loaded: Any) -> Optional[dict[str, Any]]:
     if getattr(loaded, "lora_base", None) is not None:
         return loaded.lora_base
     if (loaded.model_args or {}).get("lora") is None:
-        return {"load": os.path.abspath(args.checkpoint.load), "iteration": int(loaded.iteration)}
+        from megatron_ru.training.checkpoint import iteration_dir_name
+        from megatron_ru.training.lora_base import fingerprint_distributed
+        load = os.path.abspath(args.checkpoint.load)
+        # what the base is, not only where: a later reader refuses another model put at that path
+        fp = fingerprint_distributed(os.path.join(load, iteration_dir_name(int(loaded.iteration))))
+        return {"load": load, "iteration": int(loaded.iteration), "fingerprint": fp}
     return None
 
 
