@@ -170,13 +170,15 @@ def _hosts_the_store(env: Mapping[str, str]) -> bool:
             and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
 
 
-def verdict(env: Mapping[str, str] = os.environ) -> Verdict:
+def verdict(env: Mapping[str, str] = os.environ, error: Optional[BaseException] = None) -> Verdict:
     """Whether this rank prints the error it caught (see the module docstring)."""
     import torch.distributed as dist
     if debug_requested(env):
         return Verdict(True)
     if dist.is_available() and dist.is_initialized():
         return _claim_in_store(env)
+    if getattr(error, "every_rank_reports", False):  # rank 0 is the one missing: those that waited say so
+        return Verdict(True, lost=str(error))
     return Verdict(launcher_rank(env) in (0, None))
 
 
@@ -199,6 +201,8 @@ def message_of(error: BaseException, timeout_minutes: Optional[float], what: str
     if isinstance(error, INPUT_ERRORS):
         return str(error) if str(error) else type(error).__name__
     text = plain_text(error).rstrip(".")
+    if lost == str(error):  # the error is the news itself
+        return f"{what} failed: {text}."
     if lost:
         return f"{what} failed: {lost}; this rank gave up at {type(error).__name__}: {text}."
     hint = (f" If another rank died or hung, its own log (or the launcher's) says why; collectives "
@@ -213,8 +217,8 @@ def report_failure(error: BaseException, timeout_minutes: Optional[float] = None
     import torch.distributed as dist
     code = exit_code_of(error)
     initialized = _process_group_exists()
-    rank, hosts_store = (dist.get_rank(), _hosts_the_store(env)) if initialized else (None, False)
-    decided = verdict(env)
+    rank, hosts_store = (dist.get_rank(), _hosts_the_store(env)) if initialized else (launcher_rank(env), False)
+    decided = verdict(env, error)
     if decided.report:
         if decided.lost and rank is not None:  # no election without the store: rank 1 first
             time.sleep(LOST_STAGGER_S * min(max(rank - 1, 0), 4))
