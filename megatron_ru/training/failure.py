@@ -29,6 +29,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -36,7 +37,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 from megatron_ru.utils.deadline import call_with_deadline
 from megatron_ru.utils.logging import get_logger
@@ -110,6 +111,30 @@ def _refuses(address: tuple[str, int]) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def _cpp_warnings_muted() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the duration: torch's TCPStore client prints a C++ stack
+    trace as a warning when the store closes under a call (a killed host can still accept the probe
+    while it is being torn down). Only the claim runs meanwhile; our own line comes after."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the report
+            pass
+    try:
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _store_host(env: Mapping[str, str]) -> str:
     if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         return "the torchrun agent of the first node"
@@ -143,7 +168,8 @@ def claim_report(store: Any, env: Mapping[str, str] = os.environ) -> Verdict:
     gone = "refuses connections (the process exited or was killed; its own log, or the launcher's, says why)"
     if address is not None and _refuses(address):
         return Verdict(True, _lost(env, address, gone))
-    outcome = call_with_deadline(lambda: store.add(_CLAIM_KEY, 1), STORE_DEADLINE_S, "failure-claim")
+    with _cpp_warnings_muted():
+        outcome = call_with_deadline(lambda: store.add(_CLAIM_KEY, 1), STORE_DEADLINE_S, "failure-claim")
     if not outcome.done:
         return Verdict(True, _lost(env, address, f"does not answer within {STORE_DEADLINE_S:.0f} s (the process is "
                                                   f"stopped or hung, or its node is unreachable)"), store)
@@ -265,7 +291,6 @@ def exit_with(code: int) -> None:
 def parse_on_rank0(parse: Callable[[Sequence[str]], T], argv: Sequence[str]) -> T:
     """``parse(argv)`` with argparse's own output (a usage error, --help) from rank 0 only: every
     rank parses the same command line, and four copies of one error help nobody."""
-    import contextlib
     import io
     if launcher_rank() in (0, None):
         return parse(argv)
