@@ -198,6 +198,9 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     set_keyed_dropout_data_parallel(state.dp_size, state.dp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
+    if args.checkpoint.load:  # another model shape: one error naming the flags, before the model is built
+        from megatron_ru.training.model_match import check_model_matches
+        check_model_matches(args.checkpoint.load, args.model, vocab_size)
     train_ds, valid_ds, test_ds = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
                                                  vocab_size=vocab_size)
     with deepspeed_quiet():
