@@ -4,9 +4,15 @@ directory under the name the user asked for."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence, Tuple, Union
+
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 TMP_MARK = ".tmp-"
 
@@ -55,8 +61,46 @@ def check_output(save: str, inputs: Inputs, force: bool, flag: str = "--save") -
 
 
 def temporary_name(save: str) -> str:
-    """A sibling of ``save`` (same file system, so the final rename is atomic)."""
-    return f"{os.path.abspath(save)}{TMP_MARK}{os.getpid()}"
+    """A sibling of ``save`` (same file system, so the final rename is atomic), named by this host and
+    process so that a later run can tell whether its writer is gone (:func:`remove_stale_temporaries`)."""
+    return f"{os.path.abspath(save)}{TMP_MARK}{socket.gethostname()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_temporaries(save: str) -> list[str]:
+    """Remove the temporaries of ``save`` left by writers that no longer run (killed with SIGKILL, or a
+    node that went down): ``<save>.tmp-<host>-<pid>`` of this host whose process is gone, and the older
+    ``<save>.tmp-<pid>`` whose process is gone. Another host's are left alone (its pids mean nothing
+    here). Returns the paths removed."""
+    out = os.path.abspath(save)
+    parent, base = os.path.dirname(out), os.path.basename(out) + TMP_MARK
+    pattern = re.compile(r"^(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name[len(base):]) if name.startswith(base) else None
+        if m is None or m.group("host") not in (None, socket.gethostname()) or _pid_alive(int(m.group("pid"))):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+        removed.append(path)
+        log.info("removed %s, left by a writer of %s that no longer runs", path, save)
+    return removed
 
 
 @contextmanager
@@ -67,6 +111,7 @@ def staged_directory(save: str, force: bool, create: bool = True) -> Iterator[st
     if os.path.lexists(save) and not force:
         raise FileExistsError(f"{save} already exists; pass --force to replace it")
     os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
+    remove_stale_temporaries(save)
     tmp = temporary_name(save)
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier process with this pid
     if create:
