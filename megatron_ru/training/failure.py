@@ -281,11 +281,32 @@ def flush_and_exit(code: int) -> None:
     os._exit(code)
 
 
+def finish_and_exit(code: int = 0) -> None:
+    """End a process whose work is done: run the ``atexit`` handlers while the interpreter is whole
+    (DataLoader workers ended, log handlers flushed), then ``os._exit``, skipping the interpreter's
+    finalisation. There, a daemon thread that returns from a torch call (which released the GIL)
+    is unwound by ``pthread_exit`` through pybind11's noexcept ``gil_scoped_release`` destructor,
+    and the process aborts: "terminate called without an active exception", SIGABRT, a finished job
+    reported as failed by its launcher (tests/unit/test_clean_exit.py shows it)."""
+    import atexit
+    try:
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001 - a failing exit hook must not change a finished job's status
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not change the exit status
+            pass
+    os._exit(code)
+
+
 def exit_with(code: int) -> None:
-    """A tool's last line: exit with ``code``, at once when it is a failure (see :func:`flush_and_exit`)."""
+    """A tool's last line: exit with ``code``, at once when it is a failure (see :func:`flush_and_exit`),
+    without the interpreter's finalisation when it is not (see :func:`finish_and_exit`)."""
     if code != 0:
         flush_and_exit(code)  # a failed job must not wait on its peers while shutting down
-    sys.exit(code)
+    finish_and_exit(code)
 
 
 def parse_on_rank0(parse: Callable[[Sequence[str]], T], argv: Sequence[str]) -> T:
