@@ -327,8 +327,17 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
         if denv.rank != 0:  # torch's own wait for it prints a C++ stack trace per retry
             wait_for_store(str(denv.master_addr), int(denv.master_port), timeout_minutes, denv.rank)
         url = f"tcp://{_url_host(denv.master_addr)}:{denv.master_port}"
-        dist.init_process_group(backend, init_method=url,
-                                rank=denv.rank, world_size=denv.world_size, timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method=url,
+                                    rank=denv.rank, world_size=denv.world_size, timeout=timeout)
+        except (dist.DistStoreError, dist.DistNetworkError) as e:
+            first = " ".join(str(e).split("Exception raised from")[0].split())[:200]
+            if "timed out" not in first.lower():  # e.g. rank 0 cannot listen on MASTER_PORT: its own error
+                raise
+            raise RendezvousTimeout(  # the others did not all join in time: rank 0 may be the one missing
+                f"rank {denv.rank}: the process group did not form within --distributed-timeout-minutes "
+                f"({timeout_minutes}) at {denv.master_addr}:{denv.master_port} ({first}): another rank is "
+                f"stopped, hung, failed or did not start") from None
     return denv
 
 
