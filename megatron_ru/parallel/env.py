@@ -330,10 +330,10 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
         try:
             dist.init_process_group(backend, init_method=url,
                                     rank=denv.rank, world_size=denv.world_size, timeout=timeout)
-        except (dist.DistStoreError, dist.DistNetworkError) as e:
+        except RuntimeError as e:  # DistStoreError, DistNetworkError, gloo's own
             first = " ".join(str(e).split("Exception raised from")[0].split())[:200]
-            if "timed out" not in first.lower():  # e.g. rank 0 cannot listen on MASTER_PORT: its own error
-                raise
+            if not any(w in first.lower() for w in ("timed out", "timeout")):  # e.g. rank 0 cannot listen on
+                raise                                                         # MASTER_PORT: its own error
             raise RendezvousTimeout(  # the others did not all join in time: rank 0 may be the one missing
                 f"rank {denv.rank}: the process group did not form within --distributed-timeout-minutes "
                 f"({timeout_minutes}) at {denv.master_addr}:{denv.master_port} ({first}): another rank is "

@@ -34,6 +34,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -147,6 +148,44 @@ def _lost(env: Mapping[str, str], address: Optional[tuple[str, int]], how: str) 
     return f"lost {host}: the job's rendezvous store{where}, which {host} hosts, {how}"
 
 
+class StopWatch:
+    """Notices that this process was stopped (SIGSTOP, a suspended job) and continued: a daemon thread
+    that wakes every second sees a gap in time. A rank continued after its peers gave up on it must
+    not report them as lost (``mpirun`` sends SIGCONT before SIGTERM when it ends a job)."""
+
+    TICK_S, GAP_S = 1.0, 5.0
+
+    def __init__(self) -> None:
+        self.last_gap_end: Optional[float] = None
+        thread = threading.Thread(target=self._run, name="stop-watch", daemon=True)
+        thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(self.TICK_S)
+            now = time.monotonic()
+            if now - last > self.GAP_S:
+                self.last_gap_end = now
+            last = now
+
+    def stopped_recently(self, within_s: float = 120.0) -> bool:
+        return self.last_gap_end is not None and time.monotonic() - self.last_gap_end < within_s
+
+
+_STOP_WATCH: list[StopWatch] = []
+
+
+def watch_for_stops() -> None:
+    """Start the process's :class:`StopWatch` (once); ``pretrain_gpt.py`` and the distributed tools do."""
+    if not _STOP_WATCH:
+        _STOP_WATCH.append(StopWatch())
+
+
+def _was_stopped() -> bool:
+    return bool(_STOP_WATCH) and _STOP_WATCH[0].stopped_recently()
+
+
 def _claim_in_store(env: Mapping[str, str]) -> Verdict:
     """The first rank of the job to call this reports (atomic counter in the rendezvous store); a rank
     that cannot reach the store reports too, naming the store's host as lost. Never blocks for longer
@@ -245,6 +284,10 @@ def report_failure(error: BaseException, timeout_minutes: Optional[float] = None
     initialized = _process_group_exists()
     rank, hosts_store = (dist.get_rank(), _hosts_the_store(env)) if initialized else (launcher_rank(env), False)
     decided = verdict(env, error)
+    if decided.lost and initialized and _was_stopped():
+        # this rank was stopped and continued (mpirun continues a stopped rank to end it): the peers gave
+        # up on *it*, and one of them reported that; "lost rank 0" from here would be wrong
+        decided = Verdict(False)
     if decided.report:
         if decided.lost and rank is not None:  # no election without the store: rank 1 first
             time.sleep(LOST_STAGGER_S * min(max(rank - 1, 0), 4))
@@ -330,6 +373,7 @@ def distributed_tool_main(argv: Optional[Sequence[str]], parser: Callable[[], An
     rank 0), ``run(ns, argv)``, one message and exit status 2/1 on failure, 0 after a clean shutdown."""
     import torch.distributed as dist
     argv = sys.argv[1:] if argv is None else list(argv)
+    watch_for_stops()
     timeout: Optional[float] = None
     try:
         ns = parse_on_rank0(lambda a: parser().parse_args(a), argv)

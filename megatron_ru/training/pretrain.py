@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_ru.config.arguments import Arguments, parse_arguments
 from megatron_ru.parallel.state import ParallelState
-from megatron_ru.training.failure import parse_on_rank0, report_failure
+from megatron_ru.training.failure import parse_on_rank0, report_failure, watch_for_stops
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
 from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
 from megatron_ru.training.signals import ExitSignal, install_if_requested
@@ -274,6 +274,7 @@ def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = No
     job_started = time.time() if job_started is None else job_started
     argv = sys.argv[1:] if argv is None else list(argv)
     route_warnings()  # library deprecations to debug records, each warning once per process
+    watch_for_stops()  # a rank stopped and continued must not report its peers as lost
     if exit_signal is None:
         exit_signal = install_if_requested(argv)
     timeout_minutes: Optional[float] = None
