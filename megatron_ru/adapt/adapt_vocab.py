@@ -112,7 +112,8 @@ def _sample_report(sample: Optional[str], old_tok: Any, new_tok: Any, vmap: Voca
 def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
     src = open_model(args.model, "--model")
     kind = args.output_format or src.kind
-    check_output(args.save, args.model, args.force)
+    check_output(args.save, [("--model", args.model), ("--old-tokenizer", args.old_tokenizer),
+                             ("--new-tokenizer", args.new_tokenizer), ("--sample-text", args.sample_text)], args.force)
     if args.sample_text and not os.path.isfile(args.sample_text):
         raise FileNotFoundError(f"--sample-text {args.sample_text}: no such file")
     if args.extend_filter and args.mode != "extend":

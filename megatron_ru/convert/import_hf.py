@@ -171,7 +171,7 @@ def _no_zip_crc32() -> ContextManager[Any]:
 def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional[str] = None,
               allow_pickle: bool = False, force: bool = False, lora_adapter: Optional[str] = None) -> ImportReport:
     config = read_hf_config(load)
-    check_output(save, load, force)
+    check_output(save, [("--load", load), ("--lora-adapter", lora_adapter)], force)
     from megatron_ru.checkpointing import write_checkpoint
     from megatron_ru.convert.hf_mapping import hf_to_canonical_names, model_config_from_hf, to_canonical
 

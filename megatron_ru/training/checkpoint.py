@@ -414,6 +414,8 @@ def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: i
     if not os.path.isdir(os.path.join(base["load"], iteration_dir_name(int(base["iteration"])))):
         raise CheckpointError(f"{where}, which does not exist: restore that checkpoint there, or write its path into "
                               f"lora_base")
+    from megatron_ru.training.lora_base import verify_distributed
+    verify_distributed(ckpt_dir, base)  # the same base by content, not only by path
     try:
         load_checkpoint(engine, base["load"], rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, load_optim=False,
                         finetune=True, load_rng=False, iteration=int(base["iteration"]))

@@ -6,10 +6,12 @@ Diagnostics and progress go through ``megatron_ru.utils.logging`` instead.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 
 def emit(text: str) -> None:
@@ -37,6 +39,31 @@ def error(message: str) -> None:
     sys.stderr.flush()
 
 
+class Terminated(BaseException):
+    """SIGTERM as an exception: the cleanup of a half-written output (``finally``/``except BaseException``
+    blocks) runs as it does for Ctrl-C, instead of the process ending where it stands."""
+
+
+#: the exit status of a process ended by SIGTERM (128 + 15), as a shell reports it
+TERMINATED_STATUS = 143
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread."""
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def report_tool(prog: str, module: Any, argv: Optional[list[str]] = None) -> int:
     """``main`` of a tool built from ``module`` (``HELP``, ``add_arguments(parser)``, ``run(args) -> dict``):
     the report as one JSON line on stdout, exit 0; a user mistake as one ``error:`` line, exit 2."""
@@ -47,9 +74,13 @@ def report_tool(prog: str, module: Any, argv: Optional[list[str]] = None) -> int
     module.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        report = module.run(args)
+        with sigterm_raises():
+            report = module.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         error(str(e))
         return 2
+    except Terminated:
+        error("terminated (SIGTERM); nothing was written under the output name")
+        return TERMINATED_STATUS
     emit(json.dumps(report, default=str, ensure_ascii=False))
     return 0

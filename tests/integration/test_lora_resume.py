@@ -60,7 +60,8 @@ def test_lora_resume_is_exact_and_stores_only_the_adapters(tmp_path):
     assert [second["losses"][k] for k in range(5, 9)] == [one_go["losses"][k] for k in range(5, 9)]
 
     meta = CheckpointMeta.read(os.path.join(part, iteration_dir_name(8)))
-    assert meta.lora_base == {"load": os.path.abspath(base), "iteration": 3}
+    assert {k: meta.lora_base[k] for k in ("load", "iteration")} == {"load": os.path.abspath(base), "iteration": 3}
+    assert meta.lora_base["fingerprint"]["files"]  # the base by content too (test_lora_base_fingerprint.py)
     assert meta.model_args["lora"]["rank"] == 4
     small = _model_bytes(os.path.join(part, iteration_dir_name(8)))
     assert small < 0.5 * _model_bytes(os.path.join(base, iteration_dir_name(3)))

@@ -262,7 +262,7 @@ def test_reshard_refuses_bad_arguments(tmp_path):
     _reshard_fails(tmp_path, "already exists: choose a new directory, or pass --force", keep=("src", "dst"))
     assert os.listdir(tmp_path / "dst") == []
     (tmp_path / "dst").rmdir()
-    with pytest.raises(ValueError, match="must be outside --load"):
+    with pytest.raises(ValueError, match="--save .* lies inside --load"):
         reshard.main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "src" / "x"),
                       "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -479,7 +479,7 @@ def test_interrupted_or_full_disk_write_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
     with small_tmpfs(tmp_path / "small_fs", "200k") as mnt:
         with pytest.raises(CheckpointSaveError, match=r"no space left on tmpfs \(mounted at .*small_fs.*\) while "
-                                                      r"writing .*out.tmp-\d+/iter_0000007/layer_.*: nothing was "
+                                                      r"writing .*out.tmp-.*\d+/iter_0000007/layer_.*: nothing was "
                                                       r"written under the output name"):
             write(os.path.join(mnt, "out"), cfg, tensors, 2, 2)
         assert os.listdir(mnt) == []
