@@ -34,6 +34,8 @@ log = get_logger(__name__)
 HELP = "new vocabulary for a model, new embedding rows from the mean of the old pieces"
 REPORT_FILE = "vocab_adaptation.json"
 INITS = ("mean", "weighted-mean", "random")
+#: fallback tokens named in the report
+_LISTED = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,6 +157,8 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             "old_vocab_size": src.vocab_size, "new_vocab_size": rows, "tokenizer_size": target_tok.vocab_size,
             "kept": counts["kept"] + counts["special"], "special_matched": counts["special"],
             "initialised_from_pieces": counts["pieces"], "fallback": len(fallbacks),
+            "fallback_no_pieces": counts["fallback"],
+            "fallback_tokens": [target_texts.display(i) for i in fallbacks[:_LISTED]],
             "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
             "skipped_pieces": skipped if args.mode == "extend" else None,
             **_sample_report(args.sample_text, old_tok, target_tok, vmap, old_texts, target_texts)}
@@ -182,7 +186,9 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
 def _log_report(r: dict[str, Any]) -> None:
     log.info(f"adapted vocabulary ({r['mode']}, init {r['init']}): {r['old_vocab_size']} -> {r['new_vocab_size']} rows; "
              f"kept {r['kept']} (special tokens matched: {r['special_matched']}), initialised from old pieces "
-             f"{r['initialised_from_pieces']}, fallback (mean of all rows) {r['fallback']}")
+             f"{r['initialised_from_pieces']}, fallback (mean of all rows) {r['fallback']}"
+             + (f" ({r['fallback_no_pieces']} with no old piece: {', '.join(r['fallback_tokens'][:8])}"
+                f"{', ...' if r['fallback'] > 8 else ''})" if r['fallback'] else ""))
     if "new_chars_per_token" in r:
         log.info(f"characters per token on {r['sample_text']}: old tokenizer {r['old_chars_per_token']:.3f}, "
                  f"new {r['new_chars_per_token']:.3f}")
