@@ -33,7 +33,7 @@ log = get_logger(__name__)
 
 HELP = "new vocabulary for a model, new embedding rows from the mean of the old pieces"
 REPORT_FILE = "vocab_adaptation.json"
-INITS = ("mean", "weighted-mean", "random")
+INITS = ("mean", "weighted-mean", "random", "random-all")
 #: fallback tokens named in the report
 _LISTED = 20
 
@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extend: append only new pieces whose text matches (re.search), e.g. '[а-яёА-ЯЁ]'")
     p.add_argument("--init", choices=INITS, default="mean",
                    help="new rows: mean of the old pieces' rows, the weighted mean (earlier pieces more, "
-                        "whitespace less), or random (N(0, std of the old rows): a baseline to compare with)")
+                        "whitespace less), or random (N(0, std of the old rows): a baseline to compare with; tokens "
+                        "whose text is one old token, and matched special tokens, keep their old rows), or "
+                        "random-all (every row of the new vocabulary random: the fully random baseline)")
     p.add_argument("--seed", type=int, default=1234, help="seed of --init random")
     p.add_argument("--save", required=True, help="output directory")
     p.add_argument("--output-format", choices=KINDS, default=None,
@@ -74,15 +76,20 @@ def _ranges(ids: list[int]) -> list[list[int]]:
     return out
 
 
+def random_ids(vmap: VocabMap, init: str) -> list[int]:
+    """The rows ``--init random`` (rows adaptation computes) or ``random-all`` (every row) draws."""
+    return list(range(vmap.new_size)) if init == "random-all" else vmap.new_ids()
+
+
 def _new_rows(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
     """The adapted matrix with ``rows`` rows, converted by ``vmap``, and the ids that got the mean of
     all old rows; rows past the new tokenizer's ids (a model with more rows than its tokenizer, as
     Qwen) keep the old rows when there are any, else the mean of the old rows."""
     new, fallbacks = vmap.convert_with_fallbacks(old, weighted=init == "weighted-mean")
-    if init == "random":
+    if init in ("random", "random-all"):
         gen = torch.Generator().manual_seed(seed)
         std = float(old[:vmap.old_size].to(torch.float64).std())
-        ids = torch.tensor(vmap.new_ids(), dtype=torch.long)
+        ids = torch.tensor(random_ids(vmap, init), dtype=torch.long)
         if len(ids):
             new[ids] = (torch.randn((len(ids), old.shape[1]), generator=gen, dtype=torch.float64) * std).to(old.dtype)
     if rows > new.shape[0]:
@@ -150,7 +157,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
         if not src.cfg.tied_embeddings:
             tensors[OUTPUT_WEIGHT], _ = _new_rows(src.get(OUTPUT_WEIGHT), vmap, args.init, rows, args.seed + 1)
         record = {"mode": args.mode, "init": args.init, "old_vocab_size": src.vocab_size,
-                  "new_rows": _ranges(vmap.new_ids())}
+                  "new_rows": _ranges(random_ids(vmap, args.init) if args.init == "random-all" else vmap.new_ids())}
         counts = vmap.counts()
         report: dict[str, Any] = {
             "save": os.path.abspath(args.save), "output_format": kind, "mode": args.mode, "init": args.init,
@@ -158,6 +165,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             "kept": counts["kept"] + counts["special"], "special_matched": counts["special"],
             "initialised_from_pieces": counts["pieces"], "fallback": len(fallbacks),
             "fallback_no_pieces": counts["fallback"],
+            "random_rows": len(random_ids(vmap, args.init)) if args.init.startswith("random") else 0,
             "fallback_tokens": [target_texts.display(i) for i in fallbacks[:_LISTED]],
             "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
             "skipped_pieces": skipped if args.mode == "extend" else None,
@@ -189,6 +197,10 @@ def _log_report(r: dict[str, Any]) -> None:
              f"{r['initialised_from_pieces']}, fallback (mean of all rows) {r['fallback']}"
              + (f" ({r['fallback_no_pieces']} with no old piece: {', '.join(r['fallback_tokens'][:8])}"
                 f"{', ...' if r['fallback'] > 8 else ''})" if r['fallback'] else ""))
+    if r["random_rows"]:
+        log.info(f"--init {r['init']}: {r['random_rows']} rows drawn at random"
+                 + (f"; the {r['kept']} kept and matched special tokens keep their old rows (--init random-all "
+                    "draws every row)" if r["init"] == "random" else ""))
     if "new_chars_per_token" in r:
         log.info(f"characters per token on {r['sample_text']}: old tokenizer {r['old_chars_per_token']:.3f}, "
                  f"new {r['new_chars_per_token']:.3f}")

@@ -5,6 +5,7 @@ fallback) get the hand-computed mean; an extended tokenizer keeps every old id a
 the old language exactly as before."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -240,3 +241,35 @@ def test_replace_with_a_byte_level_old_tokenizer_without_unk(toks, tmp_path, ini
                 assert torch.isfinite(got[i]).all()
             else:
                 assert torch.allclose(got[i], mean_all, atol=1e-6, rtol=0), (name, i)
+
+
+def test_random_inits_say_which_rows_they_draw(toks, tmp_path):
+    """``--init random`` draws only the rows adaptation computes (kept and matched special tokens keep
+    their old rows, and the report says how many were drawn); ``--init random-all`` draws every row."""
+    import argparse
+
+    from megatron_ru.adapt.adapt_vocab import add_arguments, adapt_vocab
+    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.model.spec import WORD_EMBEDDING_WEIGHT
+    from tests.fixtures.models import tiny_llama
+
+    old, new = GPTSentencePieceTokenizer(toks["en"]), GPTSentencePieceTokenizer(toks["ru"])
+    vmap = build_vocab_map(old, new)
+    exact = [i for i, k in enumerate(vmap.kind) if k in ("kept", "special")]
+    assert exact
+    model = tiny_llama(str(tmp_path / "model"), vocab_size=old.vocab_size)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    src = open_model(model).get(WORD_EMBEDDING_WEIGHT)
+    for init in ("random", "random-all"):
+        out_dir = str(tmp_path / init)
+        report = adapt_vocab(p.parse_args(["--model", model, "--old-tokenizer", toks["en"], "--new-tokenizer",
+                                           toks["ru"], "--init", init, "--save", out_dir]))
+        got = open_model(out_dir).get(WORD_EMBEDDING_WEIGHT)
+        same = [i for i in exact if torch.equal(got[i], src[vmap.pieces[i][0]])]
+        if init == "random":
+            assert report["random_rows"] == new.vocab_size - len(exact) and same == exact
+        else:
+            assert report["random_rows"] == new.vocab_size and same == []
+            with open(os.path.join(out_dir, "vocab_adaptation.json")) as f:
+                assert json.load(f)["new_rows"] == [[0, new.vocab_size]]
