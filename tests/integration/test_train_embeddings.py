@@ -103,3 +103,12 @@ def test_embedding_training_at_every_layout(adapted):
                     assert not torch.equal(got[:v_old], want[:v_old]), (name, canonical)
             else:
                 assert torch.equal(got, want.to(got.dtype)), (name, canonical)
+
+
+def test_docs_agree_on_the_pipeline_sizes():
+    """The tests above run --train-only-embeddings at PP = 4; no page may still say it needs PP <= 2."""
+    import re
+    for page in ("README.md", "docs/training.md", "docs/adaptation.md"):
+        with open(os.path.join(REPO, page), encoding="utf-8") as f:
+            text = f.read()
+        assert not re.search(r"train-only-embeddings`? needs PP", text), page
