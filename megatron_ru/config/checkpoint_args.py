@@ -83,8 +83,10 @@ def apply_checkpoint_args(args: "Arguments", explicit: set[str]) -> None:
                          f"checkpoint's values, or drop --use-checkpoint-args")
     args.model_vocab_size = meta.vocab_size
     if meta.tokenizer and not (explicit & {f.name for f in dataclasses.fields(TokenizerConfig)} - {
-            "tokenizer_num_threads"}):
+            "tokenizer_num_threads", "eod_token"}):
         for name, value in meta.tokenizer.items():
+            if name in explicit:  # --eod-token given with the recorded tokenizer
+                continue
             if name in _PATH_FIELDS and value is not None and not os.path.isabs(value):
                 value = os.path.join(load, value)
             setattr(args.tokenizer, name, value)
