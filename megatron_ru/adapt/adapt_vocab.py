@@ -18,10 +18,11 @@ import json
 import os
 import tempfile
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
 from megatron_ru.adapt.model_io import KINDS, open_model, open_tokenizer, save_model
 from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
@@ -33,7 +34,7 @@ log = get_logger(__name__)
 
 HELP = "new vocabulary for a model, new embedding rows from the mean of the old pieces"
 REPORT_FILE = "vocab_adaptation.json"
-INITS = ("mean", "weighted-mean", "random", "random-all")
+INITS = METHODS
 #: fallback tokens named in the report
 _LISTED = 20
 
@@ -50,10 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extend-filter", default=None, metavar="REGEX",
                    help="extend: append only new pieces whose text matches (re.search), e.g. '[а-яёА-ЯЁ]'")
     p.add_argument("--init", choices=INITS, default="mean",
-                   help="new rows: mean of the old pieces' rows, the weighted mean (earlier pieces more, "
-                        "whitespace less), or random (N(0, std of the old rows): a baseline to compare with; tokens "
+                   help="new rows of the input embedding (and of the output layer unless --output-init): mean of "
+                        "the old pieces' rows, weighted-mean (earlier pieces more, whitespace less), char-weighted "
+                        "(by piece length), max-char (the longest piece), mean-all, mean-target (old Cyrillic "
+                        "tokens), hf-default (transformers' resize), random (N(0, std of the old rows); tokens "
                         "whose text is one old token, and matched special tokens, keep their old rows), or "
-                        "random-all (every row of the new vocabulary random: the fully random baseline)")
+                        "random-all (every row random: the fully random baseline). docs/adaptation.md")
+    p.add_argument("--output-init", choices=INITS, default=None,
+                   help="new rows of the output layer (default: --init); an untied model only")
+    p.add_argument("--input-norm-correction", action="store_true",
+                   help="rescale the new input-embedding rows to the median L2 norm of the old ones (output rows "
+                        "are left alone; with tied embeddings the one matrix is the input)")
     p.add_argument("--seed", type=int, default=1234, help="seed of --init random")
     p.add_argument("--save", required=True, help="output directory")
     p.add_argument("--output-format", choices=KINDS, default=None,
@@ -77,21 +85,19 @@ def _ranges(ids: list[int]) -> list[list[int]]:
 
 
 def random_ids(vmap: VocabMap, init: str) -> list[int]:
-    """The rows ``--init random`` (rows adaptation computes) or ``random-all`` (every row) draws."""
+    """The rows an initialisation computes: every row for ``random-all``, else the new rows."""
     return list(range(vmap.new_size)) if init == "random-all" else vmap.new_ids()
 
 
-def _new_rows(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """The adapted matrix with ``rows`` rows, converted by ``vmap``, and the ids that got the mean of
-    all old rows; rows past the new tokenizer's ids (a model with more rows than its tokenizer, as
+def new_matrix(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int,
+               old_pieces: Sequence[Optional[bytes]], norm_correction: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The adapted matrix with ``rows`` rows by ``init`` (:mod:`megatron_ru.adapt.inits`), the computed
+    rows rescaled to the old rows' median norm with ``norm_correction``, and the ids that got the mean
+    of all old rows; rows past the new tokenizer's ids (a model with more rows than its tokenizer, as
     Qwen) keep the old rows when there are any, else the mean of the old rows."""
-    new, fallbacks = vmap.convert_with_fallbacks(old, weighted=init == "weighted-mean")
-    if init in ("random", "random-all"):
-        gen = torch.Generator().manual_seed(seed)
-        std = float(old[:vmap.old_size].to(torch.float64).std())
-        ids = torch.tensor(random_ids(vmap, init), dtype=torch.long)
-        if len(ids):
-            new[ids] = (torch.randn((len(ids), old.shape[1]), generator=gen, dtype=torch.float64) * std).to(old.dtype)
+    new, fallbacks = init_rows(old, vmap, init, old_pieces, seed=seed)
+    if norm_correction:
+        new = correct_input_norms(new, old, random_ids(vmap, init), vmap.old_size)
     if rows > new.shape[0]:
         extra = old[new.shape[0]:rows] if old.shape[0] >= rows else \
             old[:vmap.old_size].to(torch.float64).mean(0, keepdim=True).expand(rows - new.shape[0], -1).to(old.dtype)
@@ -152,12 +158,20 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             target_source, target_tok, target_texts = new_source, new_tok, new_texts
             rows = target_tok.vocab_size
         vmap = build_vocab_map(old_tok, target_tok, old_texts, target_texts)
+        output_init = args.output_init or args.init
+        if src.cfg.tied_embeddings and output_init != args.init:
+            raise ValueError(f"--output-init {output_init} differs from --init {args.init}, but --model {args.model} "
+                             "ties its output layer to the input embedding: one matrix, one initialisation")
         tensors = {}
-        tensors[EMBEDDING_WEIGHT], fallbacks = _new_rows(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed)
+        tensors[EMBEDDING_WEIGHT], fallbacks = new_matrix(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed,
+                                                          old_texts.pieces, args.input_norm_correction)
         if not src.cfg.tied_embeddings:
-            tensors[OUTPUT_WEIGHT], _ = _new_rows(src.get(OUTPUT_WEIGHT), vmap, args.init, rows, args.seed + 1)
-        record = {"mode": args.mode, "init": args.init, "old_vocab_size": src.vocab_size,
-                  "new_rows": _ranges(random_ids(vmap, args.init) if args.init == "random-all" else vmap.new_ids())}
+            tensors[OUTPUT_WEIGHT], _ = new_matrix(src.get(OUTPUT_WEIGHT), vmap, output_init, rows, args.seed + 1,
+                                                   old_texts.pieces)
+        computed = sorted(set(random_ids(vmap, args.init)) | set(random_ids(vmap, output_init)))
+        record = {"mode": args.mode, "init": args.init, "output_init": output_init,
+                  "input_norm_correction": bool(args.input_norm_correction), "old_vocab_size": src.vocab_size,
+                  "new_rows": _ranges(computed)}
         counts = vmap.counts()
         report: dict[str, Any] = {
             "save": os.path.abspath(args.save), "output_format": kind, "mode": args.mode, "init": args.init,
@@ -166,6 +180,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             "initialised_from_pieces": counts["pieces"], "fallback": len(fallbacks),
             "fallback_no_pieces": counts["fallback"],
             "random_rows": len(random_ids(vmap, args.init)) if args.init.startswith("random") else 0,
+            "output_init": output_init, "input_norm_correction": bool(args.input_norm_correction),
             "fallback_tokens": [target_texts.display(i) for i in fallbacks[:_LISTED]],
             "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
             "skipped_pieces": skipped if args.mode == "extend" else None,
