@@ -17,7 +17,12 @@ nothing:
   nothing installed system-wide), each page rendered with ``man -l`` and ``col -bx``; a line is kept
   when its Cyrillic letters are at least as many as its Latin ones (many pages are half English).
   ``ru_train.{txt,jsonl}`` and ``ru_heldout.{txt,jsonl}`` split the pages by file (every 7th page
-  held out); one JSONL document per page.
+  held out); one JSONL document per page. ``ru_heldout_sample.jsonl`` holds the first 1,500
+  characters of held-out pages 5-8: the text the slow tests, docs/adaptation.md's table and
+  BENCHMARKS.md score (small enough for 2 CPU cores).
+* ``manpages-en/en.jsonl``: English pages for comparison and for the walkthrough's "instruct twin"
+  (a short fine-tune on a different mixture): the first ``EN_PAGES`` pages of Debian's ``manpages``
+  rendered the same way, keeping lines with more Latin letters than Cyrillic ones.
 
 Each part is built under a temporary name and renamed when complete.
 """
@@ -39,7 +44,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PACKAGE = "gguf>=0.10"
 MODEL_DIR = "smollm2-135m-instruct"
 TEXT_DIR = "manpages-ru"
+EN_DIR = "manpages-en"
+EN_PAGES = 300
 HELDOUT_EVERY = 7
+SAMPLE_PAGES, SAMPLE_CHARS = range(5, 9), 1500
 _CYRILLIC = re.compile(r"[а-яёА-ЯЁ]")
 _LATIN = re.compile(r"[a-zA-Z]")
 
@@ -72,6 +80,17 @@ def _model_complete(path: str) -> bool:
 
 def _text_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f"ru_{s}.{e}")) for s in ("train", "heldout") for e in ("txt", "jsonl"))
+
+
+def _write_sample(path: str) -> None:
+    with open(os.path.join(path, "ru_heldout.jsonl"), encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f]
+    tmp = os.path.join(path, "ru_heldout_sample.jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for k in SAMPLE_PAGES:
+            f.write(json.dumps({"text": docs[k]["text"][:SAMPLE_CHARS], "page": docs[k]["page"]},
+                               ensure_ascii=False) + "\n")
+    os.replace(tmp, os.path.join(path, "ru_heldout_sample.jsonl"))
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -124,6 +143,16 @@ def build_model(out: str) -> None:
 
 
 # ---- the Russian text ----------------------------------------------------------------------------
+def english_lines(text: str) -> list[str]:
+    """The lines of a rendered page with more Latin letters than Cyrillic ones (and some words)."""
+    out = []
+    for line in text.splitlines():
+        line = " ".join(line.split())
+        if len(_LATIN.findall(line)) > max(3, len(_CYRILLIC.findall(line))):
+            out.append(line)
+    return out
+
+
 def russian_lines(text: str) -> list[str]:
     """The lines of a rendered page with at least as many Cyrillic letters as Latin ones (and some)."""
     out = []
@@ -145,20 +174,45 @@ def _render(page: str) -> str:
     return col.stdout.decode("utf-8", errors="replace")
 
 
-def build_text(out: str) -> None:
+def _pages(work: str, package: str, pattern: str) -> list[str]:
+    """The man pages of a Debian package, unpacked under ``work`` (no root, nothing installed)."""
     for tool in ("apt-get", "dpkg", "man", "col"):
         if shutil.which(tool) is None:
-            raise SystemExit(f"tools/real_model.py: {tool} not found; the Russian text is Debian's manpages-ru "
-                             "rendered with man (install man-db and bsdextrautils, or point MEGATRON_RU_CACHE at a "
-                             "cache built elsewhere)")
+            raise SystemExit(f"tools/real_model.py: {tool} not found; the text is Debian's {package} rendered with "
+                             "man (install man-db and bsdextrautils, or point MEGATRON_RU_CACHE at a cache built "
+                             "elsewhere)")
+    os.chmod(work, 0o755)  # apt-get download runs as the _apt user where it can
+    subprocess.run(["apt-get", "download", "-q", package], cwd=work, check=True, stdout=subprocess.DEVNULL)
+    deb = glob.glob(os.path.join(work, f"{package}_*.deb"))[0]
+    subprocess.run(["dpkg", "-x", deb, os.path.join(work, "root")], check=True)
+    return sorted(glob.glob(os.path.join(work, "root", pattern)))
+
+
+def build_english(out: str) -> None:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="manpages-en-", dir=os.path.dirname(out)) as work:
+        pages = _pages(work, "manpages", os.path.join("usr", "share", "man", "man[1-8]", "*"))
+        staged = os.path.join(work, "text")
+        os.makedirs(staged)
+        n = 0
+        with open(os.path.join(staged, "en.jsonl"), "w", encoding="utf-8") as f:
+            for page in pages:
+                if n >= EN_PAGES:
+                    break
+                lines = english_lines(_render(page))
+                if len(lines) >= 5:
+                    f.write(json.dumps({"text": "\n".join(lines), "page": os.path.basename(page)}) + "\n")
+                    n += 1
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.replace(staged, out)
+    _say(f"{n} English man pages rendered into {out}")
+
+
+def build_text(out: str) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="manpages-ru-", dir=os.path.dirname(out)) as work:
-        os.chmod(work, 0o755)  # apt-get download runs as the _apt user where it can
-        subprocess.run(["apt-get", "download", "-q", "manpages-ru"], cwd=work, check=True,
-                       stdout=subprocess.DEVNULL)
-        deb = glob.glob(os.path.join(work, "manpages-ru_*.deb"))[0]
-        subprocess.run(["dpkg", "-x", deb, os.path.join(work, "root")], check=True)
-        pages = sorted(glob.glob(os.path.join(work, "root", "usr", "share", "man", "ru", "man*", "*")))
+        pages = _pages(work, "manpages-ru", os.path.join("usr", "share", "man", "ru", "man*", "*"))
         docs = []
         for page in pages:
             lines = russian_lines(_render(page))
@@ -185,7 +239,15 @@ def ensure() -> str:
         build_model(model_dir())
     if not _text_complete(text_dir()):
         build_text(text_dir())
+    if not os.path.isfile(text_file("ru_heldout_sample.jsonl")):
+        _write_sample(text_dir())
+    if not os.path.isfile(english_file()):
+        build_english(os.path.join(cache_dir(), EN_DIR))
     return cache_dir()
+
+
+def english_file() -> str:
+    return os.path.join(cache_dir(), EN_DIR, "en.jsonl")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only say whether everything is there (exit 1 if not)")
     args = ap.parse_args(argv)
     if args.check:
-        missing = [p for p, ok in ((model_dir(), _model_complete(model_dir())), (text_dir(), _text_complete(text_dir())))
-                   if not ok]
+        missing = [p for p, ok in ((model_dir(), _model_complete(model_dir())), (text_dir(), _text_complete(text_dir())),
+                                   (english_file(), os.path.isfile(english_file()))) if not ok]
         for p in missing:
             _say(f"missing: {p}")
         return 1 if missing else 0
