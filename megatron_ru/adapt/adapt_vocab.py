@@ -145,12 +145,12 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
                          f"{src.vocab_size} vocabulary rows: it is not this model's tokenizer")
     old_texts, new_texts = token_texts(old_tok), token_texts(new_tok)
     with tempfile.TemporaryDirectory(prefix="adapt-vocab-") as tmp:
-        skipped = 0
+        skipped = intermediates = 0
         if args.mode == "extend":
             from megatron_ru.adapt.extend_tokenizer import extend_tokenizer
             from megatron_ru.adapt.model_io import load_tokenizer
             ext = extend_tokenizer(old_source, old_texts, new_texts, os.path.join(tmp, "tokenizer"), args.extend_filter)
-            target_source, skipped = ext.tokenizer, ext.skipped
+            target_source, skipped, intermediates = ext.tokenizer, ext.skipped, ext.intermediates
             target_tok = load_tokenizer(target_source)
             target_texts = token_texts(target_tok)
             rows = max(src.vocab_size, target_tok.vocab_size)
@@ -184,6 +184,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             "fallback_tokens": [target_texts.display(i) for i in fallbacks[:_LISTED]],
             "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
             "skipped_pieces": skipped if args.mode == "extend" else None,
+            "intermediate_tokens": intermediates if args.mode == "extend" else None,
             **_sample_report(args.sample_text, old_tok, target_tok, vmap, old_texts, target_texts)}
 
         def get_tensor(name: str) -> torch.Tensor:
