@@ -122,3 +122,12 @@ def test_new_rows_continue_at_another_layout(adapted):
     assert out.meta.vocab_adaptation == _record(str(d / "adapted_hf"))
     for canonical in (EMB, OUT):
         assert torch.equal(out.get(canonical)[:v_old], src.get(canonical)[:v_old]), canonical
+
+
+def test_docs_agree_on_the_pipeline_sizes():
+    """The tests above run --train-only-embeddings at PP = 4; no page may still say it needs PP <= 2."""
+    import re
+    for page in ("README.md", "docs/training.md", "docs/adaptation.md"):
+        with open(os.path.join(REPO, page), encoding="utf-8") as f:
+            text = f.read()
+        assert not re.search(r"train-only-embeddings`? needs PP", text), page
