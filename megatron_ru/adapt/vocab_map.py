@@ -5,12 +5,15 @@ byte tokens and word-start markers included) and re-tokenized with the **old** t
 row is the mean of those old pieces' rows. Then:
 
 * ``kept`` — the text is one old token (or the same id holds the same text, as in ``extend`` mode):
-  that old row, bit for bit;
+  that old row, bit for bit; of several old ids with that text (a byte-fallback ``<0x65>`` beside
+  the piece ``e``) the one the old tokenizer produces for the text;
 * ``special`` — a special/control token matched by its string (``</s>`` ↔ ``</s>``), else by its
   role (end of document, begin of sequence, padding);
 * ``pieces`` — the mean (or ``weighted`` mean) of the old pieces;
-* ``fallback`` — no usable piece (an unmatched special token, a text the old tokenizer maps only to
-  unknown/special ids), or pieces whose mean is the zero vector: the mean of all old rows.
+* ``fallback`` — no usable piece (an unmatched special token such as a new ``<unk>`` when the old
+  vocabulary has none, a byte token for a byte the old vocabulary cannot spell, a text the old
+  tokenizer maps only to unknown/special ids), or pieces whose mean is the zero vector: the mean of
+  all old rows.
 
 The old tokenizer's dummy prefix (SentencePiece puts a word-start space before every text) would
 give a mid-word piece such as ``ир`` the word-start piece ``▁ир``: a new token without a leading
@@ -78,7 +81,8 @@ class VocabMap:
             stop = min(start + _BLOCK, self.new_size)
             rows, src, w = [], [], []
             for i in range(start, stop):
-                ws = self.weights[i] if weighted and self.weights else [1.0 / len(self.pieces[i])] * len(self.pieces[i])
+                n = len(self.pieces[i])                # 0: no piece, a fallback row (below)
+                ws = self.weights[i] if weighted and self.weights else [1.0 / n] * n if n else []
                 rows += [i - start] * len(self.pieces[i])
                 src += self.pieces[i]
                 w += ws
@@ -113,10 +117,25 @@ class _OldSide:
 
     def __init__(self, tok: Tokenizer, tt: TokenTexts) -> None:
         self.tok, self.tt = tok, tt
-        self.index: dict[bytes, int] = {}
+        candidates: dict[bytes, list[int]] = {}
         for i, b in enumerate(tt.pieces):
-            if b and b not in self.index:
-                self.index[b] = i
+            if b:
+                candidates.setdefault(b, []).append(i)
+        self.index: dict[bytes, int] = {b: ids[0] if len(ids) == 1 else self._produced(b, ids)
+                                        for b, ids in candidates.items()}
+
+    def _produced(self, b: bytes, ids: list[int]) -> int:
+        """Of several old ids with the same text (a byte-fallback ``<0x65>`` beside the piece ``e``), the
+        one the old tokenizer produces for that text; else one that is not a byte-fallback token."""
+        try:
+            text = b.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is not None:
+            produced = [i for i in self.tok.tokenize(text) if i in ids]
+            if len(set(produced)) == 1:
+                return produced[0]
+        return next((i for i in ids if i not in self.tt.byte_ids), ids[0])
 
     def _encode_text(self, text: str) -> list[int]:
         return [i for i in self.tok.tokenize(text) if i < len(self.tt.pieces) and self.tt.pieces[i] is not None]

@@ -42,20 +42,14 @@ def specs_by_name(cfg: ModelConfig, vocab_size: int) -> dict[str, ParamSpec]:
 
 def layout_problems(cfg: ModelConfig, tp: int, pp: int, tp_flag: str = "--target-tensor-parallel-size",
                     pp_flag: str = "--target-pipeline-parallel-size") -> list[str]:
-    """Why the model cannot be laid out at (tp, pp) (empty: it can)."""
-    out = []
+    """Why the model cannot be laid out at (tp, pp) (empty: it can): training's rules
+    (:func:`megatron_ru.config.model.model_parallel_problems`) named by the tool's flags, so that a converter
+    never writes a layout that ``pretrain_gpt.py`` refuses."""
+    from megatron_ru.config.model import model_parallel_problems
     if tp < 1 or pp < 1:
-        out.append(f"{tp_flag} {tp} and {pp_flag} {pp} must be >= 1")
-        return out
-    checks = [("attention heads (--num-attention-heads)", cfg.num_attention_heads),
-              ("query groups (--num-query-groups)", cfg.query_groups),
-              ("the MLP width (--ffn-hidden-size)", cfg.resolved_ffn_hidden_size)]
-    for what, n in checks:
-        if n % tp:
-            out.append(f"{tp_flag} {tp} does not divide the model's {n} {what}")
-    if pp > cfg.num_layers:
-        out.append(f"{pp_flag} {pp} exceeds the model's {cfg.num_layers} layers")
-    return out
+        return [f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1"]
+    return [p.replace("--tensor-model-parallel-size", tp_flag).replace("--pipeline-model-parallel-size", pp_flag)
+            for p in model_parallel_problems(cfg, tp, pp)]
 
 
 padded_rows = padded_vocab_rows  # the model description's padding rule

@@ -97,6 +97,45 @@ class _ReaderSource:
         return self.reader.optimizer_shard(spec.name, self.tp_rank), self.reader.dir
 
 
+class _ResliceSource:
+    """This rank's shards of a checkpoint saved at another TP/PP: each canonical tensor read through the
+    offline reader (memory-mapped, one layer's files at a time), its vocabulary rows padded for this run's
+    TP size, then cut to this rank's TP shard."""
+
+    def __init__(self, reader: Any, tp: int, tp_rank: int) -> None:
+        from megatron_ru.model.spec import padded_vocab_rows
+        self.reader, self.tp, self.tp_rank = reader, tp, tp_rank
+        self.rows = padded_vocab_rows(reader.cfg, reader.vocab_size, tp)
+
+    def _shard(self, spec: Any, full: torch.Tensor) -> torch.Tensor:
+        from megatron_ru.model.spec import layout_shard
+        return layout_shard(spec, full, self.rows, self.tp, self.tp_rank)
+
+    def weight(self, spec: Any) -> tuple[Any, str]:
+        return self._shard(spec, self.reader.get(spec.name)), self.reader.dir
+
+    def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
+        state = self.reader.optimizer_state(spec.name)
+        return {k: self._shard(spec, v) for k, v in state.items()}, self.reader.dir
+
+
+def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int, pp: int,
+                           load_optim: bool) -> None:
+    """Weights (and, with ``load_optim``, optimizer state, step and schedule) of a checkpoint saved at another
+    TP and/or PP size, in either format: read by canonical names and laid out for this run's TP/PP/DP."""
+    from megatron_ru.checkpointing.reader import CheckpointReader
+    reader = CheckpointReader(ckpt_dir, meta)
+    if load_optim:
+        problem = reader.optimizer_problem()
+        if problem:
+            raise CheckpointError(f"cannot load the optimizer state of {ckpt_dir} at another layout: {problem}")
+    common = reader.common_state() if load_optim else {}
+    _load_by_name(engine, _ResliceSource(reader, tp, rank % tp), meta, common, load_optim)
+    log_rank0(log, f"loaded {ckpt_dir} (saved at TP {meta.tensor_model_parallel_size} x PP "
+                   f"{meta.pipeline_model_parallel_size}) at TP {tp} x PP {pp} by canonical names "
+                   f"({'weights and optimizer state' if load_optim else 'weights only'})")
+
+
 def load_layers_checkpoint(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int,
                            load_optim: bool) -> None:
     """Copy this rank's weights (and, with ``load_optim``, optimizer state) from a layer-format
@@ -188,13 +227,7 @@ def _load_common(engine: Any, common: dict[str, Any], meta: Any) -> None:
     engine.skipped_steps = int(common.get("skipped_steps", 0))
 
 
-def layers_layout_problem(meta: Any, tp: int, pp: int, zero_stage: int, load_dir: str) -> Optional[str]:
-    if meta.tensor_model_parallel_size != tp or meta.pipeline_model_parallel_size != pp:
-        return (f"the checkpoint was written for --tensor-model-parallel-size {meta.tensor_model_parallel_size} "
-                f"--pipeline-model-parallel-size {meta.pipeline_model_parallel_size}, this run uses {tp} and {pp}: "
-                f"run with the checkpoint's TP/PP, or reshard it: python tools/convert_checkpoint.py reshard "
-                f"--load {load_dir} --save NEW_DIR --target-tensor-parallel-size {tp} "
-                f"--target-pipeline-parallel-size {pp}")
+def layers_layout_problem(meta: Any, zero_stage: int) -> Optional[str]:
     if zero_stage > 2:
         return (f"--zero-stage {zero_stage}: a checkpoint written by megatron_ru's checkpoint writer (reshard, "
                 f"import-hf) loads with ZeRO stage 0, 1 or 2 (stage 3 partitions the parameters themselves); train "

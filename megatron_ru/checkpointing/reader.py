@@ -222,12 +222,15 @@ class CheckpointReader:
         from megatron_ru.model.spec import layout_shard
         base = self.meta.lora_base or {}
         if self._base is None:
+            from megatron_ru.training.lora_base import verify
             try:
-                self._base = read_checkpoint(base["load"], int(base["iteration"]))
+                reader = read_checkpoint(base["load"], int(base["iteration"]))
             except (OSError, CheckpointError) as e:
                 raise CheckpointError(f"{self.dir} holds only the LoRA adapters and trained modules; its frozen weights "
                                       f"are in {base.get('load')} iteration {base.get('iteration')} (lora_base in "
                                       f"metadata.json), which cannot be read: {e}") from None
+            verify(self.dir, base)  # the same base by content, not only by path
+            self._base = reader
         return layout_shard(spec, self._base.get(spec.name), self.rows, self.tp, t)
 
     def _join(self, spec: ParamSpec, shards: list[torch.Tensor]) -> torch.Tensor:

@@ -65,13 +65,22 @@ def _copy_tokenizer(meta_tokenizer: Any, load_dir: str):
     return copy if rel else None
 
 
+def _refuse_overlap(save: str, inputs: list) -> None:
+    """The conversion tools' one overlap rule (an existing --save is the writer's to refuse without --force)."""
+    from megatron_ru.convert.staging import overlap_problem
+    problem = overlap_problem(save, inputs)
+    if problem:
+        raise ValueError(problem)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Reshard; returns the report (printed as one JSON line)."""
     load, save = os.path.abspath(args.load), os.path.abspath(args.save)
-    if load == save or save.startswith(load + os.sep):
-        raise ValueError(f"--save {save} must be outside --load {load}: write the resharded checkpoint elsewhere")
+    _refuse_overlap(args.save, [("--load", args.load)])
     reader = read_checkpoint(load, args.iteration)
     meta = reader.meta
+    if meta.lora_base is not None:  # its frozen weights are read from there: an input too
+        _refuse_overlap(args.save, [("the LoRA base of --load", meta.lora_base.get("load"))])
     optimizer = None
     if not args.no_load_optim:
         problem = reader.optimizer_problem()

@@ -277,6 +277,40 @@ def _checkpoint_rule(a: Arguments) -> list[str]:
     return out
 
 
+def _blocking_file(path: str) -> Optional[str]:
+    """The existing non-directory that stops ``path`` from being (or being created as) a directory:
+    ``path`` itself or the nearest existing parent; None when there is none."""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent
+    return None if os.path.isdir(p) else p
+
+
+def _output_paths_rule(a: Arguments) -> list[str]:
+    """Output directories checked before anything runs: a path that names an existing file used to
+    fail only when first written (--save after the last iteration)."""
+    lg, out = a.logging, []
+    dirs = [("--save", a.checkpoint.save), ("--tensorboard-dir", lg.tensorboard_dir),
+            ("--wandb-save-dir", lg.wandb_save_dir)]
+    for flag, path in dirs:
+        blocker = path and _blocking_file(path)
+        if blocker:
+            where = "is an existing file" if blocker == os.path.abspath(path) else f"lies under the existing file {blocker}"
+            out.append(f"{flag} {path} {where}, not a directory: choose a directory path")
+    if lg.metrics_file:
+        if os.path.isdir(lg.metrics_file):
+            out.append(f"--metrics-file {lg.metrics_file} is a directory: name a file (e.g. {lg.metrics_file}/metrics.jsonl)")
+        else:
+            blocker = _blocking_file(os.path.dirname(os.path.abspath(lg.metrics_file)))
+            if blocker:
+                out.append(f"--metrics-file {lg.metrics_file}: its directory would be under the existing file "
+                           f"{blocker}; choose another path")
+    return out
+
+
 def _deepspeed_config_rule(a: Arguments) -> list[str]:
     path = a.training.deepspeed_config
     if not path or not _derivable(a):
@@ -308,7 +342,7 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
     _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _freeze_rule, _lora_rule,
-    _checkpoint_rule, _deepspeed_config_rule, _data_rule)
+    _checkpoint_rule, _output_paths_rule, _deepspeed_config_rule, _data_rule)
 
 
 def default_world_size() -> int:

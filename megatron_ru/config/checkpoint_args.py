@@ -3,7 +3,12 @@
 
 Every :class:`ModelConfig` field the checkpoint recorded is taken from it; a flag given on the
 command line that contradicts the checkpoint is an error naming both values (equal values are
-fine). Tokenizer flags not given on the command line come from the tokenizer recorded with the
+fine). Dropout is the run's choice, but its default comes from the checkpoint too: an imported
+LLaMA / Mistral / Qwen2 records its source's (0: those models are trained without dropout, and
+Megatron's default 0.1 would train a broken network — SmolLM2's first loss on Russian text is 12.4
+nats with it, 2.1 without), and every later checkpoint (adapted, LoRA, continued) records the
+dropout it was trained with; ``--hidden-dropout``/``--attention-dropout`` given on the command line
+win without a conflict. Tokenizer flags not given on the command line come from the tokenizer recorded with the
 checkpoint (``tools/convert_checkpoint.py import-hf`` copies the model's tokenizer next to it).
 The model's vocabulary rows (``vocab_size`` in the metadata; for imported models config.json's,
 which may exceed the tokenizer's size) are recorded on :class:`Arguments` as ``model_vocab_size``.
@@ -25,6 +30,8 @@ if TYPE_CHECKING:
 #: model fields that do not describe the weights: the run may choose them freely
 RUN_CHOICES = frozenset({"hidden_dropout", "attention_dropout", "recompute_granularity", "checkpoint_activations",
                          "init_method_std"})
+#: run choices whose default is the checkpoint's recorded value (a flag on the command line wins)
+CHECKPOINT_DEFAULTS = ("hidden_dropout", "attention_dropout")
 _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 
 
@@ -62,6 +69,8 @@ def apply_checkpoint_args(args: "Arguments", explicit: set[str]) -> None:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     conflicts: list[str] = []
     for name, value in recorded.items():
+        if name in CHECKPOINT_DEFAULTS and name not in explicit and value is not None:
+            setattr(args.model, name, value)
         if name not in known or name in RUN_CHOICES:
             continue
         given = getattr(args.model, name)
@@ -74,8 +83,10 @@ def apply_checkpoint_args(args: "Arguments", explicit: set[str]) -> None:
                          f"checkpoint's values, or drop --use-checkpoint-args")
     args.model_vocab_size = meta.vocab_size
     if meta.tokenizer and not (explicit & {f.name for f in dataclasses.fields(TokenizerConfig)} - {
-            "tokenizer_num_threads"}):
+            "tokenizer_num_threads", "eod_token"}):
         for name, value in meta.tokenizer.items():
+            if name in explicit:  # --eod-token given with the recorded tokenizer
+                continue
             if name in _PATH_FIELDS and value is not None and not os.path.isabs(value):
                 value = os.path.join(load, value)
             setattr(args.tokenizer, name, value)

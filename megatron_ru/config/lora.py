@@ -82,14 +82,23 @@ class LoraConfig:
             found.append(f"--lora-rank must be >= 0, got {self.lora_rank}")
         if not 0.0 <= self.lora_dropout < 1.0:
             found.append(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_alpha is not None and not (0.0 < self.lora_alpha < math.inf):
+            found.append(f"--lora-alpha must be a positive number, got {self.lora_alpha} (the adapters' update is "
+                         f"scaled by alpha/rank: 0 would train nothing); leave it out for alpha = rank")
         if not self.enabled:
-            given = [flag for flag, on in (("--lora-target-modules", self.lora_target_modules),
+            # every adapter flag set away from its default: without a rank it would be ignored, and the
+            # run would silently train the whole model instead of adapters
+            given = [flag for flag, on in (("--lora-alpha", self.lora_alpha is not None),
+                                           ("--lora-dropout", self.lora_dropout != 0.0),
+                                           ("--lora-init", self.lora_init != "kaiming"),
+                                           ("--lora-target-modules", self.lora_target_modules),
                                            ("--lora-rank-pattern", self.lora_rank_pattern),
                                            ("--lora-alpha-pattern", self.lora_alpha_pattern),
                                            ("--use-dora", self.use_dora), ("--use-rslora", self.use_rslora),
                                            ("--lora-modules-to-save", self.lora_modules_to_save)) if on]
             if given:
-                found.append(f"{', '.join(given)} need adapters: add --lora-rank R")
+                found.append(f"{', '.join(given)} need adapters: add --lora-rank R (a positive rank; "
+                             f"--lora-rank {self.lora_rank} trains the whole model without adapters)")
         for flag, path in (("--lora-rank-pattern", self.lora_rank_pattern),
                            ("--lora-alpha-pattern", self.lora_alpha_pattern)):
             if path is not None:

@@ -33,6 +33,12 @@ class TokenizerConfig:
     vocab_size: Optional[int] = arg(
         None, "NullTokenizer: number of ordinary token ids; the end-of-document id is this value.")
     vocab_extra_ids: int = arg(0, "SentencePieceTokenizer: add <extra_id_0..N-1> special tokens (T5 style).")
+    eod_token: Optional[str] = arg(
+        None, "The token that ends a document (--append-eod's separator, generation's stop token, the token "
+        "before each evaluated document when the tokenizer has no BOS), by its text, e.g. '<|endoftext|>'. "
+        "Default: the tokenizer's own: HuggingFaceTokenizer the eos_token of tokenizer_config.json (an instruct "
+        "model's end of turn, e.g. SmolLM2's and Qwen2's <|im_end|>), SentencePiece </s> (<EOD> for "
+        "SentencePieceTokenizer), GPT-2 <|endoftext|>, TikTokenizer <|end_of_text|>.")
     tokenizer_num_threads: int = arg(
         1, "Threads the tokenizer's own batch API uses within one process (within each preprocessing "
         "worker too; preprocessing scales with --workers).")

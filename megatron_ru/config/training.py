@@ -164,7 +164,9 @@ class CheckpointConfig:
     keep_last: Optional[int] = arg(None, "Keep only the newest N checkpoints in --save.")
     use_checkpoint_args: bool = arg(False, "Take the model's shape flags (and the tokenizer recorded with it, "
                                            "when no tokenizer flag is given) from the checkpoint in --load; a "
-                                           "given flag that contradicts the checkpoint is an error.")
+                                           "given flag that contradicts the checkpoint is an error. Dropout "
+                                           "defaults to the checkpoint's too (0 for an imported LLaMA/Mistral/"
+                                           "Qwen2); --hidden-dropout/--attention-dropout override it.")
 
     def problems(self) -> list[str]:
         out = []

@@ -21,7 +21,7 @@ import torch
 
 from megatron_ru.convert.hf_io import ShardedSafetensorsWriter, parse_size
 from megatron_ru.convert.import_hf import DTYPES, HF_SOURCE_DIR, split_shapes
-from megatron_ru.convert.staging import check_output, staged_directory
+from megatron_ru.convert.staging import check_output, overlap_problem, staged_directory
 from megatron_ru.convert.tokenizer_files import (HF_TYPE, SP_TYPES, TokenizerSource, recorded_tokenizer,
                                                  write_hf_tokenizer)
 from megatron_ru.utils.logging import get_logger
@@ -117,9 +117,15 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
 
     if not os.path.isdir(load):
         raise FileNotFoundError(f"--load {load}: no such directory")
-    check_output(save, load, force)
+    inputs = [("--load", load), ("--hf-config", hf_config), ("--tokenizer-model", tokenizer and tokenizer.path)]
+    check_output(save, inputs, force)
+    _refuse_overlap(lora_save, inputs, "--lora-save")
     shard_bytes = parse_size(max_shard_size)
     reader = read_checkpoint(load, iteration)
+    if reader.meta.lora_base is not None:  # its frozen weights are read from there: an input too
+        base = [("the LoRA base of --load", reader.meta.lora_base.get("load"))]
+        _refuse_overlap(save, base, "--save")
+        _refuse_overlap(lora_save, base, "--lora-save")
     cfg, vocab_size = reader.cfg, reader.vocab_size
     source_reader, lora_cfg = reader, None
     if cfg.lora is not None or lora is not None:
@@ -163,6 +169,12 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
     return ExportReport(save, arch, vocab_size, cfg.tied_embeddings, _DTYPE_NAMES.get(out_dtype, str(out_dtype)),
                         files,
                         None if tok is None else f"{tok.type} {tok.path}")
+
+
+def _refuse_overlap(out: Optional[str], inputs: Any, flag: str) -> None:
+    problem = overlap_problem(out, inputs, flag) if out is not None else None
+    if problem:
+        raise ValueError(problem)
 
 
 class _Merged:

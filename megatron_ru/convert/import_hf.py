@@ -107,15 +107,6 @@ def architecture_of(config: dict[str, Any], path: str) -> str:
     return known[0]
 
 
-def layout_problems(cfg: Any, tp: int, pp: int) -> list[str]:
-    from megatron_ru.config.model import model_parallel_problems
-    if tp < 1 or pp < 1:
-        return [f"--target-tensor-parallel-size ({tp}) and --target-pipeline-parallel-size ({pp}) must be >= 1"]
-    found = model_parallel_problems(cfg, tp, pp)
-    return [p.replace("--tensor-model-parallel-size", "--target-tensor-parallel-size")
-             .replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size") for p in found]
-
-
 def _shape(s: Any) -> str:
     return "[" + ", ".join(str(int(x)) for x in s) + "]"
 
@@ -181,13 +172,14 @@ def _no_zip_crc32() -> ContextManager[Any]:
 def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional[str] = None,
               allow_pickle: bool = False, force: bool = False, lora_adapter: Optional[str] = None) -> ImportReport:
     config = read_hf_config(load)
-    check_output(save, load, force)
+    check_output(save, [("--load", load), ("--lora-adapter", lora_adapter)], force)
     from megatron_ru.checkpointing import write_checkpoint
     from megatron_ru.convert.hf_mapping import hf_to_canonical_names, model_config_from_hf, to_canonical
 
     config_path = os.path.join(load, "config.json")
     arch = architecture_of(config, config_path)
     cfg, vocab_size = model_config_from_hf(config)
+    from megatron_ru.checkpointing.layout import layout_problems
     problems = layout_problems(cfg, tp, pp)
     if problems:
         raise ValueError(f"{config_path} cannot be split at this layout: " + "; ".join(problems))

@@ -88,17 +88,36 @@ class IndexCache:
     def complete(self) -> bool:
         if not os.path.exists(self.marker):
             return False
-        names = self._read_marker().get("arrays", [])
+        names = self._read_marker()["arrays"]
         return all(os.path.exists(self.path(n)) for n in names)
 
     def _read_marker(self) -> dict[str, Any]:
-        with open(self.marker) as f:
-            return json.load(f)
+        try:
+            with open(self.marker, encoding="utf-8") as f:
+                info = json.load(f)
+            if not isinstance(info, dict) or not isinstance(info.get("arrays"), list):
+                raise ValueError("no list of arrays")
+            return info
+        except ValueError as e:  # JSON or UTF-8: written by something else
+            raise self.damaged(self.marker, f"{type(e).__name__}: {str(e)[:120]}") from None
+
+    def damaged(self, path: str, why: str) -> ValueError:
+        """The error for a damaged file of this entry: names it and how to rebuild the entry."""
+        return ValueError(f"dataset index cache file {path} is damaged ({why}): delete the files {self.stem}-* "
+                          f"and {self.marker} (or the whole cache directory, --data-cache-path) and run again to "
+                          f"rebuild them")
 
     def load(self) -> tuple[Arrays, dict[str, Any]]:
         info = self._read_marker()
-        arrays = {n: np.load(self.path(n), mmap_mode="r", allow_pickle=False) for n in info["arrays"]}
-        return arrays, info.get("meta", {})
+        names, meta = info["arrays"], info.get("meta") or {}
+        arrays = {}
+        for n in names:
+            path = self.path(n)
+            try:
+                arrays[n] = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as e:  # numpy's own words do not name the file
+                raise self.damaged(path, f"{type(e).__name__}: {str(e)[:120]}") from None
+        return arrays, meta
 
     def save(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         """Write every array under a temporary name, rename it, then write the marker last."""
@@ -128,8 +147,10 @@ def _write_atomic(path: str, write: Callable[[Any], Any]) -> None:
 
 
 def get_or_build(cache: IndexCache, build: Builder, *, is_builder_rank: bool,
-                 barrier: Callable[[], None] | None) -> tuple[Arrays, dict[str, Any], bool]:
+                 barrier: Callable[[], None] | None,
+                 check: Callable[[IndexCache, Arrays], None] | None = None) -> tuple[Arrays, dict[str, Any], bool]:
     """Arrays of ``cache``, built by the builder rank if missing; returns (arrays, meta, built_here).
+    ``check(cache, arrays)`` validates arrays loaded from the cache (raising ``cache.damaged(...)``).
 
     Every rank calls ``barrier`` exactly once, also when the build fails (then the other ranks
     find no cache, rebuild and fail with the same error instead of hanging). A rank that finds
@@ -152,6 +173,8 @@ def get_or_build(cache: IndexCache, build: Builder, *, is_builder_rank: bool,
     if cache.complete():
         arrays, meta = cache.load()
         log.info("loaded dataset indices from %s", cache.stem, extra=RANK0)
+        if check is not None:
+            check(cache, arrays)
         return arrays, meta, False
     if not is_builder_rank:
         log.warning("dataset index cache %s not found after the builder rank wrote it: the cache directory "

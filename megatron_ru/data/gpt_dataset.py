@@ -223,7 +223,10 @@ class GPTDataset:
                      name, indexed.prefix, len(idx.shuffle_idx), num_samples, idx.num_epochs, start, end, meta["seconds"])
             return {"doc_idx": idx.doc_idx, "sample_idx": idx.sample_idx, "shuffle_idx": idx.shuffle_idx}, meta
 
-        arrays, meta, _ = get_or_build(cache, build, is_builder_rank=is_builder_rank, barrier=barrier)
+        def check(entry: IndexCache, arrays: dict[str, np.ndarray]) -> None:
+            _check_cached_indices(entry, arrays, indexed.num_documents)
+
+        arrays, meta, _ = get_or_build(cache, build, is_builder_rank=is_builder_rank, barrier=barrier, check=check)
         self.cache_stem = cache.stem
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
         self.num_epochs = int(meta["num_epochs"])
@@ -274,6 +277,22 @@ class GPTDataset:
             dest[done:done + take] = self.indexed.get(seq, offset, take)
             done += take
             seq, offset = seq + 1, 0
+
+
+def _check_cached_indices(cache: IndexCache, arrays: dict[str, np.ndarray], num_documents: int) -> None:
+    """Shapes and value ranges of indices read from the cache (one pass over each array), so that a
+    damaged file is an error naming it now, not an IndexError (or another document's tokens) later."""
+    expected = {"doc_idx": 1, "sample_idx": 2, "shuffle_idx": 1}
+    for name, ndim in expected.items():
+        a = arrays.get(name)
+        if a is None or a.ndim != ndim or (name == "sample_idx" and (a.shape[1] != 2 or a.shape[0] < 1)):
+            raise cache.damaged(cache.path(name), f"shape {None if a is None else list(a.shape)}")
+    doc_idx, sample_idx, shuffle_idx = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+    bounds = {"doc_idx": (doc_idx, num_documents), "sample_idx": (sample_idx[:, 0], len(doc_idx) + 1),
+              "shuffle_idx": (shuffle_idx, len(sample_idx) - 1)}
+    for name, (values, limit) in bounds.items():
+        if len(values) and (int(values.min()) < 0 or int(values.max()) >= max(limit, 1)):
+            raise cache.damaged(cache.path(name), f"values outside [0, {limit})")
 
 
 def _basename(prefix: str) -> str:

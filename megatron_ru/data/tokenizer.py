@@ -380,6 +380,40 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
         problems.insert(0, f"--tokenizer-type {cfg.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
     if problems:
         raise ValueError("invalid tokenizer configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    tok = _build(cfg)
+    if cfg.eod_token is not None:
+        tok.eod = token_id(tok, cfg.eod_token, "--eod-token")
+    return tok
+
+
+def token_id(tok: Tokenizer, text: str, flag: str) -> int:
+    """The id of the token whose text is ``text`` (a special token by its string, or any single token)."""
+    found: Optional[int] = None
+    sp = getattr(tok, "sp", None)
+    if sp is not None:
+        i = int(sp.piece_to_id(text))
+        found = i if i != sp.unk_id() or sp.id_to_piece(i) == text else None
+        found = getattr(tok, "special_tokens", {}).get(text, found)
+    elif getattr(tok, "_fast", None) is not None:
+        found = tok._fast.token_to_id(text)
+    elif getattr(tok, "_hf", None) is not None:
+        i = tok._hf.convert_tokens_to_ids(text)
+        found = i if i != tok._hf.unk_token_id or text == tok._hf.unk_token else None
+    elif getattr(tok, "encoder", None) is not None:
+        found = tok.encoder.get(text)
+    if found is None and not isinstance(tok, NullTokenizer):
+        try:
+            ids = tok.tokenize(text)
+        except ValueError:  # tiktoken refuses special-token text it was not told to allow
+            ids = []
+        found = ids[0] if len(ids) == 1 else None
+    if found is None:
+        raise ValueError(f"{flag} {text!r}: not a single token of {tok.name}; give the text of a special token "
+                         "of this tokenizer, e.g. '<|endoftext|>' or '</s>'")
+    return int(found)
+
+
+def _build(cfg: TokenizerConfig) -> Tokenizer:
     t = cfg.tokenizer_type
     if t == "SentencePieceTokenizer":
         return SentencePieceTokenizer(cfg.tokenizer_model, cfg.vocab_extra_ids, cfg.tokenizer_num_threads)

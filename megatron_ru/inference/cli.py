@@ -31,7 +31,7 @@ from megatron_ru.utils.logging import get_logger, log_rank0
 log = get_logger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_TOKENIZER_FIELDS = {f.name for f in dataclasses.fields(TokenizerConfig)} - {"tokenizer_num_threads"}
+_TOKENIZER_FIELDS = {f.name for f in dataclasses.fields(TokenizerConfig)} - {"tokenizer_num_threads", "eod_token"}
 _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 
 
@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", default=None, help="prompts: a .jsonl file with a \"prompt\" field per "
                    "line, or any other text file with one prompt per line")
     g.add_argument("--add-bos", action="store_true", help="start every prompt with the tokenizer's BOS token")
+    g.add_argument("--chat-template", nargs="?", const="model", default=None, metavar="FILE",
+                   help="render every prompt as a user message with a chat template, the assistant's turn opened: "
+                        "the tokenizer's own (chat_template.jinja or tokenizer_config.json), or a Jinja FILE. "
+                        "A --prompt-file JSONL line with a \"messages\" list is always rendered so. Generation "
+                        "stops at the end-of-document token (--eod-token; default the tokenizer's eos_token, "
+                        "an instruct model's end of turn)")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="prompts generated together per replica (default: all of them in one batch)")
     g.add_argument("--output-file", default=None, help="write JSONL results here (rank 0)")
@@ -145,7 +151,8 @@ def check_arguments(ns: argparse.Namespace, argv: Sequence[str]) -> tuple[Sampli
 def tokenizer_config(ns: argparse.Namespace, argv: Sequence[str], meta: Any, load: str) -> TokenizerConfig:
     """The tokenizer flags given, else the tokenizer recorded with the checkpoint (paths relative to
     the checkpoint directory are resolved against it)."""
-    explicit = explicit_dests([TokenizerConfig], argv) & _TOKENIZER_FIELDS
+    given = explicit_dests([TokenizerConfig], argv)
+    explicit = given & _TOKENIZER_FIELDS
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(TokenizerConfig)}
     if not explicit:
         recorded = getattr(meta, "tokenizer", None) or (getattr(meta, "args", None) or {}).get("tokenizer")
@@ -153,11 +160,32 @@ def tokenizer_config(ns: argparse.Namespace, argv: Sequence[str], meta: Any, loa
             raise ValueError(f"the checkpoint in --load {load} records no tokenizer: give the tokenizer flags "
                              f"(--tokenizer-type, --tokenizer-model, ...)")
         for name, value in recorded.items():
-            if name in values and name != "tokenizer_num_threads":
+            if name in values and name != "tokenizer_num_threads" and name not in given:
                 if name in _PATH_FIELDS and value and not os.path.isabs(value):
                     value = os.path.join(load, value)
                 values[name] = value
     return TokenizerConfig(**values)
+
+
+def chat_prompts(prompts: Sequence[Any], template: Optional[str], tok_cfg: TokenizerConfig) -> list[str]:
+    """The prompts as text: chats (``messages``), and with ``--chat-template`` every prompt as one user
+    message, rendered with the chat template; others as they are."""
+    from megatron_ru.inference.prompts import chat_template_text, render_chat
+    if template is None and all(isinstance(p, str) for p in prompts):
+        return list(prompts)
+    text = chat_template_text(template or "model", tok_cfg.tokenizer_type, tok_cfg.tokenizer_model)
+    special: dict[str, Optional[str]] = {}
+    if tok_cfg.tokenizer_type == "HuggingFaceTokenizer":
+        from megatron_ru.data.tokenizers.huggingface import special_token_names
+        names = special_token_names(tok_cfg.tokenizer_model)
+        special = {"bos_token": names.get("bos_token"), "eos_token": names.get("eos_token")}
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and template is None:
+            out.append(p)
+        else:
+            out.append(render_chat(text, [{"role": "user", "content": p}] if isinstance(p, str) else p, special))
+    return out
 
 
 def completion_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
@@ -195,6 +223,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint in --load {ns.load} has "
                          f"{vocab} vocabulary rows: use the checkpoint's tokenizer (leave out the tokenizer flags)")
+    prompts = chat_prompts(prompts, ns.chat_template, tokenizer_config(ns, argv, meta, ns.load))
     prompt_ids = [tokenizer.tokenize(p) for p in prompts]
     if ns.add_bos:
         if tokenizer.bos is None:

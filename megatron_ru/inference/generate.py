@@ -13,13 +13,18 @@ every step runs the whole sequence again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+import logging
 
 import torch
 
 from megatron_ru.inference.batching import attention_mask, left_pad
 from megatron_ru.inference.runner import StageRunner
 from megatron_ru.inference.sampling import SamplingParams, sample_generators, sample_next
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -42,11 +47,7 @@ def generate(runner: StageRunner, prompts: Sequence[Sequence[int]], *, max_new_t
     device = runner.device
     batch = left_pad(prompts, pad_id, device)
     b, width = batch.tokens.shape
-    limit = _position_limit(runner)
-    if limit is not None and width + max_new_tokens > limit:
-        raise ValueError(f"the longest prompt ({width} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds "
-                         f"the model's --max-position-embeddings ({limit}); shorten the prompt or lower "
-                         f"--max-new-tokens")
+    check_positions(runner.cfg, width, max_new_tokens)
     window = getattr(runner.cfg, "sliding_window", None)
     generators = None
     if not params.greedy and runner.is_source():
@@ -81,9 +82,25 @@ def generate(runner: StageRunner, prompts: Sequence[Sequence[int]], *, max_new_t
     return out
 
 
-def _position_limit(runner: StageRunner) -> Optional[int]:
-    """The longest sequence the model can position (learned position table only)."""
-    cfg = runner.cfg
+_warned_rope: set[tuple[int, int]] = set()
+
+
+def check_positions(cfg: Any, width: int, max_new_tokens: int) -> None:
+    """Generation past the model's --max-position-embeddings: refused with learned positions (there is no
+    row for them); with RoPE, warned once per process and length (the positions exist but were never
+    trained: the output usually degrades; training refuses such sequences)."""
+    limit = cfg.max_position_embeddings
+    if limit is None or width + max_new_tokens <= limit:
+        return
+    what = (f"the longest prompt ({width} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the model's "
+            f"--max-position-embeddings ({limit})")
     if cfg.position_embedding_type == "learned_absolute":
-        return cfg.max_position_embeddings
-    return None
+        raise ValueError(f"{what}; shorten the prompt or lower --max-new-tokens")
+    key = (limit, width + max_new_tokens)
+    if key in _warned_rope:
+        return
+    _warned_rope.add(key)
+    scaled = (f" (that already includes its --rope-scaling-type {cfg.rope_scaling_type} x{cfg.rope_scaling_factor:g})"
+              if cfg.rope_scaling_type != "none" else "")
+    log_rank0(log, f"{what}, the context it was trained for{scaled}: RoPE positions past it were never trained and "
+                   f"the output usually degrades; shorten the prompt or lower --max-new-tokens", level=logging.WARNING)

@@ -20,6 +20,7 @@ import dataclasses
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -214,8 +215,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def share_master_over_mpi(denv: DistEnv) -> DistEnv:
-    """Under mpirun without MASTER_ADDR/PORT: rank 0 broadcasts its address and a free port."""
+def share_master_over_mpi(denv: DistEnv, timeout_minutes: float = 10) -> DistEnv:
+    """Under mpirun without MASTER_ADDR/PORT: rank 0 broadcasts its address and a free port. MPI
+    waits for every rank without a timeout: a watchdog ends this rank, with one line, when the
+    exchange outlives ``timeout_minutes`` (--distributed-timeout-minutes)."""
+    from megatron_ru.parallel.watchdog import StartupWatchdog
+    what = (f"rank {denv.rank} waited --distributed-timeout-minutes ({timeout_minutes}) in MPI's exchange of rank 0's "
+            f"address (mpi4py), which has no timeout of its own: another rank is stopped, hung or did not start "
+            f"(mpirun names the ranks it ended); exporting MASTER_ADDR and MASTER_PORT to every rank (mpirun -x "
+            f"MASTER_ADDR -x MASTER_PORT) skips this exchange")
+    with StartupWatchdog(timeout_minutes * 60, what):
+        return _exchange_over_mpi(denv)
+
+
+def _exchange_over_mpi(denv: DistEnv) -> DistEnv:
     try:
         from mpi4py import MPI  # lazy: only MPI launches need it, and importing it starts MPI
     except ImportError:
@@ -293,7 +306,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
     timeout = timedelta(minutes=timeout_minutes)
     use_timeout_for_new_groups(timeout)
     if denv.master_from == "mpi" and not dist.is_initialized():
-        denv = share_master_over_mpi(denv)
+        denv = share_master_over_mpi(denv, timeout_minutes)
     apply_environment(denv)
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (denv.rank, denv.world_size):
@@ -311,10 +324,45 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
         # nothing to rendezvous with: an in-memory store avoids picking a port at all
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
+        if denv.rank != 0:  # torch's own wait for it prints a C++ stack trace per retry
+            wait_for_store(str(denv.master_addr), int(denv.master_port), timeout_minutes, denv.rank)
         url = f"tcp://{_url_host(denv.master_addr)}:{denv.master_port}"
-        dist.init_process_group(backend, init_method=url,
-                                rank=denv.rank, world_size=denv.world_size, timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method=url,
+                                    rank=denv.rank, world_size=denv.world_size, timeout=timeout)
+        except RuntimeError as e:  # DistStoreError, DistNetworkError, gloo's own
+            first = " ".join(str(e).split("Exception raised from")[0].split())[:200]
+            if not any(w in first.lower() for w in ("timed out", "timeout")):  # e.g. rank 0 cannot listen on
+                raise                                                         # MASTER_PORT: its own error
+            raise RendezvousTimeout(  # the others did not all join in time: rank 0 may be the one missing
+                f"rank {denv.rank}: the process group did not form within --distributed-timeout-minutes "
+                f"({timeout_minutes}) at {denv.master_addr}:{denv.master_port} ({first}): another rank is "
+                f"stopped, hung, failed or did not start") from None
     return denv
+
+
+class RendezvousTimeout(RuntimeError):
+    """Rank 0's rendezvous store did not come up in time. Rank 0 cannot say so (it is the one
+    missing), so every rank that waited reports it (megatron_ru.training.failure)."""
+    every_rank_reports = True
+
+
+def wait_for_store(addr: str, port: int, timeout_minutes: float, rank: int) -> None:
+    """Wait until something listens at rank 0's rendezvous address, at most ``timeout_minutes``;
+    :class:`RendezvousTimeout` when nothing does by then (plain connects: nothing is printed per try)."""
+    deadline = time.monotonic() + timeout_minutes * 60
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(1.0, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeout(
+                    f"rank {rank} waited --distributed-timeout-minutes ({timeout_minutes}) for rank 0's rendezvous "
+                    f"store at {addr}:{port} ({e.strerror or type(e).__name__}): rank 0 is stopped, hung, failed "
+                    f"before it got there or did not start, or MASTER_ADDR/MASTER_PORT do not name its host and a "
+                    f"free port") from None
+            time.sleep(0.5)
 
 
 def _url_host(addr: str | None) -> str:

@@ -177,21 +177,12 @@ class CheckpointMeta:
                                self.data_parallel_size, self.zero_stage, present)
 
 
-def reshard_command(load_dir: str, tp: int, pp: int) -> str:
-    return (f"python tools/convert_checkpoint.py reshard --load {load_dir} --save NEW_DIR "
-            f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp} (then --load NEW_DIR)")
-
-
 def layout_problems(meta: CheckpointMeta, tp: int, pp: int, dp: int, zero_stage: int,
                     load_optim: bool, load_dir: str = "DIR") -> list[str]:
-    """Why a checkpoint cannot be loaded at the current layout (empty list: it can)."""
+    """Why a DeepSpeed checkpoint of this run's TP/PP cannot be loaded at the current DP size and ZeRO stage
+    (empty list: it can; another TP/PP is loaded by canonical names, see :func:`_load_other_layout`)."""
     out = []
-    if meta.tensor_model_parallel_size != tp or meta.pipeline_model_parallel_size != pp:
-        out.append(
-            f"the checkpoint was saved with --tensor-model-parallel-size {meta.tensor_model_parallel_size} "
-            f"--pipeline-model-parallel-size {meta.pipeline_model_parallel_size}, this run uses {tp} and {pp}: "
-            f"run with the checkpoint's TP/PP, or reshard it first: {reshard_command(load_dir, tp, pp)}")
-    elif load_optim and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and \
+    if load_optim and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and \
             max(meta.zero_stage, zero_stage) > 0:
         out.append(
             f"the checkpoint's optimizer state is partitioned for ZeRO stage {meta.zero_stage} over "
@@ -360,6 +351,9 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     weights_only = finetune or not load_optim
     if meta.lora_base is not None:  # the frozen weights first, from the checkpoint the adapters were trained on
         _load_lora_base(engine, ckpt_dir, meta.lora_base, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage)
+    if (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size) != (tp, pp):
+        return _load_other_layout(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, zero_stage=zero_stage,
+                                  weights_only=weights_only, finetune=finetune, load_rng=load_rng, pointer=pointer)
     if meta.format is not None:
         return _load_layers(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, zero_stage=zero_stage,
                             weights_only=weights_only, finetune=finetune, pointer=pointer)
@@ -420,6 +414,8 @@ def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: i
     if not os.path.isdir(os.path.join(base["load"], iteration_dir_name(int(base["iteration"])))):
         raise CheckpointError(f"{where}, which does not exist: restore that checkpoint there, or write its path into "
                               f"lora_base")
+    from megatron_ru.training.lora_base import verify_distributed
+    verify_distributed(ckpt_dir, base)  # the same base by content, not only by path
     try:
         load_checkpoint(engine, base["load"], rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, load_optim=False,
                         finetune=True, load_rng=False, iteration=int(base["iteration"]))
@@ -438,7 +434,7 @@ def _load_layers(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta
         raise CheckpointError(f"{ckpt_dir}: unknown checkpoint format {meta.format!r} in metadata.json (this "
                               f"megatron_ru reads {LAYERS_FORMAT!r} and DeepSpeed's files): a newer megatron_ru "
                               f"wrote it, or the file is damaged")
-    problem = layers_layout_problem(meta, tp, pp, zero_stage, load_dir)
+    problem = layers_layout_problem(meta, zero_stage)
     if problem:
         raise CheckpointError(f"cannot load {ckpt_dir}: {problem}")
     load_optim = not weights_only and meta.optimizer is not None
@@ -448,6 +444,31 @@ def _load_layers(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta
     check_files(ckpt_dir, meta.expected_files(present), kinds={"model"} | ({"optim"} if load_optim else set()),
                 pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
     load_layers_checkpoint(engine, ckpt_dir, meta, rank=rank, tp=tp, load_optim=load_optim)
+    return meta, None
+
+
+def _load_other_layout(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,
+                       zero_stage: int, weights_only: bool, finetune: bool, load_rng: bool, pointer: str
+                       ) -> tuple[CheckpointMeta, Optional[dict]]:
+    """A checkpoint saved at another TP and/or PP size (either format): no conversion step; every rank reads
+    the canonical tensors of its own layers and keeps its TP shard (megatron_ru/checkpointing/loader.py). The
+    random states were saved per rank of the old layout: the run re-seeds from --seed and says so."""
+    from megatron_ru.checkpointing.loader import layers_layout_problem, load_at_another_layout
+    problem = layers_layout_problem(meta, zero_stage)
+    if problem:
+        raise CheckpointError(f"cannot load {ckpt_dir} (saved at TP {meta.tensor_model_parallel_size} x PP "
+                              f"{meta.pipeline_model_parallel_size}) at TP {tp} x PP {pp}: {problem}")
+    load_optim = not weights_only and (meta.format is None or meta.optimizer is not None)
+    if not weights_only and not load_optim and not finetune:
+        log_rank0(log, f"{ckpt_dir} holds weights only (no optimizer state): the optimizer starts fresh", level=30)
+    present = sorted(list_files(ckpt_dir))
+    check_files(ckpt_dir, meta.expected_files(present), kinds={"model"} | ({"optim"} if load_optim else set()),
+                pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
+    load_at_another_layout(engine, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, load_optim=load_optim)
+    if load_rng and not finetune and meta.format is None:
+        log_rank0(log, f"{ckpt_dir} was saved at TP {meta.tensor_model_parallel_size} x PP "
+                       f"{meta.pipeline_model_parallel_size}: random states start fresh from --seed at this layout "
+                       f"(with dropout on, the continuation is not exact)", level=30)
     return meta, None
 
 

@@ -11,25 +11,36 @@
     environment, which every rank reads alike: rank 0 (as the launcher numbered it) prints it;
     a rank that cannot tell its own rank prints too;
   - afterwards, the first rank to fail claims the report with one atomic ``add`` on the job's
-    rendezvous store (a few seconds' deadline) and prints; ranks failing later are usually
-    failing *because* of it (a closed connection, a timed-out collective) and stay silent. If the
-    store's host has exited (rank 0 under mpirun/srun, after reporting its own error or killed,
-    which the launcher reports), the rank stays silent; if the store is stuck, the rank prints:
-    twice is better than never. Rank 0 keeps the store up a few seconds after reporting, so that
-    ranks failing at about the same time learn it was reported.
+    rendezvous store and prints; ranks failing later are usually failing *because* of it (a closed
+    connection, a timed-out collective) and stay silent. Every failing rank then aborts its process
+    groups, so that the peers waiting on it in a collective fail at once (and learn from the store
+    that it was reported) instead of at --distributed-timeout-minutes. Rank 0 keeps the store up a
+    few seconds after reporting, for the same reason.
+  - every store operation here has a deadline (:mod:`megatron_ru.utils.deadline`: a ``TCPStore.add``
+    on a stopped host waits for ever, whatever ``set_timeout`` says). A rank that cannot reach the
+    store prints one line naming the rank that hosts it (rank 0 under mpirun/srun) as lost: its port
+    refuses connections (it exited or was killed) or it does not answer (stopped, hung, unreachable).
+    No store means no election, so such survivors print one after another, rank 1 first; under
+    ``mpirun``, the first one's exit ends the job.
 
   A silent rank waits a moment before it exits, so that under ``mpirun`` (which ends the whole job
-  at the first non-zero exit) the rank that prints gets its line out first.
+  at the first non-zero exit) the rank that prints gets its line out first. Messages of C++ errors
+  lose their C++ stack trace and source locations: one line each.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
 import sys
+import threading
 import time
 import traceback
-from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
+from megatron_ru.utils.deadline import call_with_deadline
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -40,7 +51,12 @@ INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 DEBUG_VAR = "MEGATRON_RU_DEBUG"
 T = TypeVar("T")
 _CLAIM_KEY = "megatron_ru/error_reported"
-_CLAIM_TIMEOUT = timedelta(seconds=5)
+#: how long the failure path waits for the rendezvous store: to connect, then for the claim's answer
+STORE_DEADLINE_S = 5.0
+#: how long aborting the process groups may take on the failure path
+ABORT_DEADLINE_S = 5.0
+#: survivors that cannot reach the store print this many seconds apart, rank 1 first (at most 4 steps)
+LOST_STAGGER_S = 2.0
 #: how long a silent rank waits before exiting (before / after the process group exists)
 SILENT_GRACE_S = (10.0, 3.0)
 #: how long rank 0, when it hosts the rendezvous store, keeps it up after reporting
@@ -64,21 +80,152 @@ def launcher_rank(env: Mapping[str, str] = os.environ) -> Optional[int]:
         return None
 
 
-def _claim_in_store() -> bool:
-    """True for the first rank of the job to call this (atomic counter in the rendezvous store)."""
+@dataclass
+class Verdict:
+    """Whether this rank prints, and, when the store's host is lost, a phrase naming it."""
+    report: bool
+    lost: Optional[str] = None
+    #: the store, kept referenced while this rank lingers (it may be the store's host)
+    store: Any = None
+
+
+def _tcp_address(store: Any) -> Optional[tuple[str, int]]:
+    """(host, port) of the TCPStore under ``store`` (a PrefixStore wraps it); None for other stores."""
+    for _ in range(4):
+        if hasattr(store, "host") and hasattr(store, "port"):
+            return str(store.host), int(store.port)
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            break
+    return None
+
+
+def _refuses(address: tuple[str, int]) -> bool:
+    """True when nothing listens at ``address`` any more (a plain connect, so that torch's C++ client
+    does not print its stack trace for a closed store). A stopped host still accepts: False."""
+    try:
+        with socket.create_connection(address, timeout=STORE_DEADLINE_S):
+            return False
+    except socket.timeout:
+        return False  # no answer: the claim below finds out it is stuck
+    except OSError:
+        return True
+
+
+@contextlib.contextmanager
+def _cpp_warnings_muted() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the duration: torch's TCPStore client prints a C++ stack
+    trace as a warning when the store closes under a call (a killed host can still accept the probe
+    while it is being torn down). Only the claim runs meanwhile; our own line comes after."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the report
+            pass
+    try:
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _store_host(env: Mapping[str, str]) -> str:
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return "the torchrun agent of the first node"
+    return "rank 0"
+
+
+def _lost(env: Mapping[str, str], address: Optional[tuple[str, int]], how: str) -> str:
+    where = f" at {address[0]}:{address[1]}" if address else ""
+    host = _store_host(env)
+    return f"lost {host}: the job's rendezvous store{where}, which {host} hosts, {how}"
+
+
+class StopWatch:
+    """Notices that this process was stopped (SIGSTOP, a suspended job) and continued: a daemon thread
+    that wakes every second sees a gap in time. A rank continued after its peers gave up on it must
+    not report them as lost (``mpirun`` sends SIGCONT before SIGTERM when it ends a job)."""
+
+    TICK_S, GAP_S = 1.0, 5.0
+
+    def __init__(self) -> None:
+        self.last_gap_end: Optional[float] = None
+        thread = threading.Thread(target=self._run, name="stop-watch", daemon=True)
+        thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(self.TICK_S)
+            now = time.monotonic()
+            if now - last > self.GAP_S:
+                self.last_gap_end = now
+            last = now
+
+    def stopped_recently(self, within_s: float = 120.0) -> bool:
+        return self.last_gap_end is not None and time.monotonic() - self.last_gap_end < within_s
+
+
+_STOP_WATCH: list[StopWatch] = []
+
+
+def watch_for_stops() -> None:
+    """Start the process's :class:`StopWatch` (once); ``pretrain_gpt.py`` and the distributed tools do."""
+    if not _STOP_WATCH:
+        _STOP_WATCH.append(StopWatch())
+
+
+def _was_stopped() -> bool:
+    return bool(_STOP_WATCH) and _STOP_WATCH[0].stopped_recently()
+
+
+def _claim_in_store(env: Mapping[str, str]) -> Verdict:
+    """The first rank of the job to call this reports (atomic counter in the rendezvous store); a rank
+    that cannot reach the store reports too, naming the store's host as lost. Never blocks for longer
+    than the deadlines."""
     import torch.distributed as dist
     if dist.get_world_size() == 1:
-        return True
+        return Verdict(True)
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(_CLAIM_TIMEOUT)  # a stopped store host must not hold the exit up
-        return store.add(_CLAIM_KEY, 1) == 1
-    except dist.DistNetworkError:
-        # the store's host (rank 0 under mpirun/srun) has exited: it reported its own error, or
-        # it was killed and the launcher reports that; a line from here would be a second one
-        return False
-    except Exception:  # noqa: BLE001 - the store's host is stuck: report rather than not
-        return True
+    except Exception:  # noqa: BLE001 - no store to ask: report rather than not
+        return Verdict(True)
+    return claim_report(store, env)
+
+
+def claim_report(store: Any, env: Mapping[str, str] = os.environ) -> Verdict:
+    """:func:`_claim_in_store` on a given store (see there)."""
+    import torch.distributed as dist
+    address = _tcp_address(store)
+    gone = "refuses connections (the process exited or was killed; its own log, or the launcher's, says why)"
+    if address is not None and _refuses(address):
+        return Verdict(True, _lost(env, address, gone))
+    with _cpp_warnings_muted():
+        outcome = call_with_deadline(lambda: store.add(_CLAIM_KEY, 1), STORE_DEADLINE_S, "failure-claim")
+    if not outcome.done:
+        return Verdict(True, _lost(env, address, f"does not answer within {STORE_DEADLINE_S:.0f} s (the process is "
+                                                  f"stopped or hung, or its node is unreachable)"), store)
+    if isinstance(outcome.error, dist.DistNetworkError):  # it closed while we asked
+        return Verdict(True, _lost(env, address, gone))
+    if outcome.error is not None:
+        return Verdict(True, store=store)  # the store misbehaves: twice is better than never
+    return Verdict(outcome.value == 1, store=store)
+
+
+def _abort_groups() -> None:
+    """Abort every process group (deadline-bound): peers waiting on this rank in a collective fail now
+    rather than at the timeout. The store stays up while it is referenced."""
+    import torch.distributed as dist
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        call_with_deadline(abort, ABORT_DEADLINE_S, "failure-abort")
 
 
 def _hosts_the_store(env: Mapping[str, str]) -> bool:
@@ -88,39 +235,74 @@ def _hosts_the_store(env: Mapping[str, str]) -> bool:
             and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
 
 
-def should_report(env: Mapping[str, str] = os.environ) -> bool:
+def verdict(env: Mapping[str, str] = os.environ, error: Optional[BaseException] = None) -> Verdict:
     """Whether this rank prints the error it caught (see the module docstring)."""
     import torch.distributed as dist
     if debug_requested(env):
-        return True
+        return Verdict(True)
     if dist.is_available() and dist.is_initialized():
-        return _claim_in_store()
-    return launcher_rank(env) in (0, None)
+        return _claim_in_store(env)
+    if getattr(error, "every_rank_reports", False):  # rank 0 is the one missing: those that waited say so
+        return Verdict(True, lost=str(error))
+    return Verdict(launcher_rank(env) in (0, None))
 
 
-def message_of(error: BaseException, timeout_minutes: Optional[float], what: str = "training") -> str:
+def should_report(env: Mapping[str, str] = os.environ) -> bool:
+    return verdict(env).report
+
+
+_CPP_TRACE = re.compile(r"\s*(Exception raised from |frame #\d+:|<omitting python frames>).*", re.S)
+_CPP_SOURCE = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|c|h|hpp):\d+\]\s*")
+
+
+def plain_text(error: BaseException) -> str:
+    """``str(error)`` on one line, without the C++ stack trace and source locations torch's errors carry."""
+    text = _CPP_SOURCE.sub("", _CPP_TRACE.sub("", str(error)))
+    return " ".join(text.split())
+
+
+def message_of(error: BaseException, timeout_minutes: Optional[float], what: str = "training",
+               lost: Optional[str] = None) -> str:
     if isinstance(error, INPUT_ERRORS):
         return str(error) if str(error) else type(error).__name__
+    text = plain_text(error).rstrip(".")
+    if lost == str(error):  # the error is the news itself
+        return f"{what} failed: {text}."
+    if lost:
+        return f"{what} failed: {lost}; this rank gave up at {type(error).__name__}: {text}."
     hint = (f" If another rank died or hung, its own log (or the launcher's) says why; collectives "
             f"give up after --distributed-timeout-minutes ({timeout_minutes}).") if timeout_minutes else ""
-    return f"{what} failed: {type(error).__name__}: {error}.{hint}"
+    return f"{what} failed: {type(error).__name__}: {text}.{hint}"
 
 
 def report_failure(error: BaseException, timeout_minutes: Optional[float] = None,
                    env: Mapping[str, str] = os.environ, what: str = "training") -> int:
     """Print ``error`` once per job (see the module docstring) and return the exit status; ``what``
     names the program's work in the message ("training", "generation")."""
+    import torch.distributed as dist
     code = exit_code_of(error)
     initialized = _process_group_exists()
-    if should_report(env):
+    rank, hosts_store = (dist.get_rank(), _hosts_the_store(env)) if initialized else (launcher_rank(env), False)
+    decided = verdict(env, error)
+    if decided.lost and initialized and _was_stopped():
+        # this rank was stopped and continued (mpirun continues a stopped rank to end it): the peers gave
+        # up on *it*, and one of them reported that; "lost rank 0" from here would be wrong
+        decided = Verdict(False)
+    if decided.report:
+        if decided.lost and rank is not None:  # no election without the store: rank 1 first
+            time.sleep(LOST_STAGGER_S * min(max(rank - 1, 0), 4))
         if debug_requested(env):
             log.error("".join(traceback.format_exception(error)).rstrip())
         hint = "" if debug_requested(env) or code == EXIT_INPUT_ERROR else f" (set {DEBUG_VAR}=1 for the traceback)"
-        log.error(message_of(error, timeout_minutes, what) + hint)
-        if initialized and _hosts_the_store(env):
-            time.sleep(STORE_HOST_LINGER_S)  # the others learn from the store that this was reported
-    else:
+        log.error(message_of(error, timeout_minutes, what, decided.lost) + hint)
+    if decided.lost:
+        return code  # the store's host is gone or stuck: nothing to wait for, nobody to tell
+    if initialized:
+        _abort_groups()
+    if not decided.report:
         time.sleep(SILENT_GRACE_S[1 if initialized else 0])
+    elif hosts_store and decided.store is not None:
+        time.sleep(STORE_HOST_LINGER_S)  # the others learn from the store that this was reported
     return code
 
 
@@ -142,17 +324,37 @@ def flush_and_exit(code: int) -> None:
     os._exit(code)
 
 
+def finish_and_exit(code: int = 0) -> None:
+    """End a process whose work is done: run the ``atexit`` handlers while the interpreter is whole
+    (DataLoader workers ended, log handlers flushed), then ``os._exit``, skipping the interpreter's
+    finalisation. There, a daemon thread that returns from a torch call (which released the GIL)
+    is unwound by ``pthread_exit`` through pybind11's noexcept ``gil_scoped_release`` destructor,
+    and the process aborts: "terminate called without an active exception", SIGABRT, a finished job
+    reported as failed by its launcher (tests/unit/test_clean_exit.py shows it)."""
+    import atexit
+    try:
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001 - a failing exit hook must not change a finished job's status
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not change the exit status
+            pass
+    os._exit(code)
+
+
 def exit_with(code: int) -> None:
-    """A tool's last line: exit with ``code``, at once when it is a failure (see :func:`flush_and_exit`)."""
+    """A tool's last line: exit with ``code``, at once when it is a failure (see :func:`flush_and_exit`),
+    without the interpreter's finalisation when it is not (see :func:`finish_and_exit`)."""
     if code != 0:
         flush_and_exit(code)  # a failed job must not wait on its peers while shutting down
-    sys.exit(code)
+    finish_and_exit(code)
 
 
 def parse_on_rank0(parse: Callable[[Sequence[str]], T], argv: Sequence[str]) -> T:
     """``parse(argv)`` with argparse's own output (a usage error, --help) from rank 0 only: every
     rank parses the same command line, and four copies of one error help nobody."""
-    import contextlib
     import io
     if launcher_rank() in (0, None):
         return parse(argv)
@@ -171,6 +373,7 @@ def distributed_tool_main(argv: Optional[Sequence[str]], parser: Callable[[], An
     rank 0), ``run(ns, argv)``, one message and exit status 2/1 on failure, 0 after a clean shutdown."""
     import torch.distributed as dist
     argv = sys.argv[1:] if argv is None else list(argv)
+    watch_for_stops()
     timeout: Optional[float] = None
     try:
         ns = parse_on_rank0(lambda a: parser().parse_args(a), argv)

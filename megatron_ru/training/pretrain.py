@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_ru.config.arguments import Arguments, parse_arguments
 from megatron_ru.parallel.state import ParallelState
-from megatron_ru.training.failure import parse_on_rank0, report_failure
+from megatron_ru.training.failure import parse_on_rank0, report_failure, watch_for_stops
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
 from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
 from megatron_ru.training.signals import ExitSignal, install_if_requested
@@ -118,7 +118,12 @@ def _lora_base(args: Arguments, loaded: Any) -> Optional[dict[str, Any]]:
     if getattr(loaded, "lora_base", None) is not None:
         return loaded.lora_base
     if (loaded.model_args or {}).get("lora") is None:
-        return {"load": os.path.abspath(args.checkpoint.load), "iteration": int(loaded.iteration)}
+        from megatron_ru.training.checkpoint import iteration_dir_name
+        from megatron_ru.training.lora_base import fingerprint_distributed
+        load = os.path.abspath(args.checkpoint.load)
+        # what the base is, not only where: a later reader refuses another model put at that path
+        fp = fingerprint_distributed(os.path.join(load, iteration_dir_name(int(loaded.iteration))))
+        return {"load": load, "iteration": int(loaded.iteration), "fingerprint": fp}
     return None
 
 
@@ -201,6 +206,9 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     set_keyed_dropout_data_parallel(state.dp_size, state.dp_rank)
     tokenizer = build_tokenizer(args.tokenizer)
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
+    if args.checkpoint.load:  # another model shape: one error naming the flags, before the model is built
+        from megatron_ru.training.model_match import check_model_matches
+        check_model_matches(args.checkpoint.load, args.model, vocab_size)
     train_ds, valid_ds, test_ds = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
                                                  vocab_size=vocab_size)
     with deepspeed_quiet():
@@ -274,6 +282,7 @@ def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = No
     job_started = time.time() if job_started is None else job_started
     argv = sys.argv[1:] if argv is None else list(argv)
     route_warnings()  # library deprecations to debug records, each warning once per process
+    watch_for_stops()  # a rank stopped and continued must not report its peers as lost
     if exit_signal is None:
         exit_signal = install_if_requested(argv)
     timeout_minutes: Optional[float] = None

@@ -7,11 +7,13 @@ Diagnostics and progress go through ``megatron_ru.utils.logging`` instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import io
 import os
+import signal
 import sys
-from typing import Any, Callable, NoReturn, Optional, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, Optional, TypeVar
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 _UNRECOGNIZED = "unrecognized arguments: "
@@ -120,6 +122,31 @@ def with_one_line_errors(build: Callable[[], P]) -> Callable[[], P]:
     return lambda: one_line_errors(build())
 
 
+class Terminated(BaseException):
+    """SIGTERM as an exception: the cleanup of a half-written output (``finally``/``except BaseException``
+    blocks) runs as it does for Ctrl-C, instead of the process ending where it stands."""
+
+
+#: the exit status of a process ended by SIGTERM (128 + 15), as a shell reports it
+TERMINATED_STATUS = 143
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread."""
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def report_tool(prog: str, module: Any, argv: Optional[list[str]] = None) -> int:
     """``main`` of a tool built from ``module`` (``HELP``, ``add_arguments(parser)``, ``run(args) -> dict``):
     the report as one JSON line on stdout, exit 0; a user mistake as one ``error:`` line, exit 2."""
@@ -128,9 +155,13 @@ def report_tool(prog: str, module: Any, argv: Optional[list[str]] = None) -> int
     module.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        report = module.run(args)
+        with sigterm_raises():
+            report = module.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         error(str(e))
         return 2
+    except Terminated:
+        error("terminated (SIGTERM); nothing was written under the output name")
+        return TERMINATED_STATUS
     emit(json.dumps(report, default=str, ensure_ascii=False))
     return 0

@@ -2,7 +2,7 @@
 stop + resume + 4 give identical losses and adapters (fp32, dropout on in the adapters and the
 model); the checkpoints of a run started from a base checkpoint hold only the trained tensors plus a
 reference to the base (a fraction of the base's bytes), read back at any layout through it; a missing
-base is a clear error."""
+base is a clear error. Without dropout, the adapters' checkpoint continues at another TP x PP by a plain --load."""
 import os
 import shutil
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.integration._train_helpers import TINY_MODEL_FLAGS, make_corpus, tiny_argv, train_body, without_flags
+from tests.integration._train_helpers import (TINY_MODEL_FLAGS, make_corpus, relative_diff, tiny_argv, train_body,
+                                              without_flags)
 
 pytestmark = pytest.mark.slow
 ENV = {"DS_ACCELERATOR": "cpu"}
@@ -39,14 +40,28 @@ def test_lora_resume_is_exact_and_stores_only_the_adapters(tmp_path):
     runs.append(cont + ["--load", base, "--finetune", "--save", part, "--exit-interval", "4"])
     runs.append(without_flags(cont, "--lora-rank", "--lora-dropout", "--use-dora", "--lora-init",
                               "--lora-modules-to-save") + ["--load", part, "--save", part])
-    results = run_distributed(train_body, 4, args=(runs,), timeout=600, env=ENV)[0]
-    _, one_go, first, second = results
+    # without dropout, a plain --load of the adapters' checkpoint at another layout (TP 1 x PP 2 x DP 2)
+    # continues the uninterrupted run (random states are re-seeded there, so dropout would differ)
+    nodrop = without_flags(cont, "--lora-dropout", "--hidden-dropout") + ["--lora-dropout", "0", "--hidden-dropout", "0"]
+    full0, part0 = str(tmp_path / "full0"), str(tmp_path / "part0")
+    runs.append(nodrop + ["--load", base, "--finetune", "--save", full0])
+    runs.append(nodrop + ["--load", base, "--finetune", "--save", part0, "--exit-interval", "4"])
+    other = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+    runs.append(without_flags(nodrop, "--lora-rank", "--lora-dropout", "--use-dora", "--lora-init",
+                              "--lora-modules-to-save", "--tensor-model-parallel-size",
+                              "--pipeline-model-parallel-size") + other + ["--load", part0])
+    results = run_distributed(train_body, 4, args=(runs,), timeout=900, env=ENV)[0]
+    _, one_go, first, second, one_go0, _, moved = results
+    assert moved["iteration"] == 8
+    assert relative_diff({k: moved["losses"][k] for k in range(5, 9)},
+                         {k: one_go0["losses"][k] for k in range(5, 9)}) <= 1e-5
     assert first["iteration"] == 4 and second["iteration"] == 8
     assert [first["losses"][k] for k in range(1, 5)] == [one_go["losses"][k] for k in range(1, 5)]
     assert [second["losses"][k] for k in range(5, 9)] == [one_go["losses"][k] for k in range(5, 9)]
 
     meta = CheckpointMeta.read(os.path.join(part, iteration_dir_name(8)))
-    assert meta.lora_base == {"load": os.path.abspath(base), "iteration": 3}
+    assert {k: meta.lora_base[k] for k in ("load", "iteration")} == {"load": os.path.abspath(base), "iteration": 3}
+    assert meta.lora_base["fingerprint"]["files"]  # the base by content too (test_lora_base_fingerprint.py)
     assert meta.model_args["lora"]["rank"] == 4
     small = _model_bytes(os.path.join(part, iteration_dir_name(8)))
     assert small < 0.5 * _model_bytes(os.path.join(base, iteration_dir_name(3)))

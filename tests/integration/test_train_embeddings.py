@@ -105,3 +105,31 @@ def test_embedding_training_at_every_layout(adapted):
                     assert not torch.equal(got[:v_old], want[:v_old]), (name, canonical)
             else:
                 assert torch.equal(got, want.to(got.dtype)), (name, canonical)
+
+
+def test_new_rows_continue_at_another_layout(adapted):
+    """``--train-embedding-rows new`` saved at TP 2 x PP 2 continues at TP 1 x PP 4 by a plain --load: the
+    losses equal the uninterrupted run, the kept rows stay bit-identical, the record is carried."""
+    from tests.integration._train_helpers import relative_diff, without_flags
+    d, data, ckpt = adapted["dir"], adapted["data"], adapted["ckpts"][(2, 2)]
+    rows = ("--train-only-embeddings", "--train-embedding-rows", "new", "--zero-stage", "1", "--train-iters", "12")
+    part = str(d / "rows_part")
+    runs = [_argv(ckpt, str(d / "rows_full"), data, 2, 2, *rows),
+            _argv(ckpt, part, data, 2, 2, *rows, "--exit-interval", "8"),
+            without_flags(_argv(part, str(d / "rows_cont"), data, 1, 4, *rows), "--finetune")]
+    full, first, cont = run_distributed(train_body, 4, args=(runs,), timeout=600, env=ENV)[0]
+    assert sorted(cont["losses"]) == list(range(9, 13))
+    assert relative_diff(cont["losses"], {k: full["losses"][k] for k in range(9, 13)}) <= 1e-5
+    out, src, v_old = open_model(str(d / "rows_cont")), adapted["src"], adapted["old_vocab"]
+    assert out.meta.vocab_adaptation == _record(str(d / "adapted_hf"))
+    for canonical in (EMB, OUT):
+        assert torch.equal(out.get(canonical)[:v_old], src.get(canonical)[:v_old]), canonical
+
+
+def test_docs_agree_on_the_pipeline_sizes():
+    """The tests above run --train-only-embeddings at PP = 4; no page may still say it needs PP <= 2."""
+    import re
+    for page in ("README.md", "docs/training.md", "docs/adaptation.md"):
+        with open(os.path.join(REPO, page), encoding="utf-8") as f:
+            text = f.read()
+        assert not re.search(r"train-only-embeddings`? needs PP", text), page

@@ -104,11 +104,8 @@ def test_file_check_lists_every_problem_and_the_fix(tmp_path):
 
 
 def test_layout_mismatch_messages():
-    msg = ckpt.layout_problems(_meta(4, tp=2, pp=1), tp=1, pp=2, dp=2, zero_stage=0, load_optim=False,
-                               load_dir="/ck")
-    assert len(msg) == 1 and "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1" in msg[0]
-    assert ("reshard it first: python tools/convert_checkpoint.py reshard --load /ck --save NEW_DIR "
-            "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 2 (then --load NEW_DIR)") in msg[0]
+    # another TP/PP is not a problem here: it is loaded by canonical names (training/checkpoint.py)
+    assert ckpt.layout_problems(_meta(4, tp=2, pp=1), tp=1, pp=2, dp=2, zero_stage=0, load_optim=False) == []
     msg = ckpt.layout_problems(_meta(4, dp=2, zero=2), tp=1, pp=1, dp=4, zero_stage=2, load_optim=True,
                                load_dir="/ck")
     assert len(msg) == 1 and "--no-load-optim" in msg[0] and "ZeRO stage 2 over 2" in msg[0]

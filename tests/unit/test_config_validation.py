@@ -71,9 +71,13 @@ def test_heads_not_divisible_by_tp(data_prefix):
     assert "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)" in msg
 
 
-def test_layers_not_divisible_by_pp(data_prefix):
-    msg = _error(data_prefix, num_layers=3, pipeline_model_parallel_size=2)
-    assert "--num-layers (3) must be divisible by --pipeline-model-parallel-size (2)" in msg
+def test_more_stages_than_layers(data_prefix):
+    msg = _error(data_prefix, num_layers=3, pipeline_model_parallel_size=4)
+    assert "--pipeline-model-parallel-size (4) exceeds --num-layers (3)" in msg
+    # an uneven split is accepted: the stages take 2 and 1 layers, as reshard and import-hf lay them out
+    a = parse_arguments(_argv(data_prefix, num_layers=3, pipeline_model_parallel_size=2), world_size=4,
+                        device_type="cpu")
+    assert a.pp == 2
 
 
 def test_global_batch_not_divisible(data_prefix):

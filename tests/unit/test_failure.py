@@ -78,3 +78,77 @@ def test_log_lines_name_the_launchers_rank_before_discovery(monkeypatch):
     assert current_rank() == 3
     monkeypatch.setenv("RANK", "2")  # written back by rank discovery: wins
     assert current_rank() == 2
+
+
+# ---- the failure path never blocks on the rendezvous store -------------------------------------------
+
+def _store_host(port: int):
+    import subprocess
+    import sys
+    code = ("import time, torch.distributed as dist\n"
+            "from datetime import timedelta\n"
+            f"s = dist.TCPStore('127.0.0.1', {port}, 2, True, timedelta(seconds=60), wait_for_workers=False)\n"
+            "print('up', flush=True)\n"
+            "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def _client(port: int):
+    from datetime import timedelta
+    import torch.distributed as dist
+    return dist.PrefixStore("default_pg", dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30)))
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_store_host_is_named_within_the_deadline(monkeypatch):
+    """TCPStore.add on a stopped host waits for ever whatever set_timeout says (issue 31, hang 1)."""
+    import signal
+    import time
+    from tests.dist_utils import free_port
+    monkeypatch.setattr(failure, "STORE_DEADLINE_S", 2.0)
+    port = free_port()
+    host = _store_host(port)
+    try:
+        store = _client(port)
+        assert failure.claim_report(store, {}).report  # the first claim
+        assert not failure.claim_report(store, {}).report  # a later one stays silent
+        host.send_signal(signal.SIGSTOP)
+        started = time.time()
+        verdict = failure.claim_report(store, {})
+        assert time.time() - started < 15, verdict  # the probe (up to 2 s) and the claim's deadline (2 s)
+        assert verdict.report and verdict.lost.startswith("lost rank 0: the job's rendezvous store at 127.0.0.1:"), \
+            verdict
+        assert "does not answer within 2 s" in verdict.lost, verdict
+    finally:
+        host.kill()
+        host.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_store_host_is_named_without_a_cpp_stack_trace(capfd):
+    import time
+    from tests.dist_utils import free_port
+    port = free_port()
+    host = _store_host(port)
+    store = _client(port)
+    host.kill()
+    host.wait()
+    time.sleep(0.5)
+    capfd.readouterr()  # what an earlier test's abandoned claim printed when its store host went
+    verdict = failure.claim_report(store, {"TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert verdict.report and "lost rank 0" in verdict.lost and "refuses connections" in verdict.lost
+    assert "Exception raised from" not in capfd.readouterr().err
+
+
+def test_messages_of_cpp_errors_are_one_line():
+    error = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                         "by peer [127.0.0.1]:1691\nException raised from recvBytes at Utils.hpp:787 (most recent "
+                         "call first):\nframe #0: c10::Error::Error() + 0x9d\nframe #1: x\n<omitting python frames>\n")
+    text = failure.message_of(error, 0.5)
+    assert text.startswith("training failed: RuntimeError: Connection closed by peer [127.0.0.1]:1691.")
+    assert "\n" not in text and "frame #" not in text and "pair.cc" not in text
+    lost = failure.message_of(error, 0.5, lost="lost rank 0: the store ...")
+    assert lost == ("training failed: lost rank 0: the store ...; this rank gave up at RuntimeError: Connection "
+                    "closed by peer [127.0.0.1]:1691.")

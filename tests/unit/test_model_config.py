@@ -113,11 +113,13 @@ def test_rope_needs_no_max_positions() -> None:
 def test_model_parallel_problems() -> None:
     cfg = _cfg(num_attention_heads=8, group_query_attention=True, num_query_groups=2, ffn_hidden_size=102,
                num_layers=3)
-    found = model_parallel_problems(cfg, tp=4, pp=2)
+    found = model_parallel_problems(cfg, tp=4, pp=4)
     assert found == [
         "--num-query-groups (2) must be divisible by --tensor-model-parallel-size (4)",
         "the MLP size --ffn-hidden-size (102) must be divisible by --tensor-model-parallel-size (4)",
-        "--num-layers (3) must be divisible by --pipeline-model-parallel-size (2)"]
+        "--pipeline-model-parallel-size (4) exceeds --num-layers (3): every pipeline stage needs at least one "
+        "transformer layer"]
+    assert model_parallel_problems(cfg, tp=1, pp=2) == []  # 3 layers over 2 stages: 2 + 1, as DeepSpeed splits
     assert model_parallel_problems(_cfg(num_attention_heads=8, hidden_size=48), tp=16, pp=1)[0] == \
         "--num-attention-heads (8) must be divisible by --tensor-model-parallel-size (16)"
     assert model_parallel_problems(cfg, tp=2, pp=3) == []

@@ -126,3 +126,21 @@ def test_cli_model_from_checkpoint(tmp_path, capsys):
     assert plan["model"]["vocab_size"] == 777 and plan["model"]["config"]["swiglu"] is True
     assert run(base + ["--hidden-size", "128"]) == 2  # contradicts the checkpoint
     assert "--hidden-size" in capsys.readouterr().err
+
+
+def test_layout_for_arguments_refuses_a_world_size_tp_pp_does_not_divide():
+    """No silent clamp: the planner's layout of a command line follows the one DP rule."""
+    import pytest
+
+    from megatron_ru.plan.api import layout_for_arguments
+
+    class _Args:  # what layout_for_arguments reads of Arguments
+        world_size, tp, pp, sequence_parallel, precision = 8, 2, 2, False, "bf16"
+
+    args = _Args()
+    args.training = type("T", (), {"global_batch_size": None, "micro_batch_size": 1, "zero_stage": 1})()
+    args.data = type("D", (), {"seq_length": 128})()
+    args.model = type("M", (), {"recompute": False})()
+    assert layout_for_arguments(args).dp == 2
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=6 is not divisible by TP x PP = 2 x 2 = 4"):
+        layout_for_arguments(args, world_size=6)

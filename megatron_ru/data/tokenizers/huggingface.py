@@ -117,7 +117,7 @@ def _token_text(value: Any) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def _special_names(path: str) -> dict[str, str]:
+def special_token_names(path: str) -> dict[str, str]:
     names: dict[str, str] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):
         p = os.path.join(path, fname)
@@ -141,7 +141,7 @@ class HuggingFaceTokenizer(Tokenizer):
         if not path or not os.path.isdir(path):
             raise FileNotFoundError(f"--tokenizer-model {path}: no such directory (HuggingFaceTokenizer loads "
                                     "a local directory written by save_pretrained)")
-        names = _special_names(path)
+        names = special_token_names(path)
         self.path = path
         self._fast = None
         self._hf = None

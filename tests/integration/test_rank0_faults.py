@@ -1,0 +1,119 @@
+"""Rank 0 lost, and a rank lost during start-up, under real ``mpirun`` (issue 31: hangs 1 and 2, one
+line 7). Rank 0 hosts the rendezvous store under mpirun: a stopped rank 0 used to keep every other rank
+blocked for ever in the failure reporter's ``TCPStore.add``; a killed one made them print 22-frame C++
+stack traces and no line of ours; a rank stopped before MPI's exchange of rank 0's address kept the
+others in MPI for ever. Every job now ends within the timeout plus a stated margin, with one line
+naming what was lost and no C++ stack trace."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.integration._train_helpers import REPO
+from tests.integration.test_fault_hangs import TIMEOUT_MIN, Job, _env, _error_lines, _faulty_argv, rank_pids
+from tests.integration.test_fault_hangs import corpus  # noqa: F401 - the module's corpus fixture
+
+pytestmark = pytest.mark.slow
+
+#: after the timeout: the store deadline (5 s), the survivors' stagger (up to 8 s), mpirun's ending (20 s)
+MARGIN_S = 35
+#: before training starts: imports, rank discovery, model and engine (4 ranks on 2 cores)
+STARTUP_S = 240
+
+
+class MpiJob(Job):
+    """``mpirun -np 4 pretrain_gpt.py``, bare or with MASTER_ADDR/MASTER_PORT exported to every rank."""
+
+    def __init__(self, argv: list[str], log: Path, master: bool) -> None:
+        self.launcher, self.log = "mpirun", log
+        self._out = open(log, "w")
+        extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} if master else {}
+        exported = ["-x", "MASTER_ADDR", "-x", "MASTER_PORT"] if master else []
+        command = [shutil.which("mpirun"), "-np", "4", "--oversubscribe", "--allow-run-as-root", *exported,
+                   sys.executable, "pretrain_gpt.py", *argv]
+        self.proc = subprocess.Popen(command, cwd=REPO, env=_env(**extra), stdout=self._out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _no_cpp_stack_trace(text: str) -> None:
+    assert "Exception raised from" not in text and "frame #0" not in text, text[-4000:]
+
+
+def _training(job: Job, tmp_path: Path) -> dict[int, int]:
+    metrics = tmp_path / "m.jsonl"
+    job.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, STARTUP_S,
+                 "training did not start")
+    pids = rank_pids(str(tmp_path))
+    assert sorted(pids) == [0, 1, 2, 3], pids
+    return pids
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("master", [False, True], ids=["bare", "master-addr"])
+def test_stopped_rank0_during_training_ends_the_job(master, corpus, tmp_path):  # noqa: F811
+    job = MpiJob(_faulty_argv(corpus, tmp_path, iters=100000), tmp_path / "out.txt", master)
+    try:
+        pids = _training(job, tmp_path)
+        os.kill(pids[0], signal.SIGSTOP)
+        code = job.wait(TIMEOUT_MIN * 60 + MARGIN_S, time.time(), "SIGSTOP of rank 0")
+    finally:
+        job.close()
+    text = job.text()
+    lines = _error_lines(text)
+    assert code != 0 and lines, text[-4000:]
+    assert all("lost rank 0: the job's rendezvous store" in line and "does not answer" in line for line in lines), \
+        text[-4000:]
+    assert "rank 1]" in lines[0], lines  # the survivors print one after another, rank 1 first
+    _no_cpp_stack_trace(text)
+
+
+@pytest.mark.timeout(400)
+def test_killed_rank0_during_training_is_one_line_naming_it(corpus, tmp_path):  # noqa: F811
+    job = MpiJob(_faulty_argv(corpus, tmp_path, iters=100000), tmp_path / "out.txt", master=False)
+    try:
+        pids = _training(job, tmp_path)
+        os.kill(pids[0], signal.SIGKILL)
+        code = job.wait(MARGIN_S, time.time(), "SIGKILL of rank 0")
+    finally:
+        job.close()
+    text = job.text()
+    lines = _error_lines(text)
+    assert code != 0, text[-4000:]
+    assert len(lines) == 1 and "lost rank 0" in lines[0] and "refuses connections" in lines[0], text[-4000:]
+    _no_cpp_stack_trace(text)
+
+
+def _stop_at_start(job: Job, tmp_path: Path, rank: int) -> float:
+    deadline = time.time() + 60
+    while rank not in rank_pids(str(tmp_path)):
+        assert job.proc.poll() is None and time.time() < deadline, job.text()[-3000:]
+        time.sleep(0.05)
+    os.kill(rank_pids(str(tmp_path))[rank], signal.SIGSTOP)
+    return time.time()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("master, rank, expected", [
+    (False, 1, "start-up did not finish: rank 0 waited --distributed-timeout-minutes"),  # in MPI's exchange
+    (False, 0, "start-up did not finish: rank 1 waited --distributed-timeout-minutes"),
+    (True, 0, "rank 1 waited --distributed-timeout-minutes (0.5) for rank 0's rendezvous store"),
+], ids=["bare-rank1", "bare-rank0", "master-addr-rank0"])
+def test_rank_stopped_during_startup_ends_the_job(master, rank, expected, corpus, tmp_path):  # noqa: F811
+    job = MpiJob(_faulty_argv(corpus, tmp_path, iters=3), tmp_path / "out.txt", master)
+    try:
+        stopped = _stop_at_start(job, tmp_path, rank)
+        code = job.wait(TIMEOUT_MIN * 60 + MARGIN_S, stopped, f"SIGSTOP of rank {rank} at start")
+    finally:
+        job.close()
+    text = job.text()
+    lines = _error_lines(text)
+    assert code != 0 and len(lines) == 1 and expected in lines[0], text[-4000:]
+    _no_cpp_stack_trace(text)

@@ -1,0 +1,62 @@
+"""Start-up is bounded like training (issue 31, hang 2): MPI's exchange of rank 0's address has no
+timeout, so a watchdog process ends a rank stuck in it with one line; a rank waiting for rank 0's
+rendezvous store gives up after the timeout and says so itself (rank 0 is the one missing)."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_ru.parallel import env as penv
+from megatron_ru.training import failure
+from tests.dist_utils import free_port
+from tests.integration._train_helpers import REPO
+
+_STUCK = """
+import sys, time
+from megatron_ru.parallel.watchdog import StartupWatchdog
+with StartupWatchdog(float(sys.argv[1]), "stuck in the test's exchange"):
+    time.sleep(float(sys.argv[2]))
+print("done", flush=True)
+"""
+
+
+def _run(deadline: float, block: float) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": REPO, "OMPI_COMM_WORLD_RANK": "0"}
+    return subprocess.run([sys.executable, "-c", _STUCK, str(deadline), str(block)], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+@pytest.mark.timeout(90)
+def test_watchdog_ends_a_stuck_step_with_one_line():
+    started = time.time()
+    proc = _run(1.0, 40)
+    assert time.time() - started < 20
+    assert proc.returncode == -9 and "done" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank 0] ERROR megatron_ru.parallel.env: start-up did not finish: stuck in the" in lines[0]
+
+
+@pytest.mark.timeout(90)
+def test_watchdog_is_silent_when_the_step_finishes():
+    proc = _run(20.0, 0.2)
+    assert proc.returncode == 0 and proc.stdout.strip() == "done" and proc.stderr == ""
+
+
+def test_waiting_for_a_missing_rank0_store_gives_up_naming_it():
+    port = free_port()
+    started = time.time()
+    with pytest.raises(penv.RendezvousTimeout, match=f"rank 2 waited --distributed-timeout-minutes \\(0.02\\) for "
+                                                     f"rank 0's rendezvous store at 127.0.0.1:{port}"):
+        penv.wait_for_store("127.0.0.1", port, 0.02, rank=2)
+    assert time.time() - started < 10
+
+
+def test_every_rank_that_waited_for_rank0_reports_it(monkeypatch):
+    monkeypatch.setattr(failure, "LOST_STAGGER_S", 0.0)
+    error = penv.RendezvousTimeout("rank 2 waited ... for rank 0's rendezvous store")
+    ranks = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}
+    decided = failure.verdict(ranks, error)
+    assert decided.report and failure.message_of(error, 0.5, lost=decided.lost) == \
+        "training failed: rank 2 waited ... for rank 0's rendezvous store."
+    assert not failure.verdict(ranks, RuntimeError("other")).report  # any other error: rank 0 prints
