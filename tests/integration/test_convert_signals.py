@@ -12,6 +12,8 @@ import pytest
 from megatron_ru.convert.staging import remove_stale_temporaries
 from tests.integration._train_helpers import REPO
 
+pytestmark = pytest.mark.slow
+
 
 def _big_llama(path: str) -> None:
     """A randomly initialised Llama of ~25M parameters (100 MB in fp32): its import takes a while."""

@@ -5,6 +5,8 @@ import pytest
 from tests.dist_utils import run_distributed
 from tests.integration._train_helpers import make_corpus, tiny_argv, train_body, without_flags
 
+pytestmark = pytest.mark.slow
+
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
