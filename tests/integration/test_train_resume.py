@@ -33,20 +33,19 @@ def test_resume_is_exact_for_pp1_and_pp2(tmp_path):
     # weights only: --finetune restarts at iteration 0; --no-load-optim keeps the position
     runs.append(tiny_argv(prefix, cache, iters=3, extra=["--zero-stage", "1", "--load", pp1, "--finetune"]))
     runs.append(tiny_argv(prefix, cache, iters=14, extra=["--zero-stage", "1", "--load", pp1, "--no-load-optim"]))
-    # another pipeline layout is refused with both layouts named
-    runs.append(["expect-error", *tiny_argv(prefix, cache, iters=14, extra=["--load", pp2])])
+    # another pipeline layout: the PP 2 checkpoint continues at PP 1 by a plain --load
+    runs.append(tiny_argv(prefix, cache, iters=14, extra=["--load", pp2]))
     # a time limit: both ranks agree to stop after the first iteration and save
     runs.append(tiny_argv(prefix, cache, iters=50, extra=["--exit-duration-in-mins", "1e-6", "--eval-iters", "0",
                                                           "--save", str(tmp_path / "timed")]))
     results = run_distributed(train_body, 2, args=(runs,), timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
-    finetune, no_optim, mismatch, timed = results[3 * len(layouts):]
+    finetune, no_optim, other_layout, timed = results[3 * len(layouts):]
     assert timed["iteration"] == 1 and timed["exit_reason"] == "--exit-duration-in-mins 1e-06"
     assert timed["saved"] == [1] and read_latest_iteration(str(tmp_path / "timed")) == 1
     assert sorted(finetune["losses"]) == [1, 2, 3]
     assert finetune["losses"][1] < results[0]["losses"][1] - 0.2  # starts from the trained weights
     assert sorted(no_optim["losses"]) == [13, 14]
-    assert "saved with --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2, this run uses 1 and 1" \
-        in mismatch["error"]
+    assert sorted(other_layout["losses"]) == [13, 14]
     for i, name in enumerate(layouts):
         full, first, second = results[3 * i: 3 * i + 3]
         assert first["iteration"] == 6 and sorted(first["losses"]) == list(range(1, 7))
