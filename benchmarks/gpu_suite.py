@@ -40,11 +40,12 @@ from typing import Any, Callable, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.train_step import RECIPES  # noqa: E402
+from benchmarks.train_step import PRESETS, RECIPES  # noqa: E402
 
+_1B = {k: v for k, v in PRESETS["1b"].items() if k != "accum"}  # train_step.py's 1B preset
 SHAPES = {  # layers, hidden, heads, query groups, ffn, vocab (padded), seq, micro batch
-    "1b-seq2048": dict(layers=16, hidden=2048, heads=16, groups=8, ffn=5504, vocab=32000, seq=2048, batch=4),
-    "1b-seq4096": dict(layers=16, hidden=2048, heads=16, groups=8, ffn=5504, vocab=32000, seq=4096, batch=2),
+    "1b-seq2048": _1B,
+    "1b-seq4096": {**_1B, "seq": 4096, "batch": 2},
     "8b-layer-seq4096": dict(layers=4, hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, seq=4096,
                              batch=1),
 }

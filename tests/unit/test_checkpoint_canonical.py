@@ -406,9 +406,15 @@ def test_layer_format_loads_weights_and_zero0_optimizer_state_by_canonical_name(
     tensors = canonical_tensors(cfg)
     write(tmp_path / "ck", cfg, tensors, 1, 1)
     engine = _engine(cfg)
-    meta, rng = _load(engine, tmp_path / "ck")
-    assert meta.iteration == 7 and rng is None
-    assert engine.lr_scheduler.state == {"num_steps": 7} and engine.global_steps == 7
+    _assert_loaded(engine, _load(engine, tmp_path / "ck"), tensors)
+    assert engine.lr_scheduler.state == {"num_steps": 7}
+    engine.optimizer.step()  # the state has the shapes and types torch's AdamW expects
+
+
+def _assert_loaded(engine, loaded, tensors):
+    """Iteration 7 of the writer's Optim(tensors): weights (padding rows zero) and Adam state by name."""
+    meta, rng = loaded
+    assert meta.iteration == 7 and rng is None and engine.global_steps == 7
     for name, p in engine.module.named_parameters():
         full = tensors[name]
         assert torch.equal(p[: full.shape[0]], full) and torch.count_nonzero(p[full.shape[0]:]) == 0, name
@@ -416,7 +422,6 @@ def test_layer_format_loads_weights_and_zero0_optimizer_state_by_canonical_name(
         assert float(state["step"]) == 7
         assert torch.equal(state["exp_avg"][: full.shape[0]], full * 0.5), name
         assert torch.equal(state["exp_avg_sq"][: full.shape[0]], full * full), name
-    engine.optimizer.step()  # the state has the shapes and types torch's AdamW expects
 
 
 def test_layer_format_at_another_layout_loads_by_canonical_name(tmp_path):
@@ -425,14 +430,7 @@ def test_layer_format_at_another_layout_loads_by_canonical_name(tmp_path):
     for tp, pp in ((2, 1), (1, 2), (2, 2)):  # saved at another TP and/or PP: no reshard step
         write(tmp_path / f"ck{tp}{pp}", cfg, tensors, tp, pp)
         engine = _engine(cfg)
-        meta, rng = _load(engine, tmp_path / f"ck{tp}{pp}")
-        assert meta.iteration == 7 and rng is None and engine.global_steps == 7
-        for name, p in engine.module.named_parameters():
-            full = tensors[name]
-            assert torch.equal(p[: full.shape[0]], full) and torch.count_nonzero(p[full.shape[0]:]) == 0, name
-            state = engine.optimizer.state[p]
-            assert float(state["step"]) == 7
-            assert torch.equal(state["exp_avg"][: full.shape[0]], full * 0.5), name
+        _assert_loaded(engine, _load(engine, tmp_path / f"ck{tp}{pp}"), tensors)
 
 
 def test_layer_format_load_refusals(tmp_path):
