@@ -23,6 +23,12 @@
     No store means no election, so such survivors print one after another, rank 1 first; under
     ``mpirun``, the first one's exit ends the job.
 
+  - when the reporting rank failed because of a peer (a collective timed out, a connection closed),
+    it names the peers that are missing: every failing rank checks in at the store, the reporter
+    aborts its groups (so that the survivors waiting on it fail too) and waits up to
+    ``CENSUS_WAIT_S`` for them; the ranks that never check in are the lost ones (stopped, hung,
+    killed or unreachable).
+
   A silent rank waits a moment before it exits, so that under ``mpirun`` (which ends the whole job
   at the first non-zero exit) the rank that prints gets its line out first. Messages of C++ errors
   lose their C++ stack trace and source locations: one line each.
@@ -51,14 +57,18 @@ INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 DEBUG_VAR = "MEGATRON_RU_DEBUG"
 T = TypeVar("T")
 _CLAIM_KEY = "megatron_ru/error_reported"
+_CHECK_IN_KEY = "megatron_ru/failing/{}"
 #: how long the failure path waits for the rendezvous store: to connect, then for the claim's answer
 STORE_DEADLINE_S = 5.0
 #: how long aborting the process groups may take on the failure path
 ABORT_DEADLINE_S = 5.0
 #: survivors that cannot reach the store print this many seconds apart, rank 1 first (at most 4 steps)
 LOST_STAGGER_S = 2.0
-#: how long a silent rank waits before exiting (before / after the process group exists)
-SILENT_GRACE_S = (10.0, 3.0)
+#: how long the reporter of a peer's failure waits for the other ranks to check in (see the docstring)
+CENSUS_WAIT_S = 5.0
+#: how long a silent rank waits before exiting (before / after the process group exists): after it,
+#: longer than the census, so that under mpirun the reporter's line comes first
+SILENT_GRACE_S = (10.0, CENSUS_WAIT_S + 3.0)
 #: how long rank 0, when it hosts the rendezvous store, keeps it up after reporting
 STORE_HOST_LINGER_S = 3.0
 
@@ -87,6 +97,8 @@ class Verdict:
     lost: Optional[str] = None
     #: the store, kept referenced while this rank lingers (it may be the store's host)
     store: Any = None
+    #: ``lost`` names peers that never checked in (the store is fine), not the store's host
+    peers_lost: bool = False
 
 
 def _tcp_address(store: Any) -> Optional[tuple[str, int]]:
@@ -228,6 +240,47 @@ def _abort_groups() -> None:
         call_with_deadline(abort, ABORT_DEADLINE_S, "failure-abort")
 
 
+#: errors that mean "a peer went away", not "this rank went wrong": torch's distributed errors and gloo's
+_PEER_FAILURE = re.compile(r"timed out|timeout|connection closed|connection reset|broken pipe|peer", re.I)
+
+
+def _caused_by_peer(error: BaseException) -> bool:
+    import torch.distributed as dist
+    if isinstance(error, INPUT_ERRORS):
+        return False
+    return isinstance(error, getattr(dist, "DistError", ())) or bool(_PEER_FAILURE.search(str(error)[:2000]))
+
+
+def check_in(store: Any, rank: int) -> None:
+    """Tell the reporter that this rank reached its failure handler (deadline-bound)."""
+    with _cpp_warnings_muted():
+        call_with_deadline(lambda: store.set(_CHECK_IN_KEY.format(rank), "1"), STORE_DEADLINE_S, "failure-check-in")
+
+
+def missing_ranks(store: Any, rank: int, world_size: int, wait_s: float = CENSUS_WAIT_S) -> list[int]:
+    """The ranks other than ``rank`` that do not check in within ``wait_s`` (all of them answer: at once)."""
+    def census() -> list[int]:
+        seen, deadline = {rank}, time.monotonic() + wait_s
+        while True:
+            for r in range(world_size):
+                if r not in seen and store.check([_CHECK_IN_KEY.format(r)]):
+                    seen.add(r)
+            if len(seen) == world_size or time.monotonic() >= deadline:
+                return sorted(set(range(world_size)) - seen)
+            time.sleep(0.25)
+
+    with _cpp_warnings_muted():
+        outcome = call_with_deadline(census, wait_s + STORE_DEADLINE_S, "failure-census")
+    return outcome.value if outcome.done and outcome.error is None else []
+
+
+def _lost_peers(ranks: Sequence[int], wait_s: float) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return (f"lost rank{'s' if len(ranks) > 1 else ''} {shown}: no word from {'them' if len(ranks) > 1 else 'it'} "
+            f"within {wait_s:.0f} s of this failure (stopped, hung, killed or unreachable; "
+            f"{'their' if len(ranks) > 1 else 'its'} own log or the launcher's may say why)")
+
+
 def _hosts_the_store(env: Mapping[str, str]) -> bool:
     """Rank 0 runs the rendezvous store, except under torchrun (whose agent keeps its own)."""
     import torch.distributed as dist
@@ -262,14 +315,16 @@ def plain_text(error: BaseException) -> str:
 
 
 def message_of(error: BaseException, timeout_minutes: Optional[float], what: str = "training",
-               lost: Optional[str] = None) -> str:
+               lost: Optional[str] = None, peers_lost: bool = False) -> str:
     if isinstance(error, INPUT_ERRORS):
         return str(error) if str(error) else type(error).__name__
     text = plain_text(error).rstrip(".")
     if lost == str(error):  # the error is the news itself
         return f"{what} failed: {text}."
     if lost:
-        return f"{what} failed: {lost}; this rank gave up at {type(error).__name__}: {text}."
+        after = (f" after --distributed-timeout-minutes ({timeout_minutes})" if peers_lost and timeout_minutes
+                 else "")
+        return f"{what} failed: {lost}; this rank gave up{after} at {type(error).__name__}: {text}."
     hint = (f" If another rank died or hung, its own log (or the launcher's) says why; collectives "
             f"give up after --distributed-timeout-minutes ({timeout_minutes}).") if timeout_minutes else ""
     return f"{what} failed: {type(error).__name__}: {text}.{hint}"
@@ -283,21 +338,33 @@ def report_failure(error: BaseException, timeout_minutes: Optional[float] = None
     code = exit_code_of(error)
     initialized = _process_group_exists()
     rank, hosts_store = (dist.get_rank(), _hosts_the_store(env)) if initialized else (launcher_rank(env), False)
+    world_size = dist.get_world_size() if initialized else None
     decided = verdict(env, error)
     if decided.lost and initialized and _was_stopped():
         # this rank was stopped and continued (mpirun continues a stopped rank to end it): the peers gave
         # up on *it*, and one of them reported that; "lost rank 0" from here would be wrong
         decided = Verdict(False)
+    aborted = False
+    if initialized and decided.store is not None and not decided.lost and rank is not None:
+        if not decided.report:
+            check_in(decided.store, rank)
+        elif _caused_by_peer(error) and world_size and world_size > 1:
+            _abort_groups()  # the survivors waiting on this rank fail now, and check in
+            aborted = True
+            missing = missing_ranks(decided.store, rank, world_size)
+            if missing:
+                decided.lost = _lost_peers(missing, CENSUS_WAIT_S)
+                decided.peers_lost = True
     if decided.report:
-        if decided.lost and rank is not None:  # no election without the store: rank 1 first
+        if decided.lost and rank is not None and not decided.peers_lost:  # no election without the store
             time.sleep(LOST_STAGGER_S * min(max(rank - 1, 0), 4))
         if debug_requested(env):
             log.error("".join(traceback.format_exception(error)).rstrip())
         hint = "" if debug_requested(env) or code == EXIT_INPUT_ERROR else f" (set {DEBUG_VAR}=1 for the traceback)"
-        log.error(message_of(error, timeout_minutes, what, decided.lost) + hint)
-    if decided.lost:
+        log.error(message_of(error, timeout_minutes, what, decided.lost, decided.peers_lost) + hint)
+    if decided.lost and not decided.peers_lost:
         return code  # the store's host is gone or stuck: nothing to wait for, nobody to tell
-    if initialized:
+    if initialized and not aborted:
         _abort_groups()
     if not decided.report:
         time.sleep(SILENT_GRACE_S[1 if initialized else 0])

@@ -200,6 +200,7 @@ def test_stopped_rank_ends_the_job_within_the_timeout(launcher, corpus, tmp_path
     assert code != 0
     lines = _error_lines(text)
     assert len(lines) == 1 and "training failed:" in lines[0] and "--distributed-timeout-minutes" in lines[0], text[-4000:]
+    assert "lost rank 3: no word from it" in lines[0], lines  # the survivors name the stopped rank
 
 
 @pytest.mark.timeout(300)

@@ -1,5 +1,8 @@
 """Exit status and who prints an error (megatron_ru.training.failure), before a process group exists."""
 import logging
+import time
+
+import torch.distributed as dist
 
 import pytest
 
@@ -152,3 +155,32 @@ def test_messages_of_cpp_errors_are_one_line():
     lost = failure.message_of(error, 0.5, lost="lost rank 0: the store ...")
     assert lost == ("training failed: lost rank 0: the store ...; this rank gave up at RuntimeError: Connection "
                     "closed by peer [127.0.0.1]:1691.")
+
+
+def test_the_census_names_the_ranks_that_never_check_in():
+    """A reporter that failed because of a peer names the ranks that do not reach their failure handler
+    (a stopped or killed rank); it stops waiting as soon as everybody else has checked in."""
+    store = dist.HashStore()
+    for rank in (1, 3):
+        failure.check_in(store, rank)
+    started = time.monotonic()
+    assert failure.missing_ranks(store, 0, 5, wait_s=0.6) == [2, 4]
+    assert time.monotonic() - started >= 0.6
+    for rank in (2, 4):
+        failure.check_in(store, rank)
+    started = time.monotonic()
+    assert failure.missing_ranks(store, 0, 5, wait_s=30) == []
+    assert time.monotonic() - started < 5
+
+
+def test_a_peers_failure_names_the_lost_rank_and_the_timeout_flag():
+    lost = failure._lost_peers([3], 5.0)
+    text = failure.message_of(RuntimeError("Timed out waiting 30000ms for recv operation to complete"), 0.5,
+                              lost=lost, peers_lost=True)
+    assert text.startswith("training failed: lost rank 3: no word from it within 5 s"), text
+    assert "gave up after --distributed-timeout-minutes (0.5) at RuntimeError: Timed out" in text
+    assert failure._caused_by_peer(RuntimeError("Connection closed by peer [127.0.0.1]:1691"))
+    assert not failure._caused_by_peer(FileNotFoundError("no such file: ...timeout..."))
+    assert not failure._caused_by_peer(RuntimeError("loss is NaN at iteration 3"))
+    many = failure._lost_peers(list(range(1, 12)), 5.0)
+    assert many.startswith("lost ranks 1, 2, 3, 4, 5, 6, 7, 8 and 3 more: no word from them")
