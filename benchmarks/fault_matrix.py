@@ -1,4 +1,4 @@
-"""The fault matrix of issue 9: real 4-rank jobs, killed, stopped, signalled, fed corrupt files
+"""The fault matrix: real 4-rank jobs, killed, stopped, signalled, fed corrupt files
 and invalid configurations; for each run: did the job end (no hang), did it fail when it had to
 (no silent wrong result), and does its error name the file or flag at fault, once, without a
 traceback.
@@ -9,10 +9,13 @@ traceback.
 Jobs: ``tp2pp2`` (TP 2 x PP 2, ZeRO 1) and ``dp4`` (DP 4, ZeRO 1) of the tiny LLaMA-style model of
 the integration tests, under bare ``mpirun`` (no MASTER_ADDR/MASTER_PORT: the README's command),
 ``mpirun-master`` (MASTER_ADDR/MASTER_PORT exported, as the ABCI scripts do) and ``torchrun``.
-Issue 31 added rank 0 (killed, stopped) next to rank 1 during training, a rank stopped during
-start-up (rank 0 and rank 1), and counts torch's C++ stack traces as tracebacks. Every run has ``--distributed-timeout-minutes`` (default 0.5) and a wall limit
-of ``start-up + timeout + 90 s``; a run still alive at the limit is a hang. Prints a markdown
-table (the one in docs/training.md) and writes benchmarks/out/fault_matrix.json.
+Every fault of a job is tried on rank 0 and on another rank, during start-up and during training;
+torch's C++ stack traces count as tracebacks. Every run has ``--distributed-timeout-minutes``
+(default 0.5) and a wall limit of ``start-up + timeout + 90 s``; a run still alive at the limit is a
+hang. The tools and LoRA (benchmarks/_fault_tools.py: conversion, generation, adaptation,
+propagation; overlapping paths, SIGTERM/SIGKILL while writing, a generating rank killed or stopped,
+a LoRA base moved or replaced, invalid adapter flags) follow unless ``--tools`` names fewer. Prints
+markdown tables (those in docs/training.md) and writes benchmarks/out/fault_matrix.json.
 """
 from __future__ import annotations
 
@@ -112,20 +115,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(launcher: str, argv: list[str], nproc: int = 4) -> list[str]:
+def command(launcher: str, argv: list[str], nproc: int = 4, script: str = "pretrain_gpt.py") -> list[str]:
     if launcher == "mpirun":
-        return [shutil.which("mpirun") or "mpirun", "-np", str(nproc), sys.executable, "pretrain_gpt.py", *argv]
+        return [shutil.which("mpirun") or "mpirun", "-np", str(nproc), sys.executable, script, *argv]
     if launcher == "mpirun-master":
         return [shutil.which("mpirun") or "mpirun", "-np", str(nproc), "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
-                sys.executable, "pretrain_gpt.py", *argv]
+                sys.executable, script, *argv]
     if launcher == "torchrun":
         return [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(nproc), "--master-port",
-                str(_free_port()), "pretrain_gpt.py", *argv]
-    return [sys.executable, "pretrain_gpt.py", *argv]
+                str(_free_port()), script, *argv]
+    return [sys.executable, script, *argv]
 
 
-def rank_pids(root: int) -> dict[int, int]:
-    """Global rank -> pid of every pretrain_gpt.py process under ``root``."""
+def rank_pids(root: int, script: str = "pretrain_gpt.py") -> dict[int, int]:
+    """Global rank -> pid of every ``script`` process under ``root``."""
     out = {}
     try:
         children = psutil.Process(root).children(recursive=True)
@@ -133,7 +136,7 @@ def rank_pids(root: int) -> dict[int, int]:
         return out
     for child in children:
         try:
-            if "pretrain_gpt.py" not in " ".join(child.cmdline()):
+            if script not in " ".join(child.cmdline()):
                 continue
             env = child.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -167,11 +170,11 @@ class Run:
 
 
 def launch(launcher: str, argv: list[str], limit: float, during: Optional[Callable] = None,
-           nproc: int = 4) -> Run:
+           nproc: int = 4, script: str = "pretrain_gpt.py") -> Run:
     """Run a job; ``during(proc, started)`` acts on it while it runs (returns a dict of notes)."""
     log = tempfile.TemporaryFile(mode="w+")
     started = time.time()
-    proc = subprocess.Popen(command(launcher, argv, nproc), cwd=REPO, env=_env(launcher), stdout=log,
+    proc = subprocess.Popen(command(launcher, argv, nproc, script), cwd=REPO, env=_env(launcher), stdout=log,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     extra = {}
     hang = False
@@ -614,9 +617,9 @@ def table(outcomes: list[Outcome]) -> str:
 def pivot(outcomes: list[Outcome]) -> str:
     """The docs table: one row per fault, one column per launcher x layout, each cell "exit, seconds"
     and the verdict; invalid configurations folded into one row."""
-    cols = sorted({(o.launcher, o.layout) for o in outcomes if o.layout != "-"}, key=lambda c: (c[1], c[0]),
-                  reverse=True)
-    faults = list(dict.fromkeys(o.fault for o in outcomes if o.layout != "-"))
+    cols = sorted({(o.launcher, o.layout) for o in outcomes if o.layout not in ("-", "tool")},
+                  key=lambda c: (c[1], c[0]), reverse=True)
+    faults = list(dict.fromkeys(o.fault for o in outcomes if o.layout not in ("-", "tool")))
     cell = {(o.fault, o.launcher, o.layout): o for o in outcomes}
     rows = ["| fault | " + " | ".join(f"{lau} {lay}" for lau, lay in cols) + " |",
             "|---|" + "---|" * len(cols)]
@@ -643,15 +646,23 @@ def main() -> int:
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--faults", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     p.add_argument("--no-invalid", action="store_true", help="skip the invalid-configuration runs")
+    p.add_argument("--tools", nargs="*", default=None,
+                   help="tool and LoRA cells to run (benchmarks/_fault_tools.py; default: all, none with --tools)")
     p.add_argument("--timeout-minutes", type=float, default=0.5)
     p.add_argument("--startup-seconds", type=float, default=90, help="allowance for 4 ranks to start")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "out", "fault_matrix.json"))
     p.add_argument("--table-from", default=None, help="print the docs table of an earlier run's JSON and exit")
     a = p.parse_args()
+    from benchmarks._fault_tools import TOOL_FAULTS, run_tools, tool_table
+    tools = list(TOOL_FAULTS) if a.tools is None else a.tools
+    unknown = sorted(set(tools) - set(TOOL_FAULTS))
+    if unknown:
+        p.error(f"--tools: unknown {unknown}; choose from {list(TOOL_FAULTS)}")
     if a.table_from:
         saved = json.load(open(a.table_from))
-        sys.stdout.write(pivot([Outcome(**o) for o in saved["outcomes"]]) + "\n\n" + json.dumps(saved["summary"]) + "\n")
+        outcomes = [Outcome(**o) for o in saved["outcomes"]]
+        sys.stdout.write(pivot(outcomes) + "\n\n" + tool_table(outcomes) + "\n\n" + json.dumps(saved["summary"]) + "\n")
         return 0
     root = a.workdir or tempfile.mkdtemp(prefix="fault_matrix_")
     os.makedirs(os.path.join(root, "runs"), exist_ok=True)
@@ -659,6 +670,7 @@ def main() -> int:
     started = time.time()
     outcomes = [] if a.no_invalid else run_invalid(ws, a.launchers[0])
     outcomes += run_matrix(ws, a.launchers, a.layouts, a.faults, a.startup_seconds)
+    outcomes += run_tools(ws, tools, a.startup_seconds)
     bad = [o for o in outcomes if not o.ok]
     summary = {"runs": len(outcomes), "hangs": sum(o.hang for o in outcomes),
                "silent_wrong": sum(o.silent_wrong for o in outcomes),
@@ -669,7 +681,8 @@ def main() -> int:
     with open(a.out + ".tmp", "w") as f:
         json.dump({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, f, indent=1)
     os.replace(a.out + ".tmp", a.out)
-    sys.stdout.write(table(outcomes) + "\n\n" + pivot(outcomes) + "\n\n" + json.dumps(summary) + "\n")
+    sys.stdout.write(table(outcomes) + "\n\n" + pivot(outcomes) + "\n\n" + tool_table(outcomes) + "\n\n"
+                     + json.dumps(summary) + "\n")
     for o in bad:
         sys.stdout.write(f"\n---- {o.launcher} {o.layout} {o.fault} ----\n{o.tail[-1500:]}\n")
     return 0 if not bad else 1
