@@ -14,8 +14,10 @@
     rendezvous store and prints; ranks failing later are usually failing *because* of it (a closed
     connection, a timed-out collective) and stay silent. Every failing rank then aborts its process
     groups, so that the peers waiting on it in a collective fail at once (and learn from the store
-    that it was reported) instead of at --distributed-timeout-minutes. Rank 0 keeps the store up a
-    few seconds after reporting, for the same reason.
+    that it was reported) instead of at --distributed-timeout-minutes. Rank 0, when it hosts the store
+    and reports, keeps it up until every other rank has checked in (at most ``STORE_HOST_LINGER_S``):
+    a rank busy elsewhere (reading its own files) fails only at its next collective and must still find
+    the store, or it would report rank 0 as lost.
   - every store operation here has a deadline (:mod:`megatron_ru.utils.deadline`: a ``TCPStore.add``
     on a stopped host waits for ever, whatever ``set_timeout`` says). A rank that cannot reach the
     store prints one line naming the rank that hosts it (rank 0 under mpirun/srun) as lost: its port
@@ -69,8 +71,9 @@ CENSUS_WAIT_S = 5.0
 #: how long a silent rank waits before exiting (before / after the process group exists): after it,
 #: longer than the census, so that under mpirun the reporter's line comes first
 SILENT_GRACE_S = (10.0, CENSUS_WAIT_S + 3.0)
-#: how long rank 0, when it hosts the rendezvous store, keeps it up after reporting
-STORE_HOST_LINGER_S = 3.0
+#: how long rank 0, when it hosts the rendezvous store, keeps it up after reporting, at most: until every
+#: other rank has checked in (they learn from the store that the failure was reported, and stay silent)
+STORE_HOST_LINGER_S = 5.0
 
 
 def exit_code_of(error: BaseException) -> int:
@@ -231,13 +234,17 @@ def claim_report(store: Any, env: Mapping[str, str] = os.environ) -> Verdict:
     return Verdict(outcome.value == 1, store=store)
 
 
-def _abort_groups() -> None:
-    """Abort every process group (deadline-bound): peers waiting on this rank in a collective fail now
-    rather than at the timeout. The store stays up while it is referenced."""
+def _abort_groups(store: Any = None) -> None:
+    """Abort every process group (deadline-bound) and shut down this rank's connections to its peers
+    (all but the rendezvous store's, when ``store`` is given): peers waiting on this rank in a collective,
+    in any group, fail now rather than at the timeout. The store stays up while it is referenced."""
     import torch.distributed as dist
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None:
         call_with_deadline(abort, ABORT_DEADLINE_S, "failure-abort")
+    address = _tcp_address(store) if store is not None else None
+    if address is not None:
+        _close_peer_connections(address[1])
 
 
 #: errors that mean "a peer went away", not "this rank went wrong": torch's distributed errors and gloo's
@@ -257,16 +264,18 @@ def check_in(store: Any, rank: int) -> None:
         call_with_deadline(lambda: store.set(_CHECK_IN_KEY.format(rank), "1"), STORE_DEADLINE_S, "failure-check-in")
 
 
-def missing_ranks(store: Any, rank: int, world_size: int, wait_s: float = CENSUS_WAIT_S) -> list[int]:
-    """The ranks other than ``rank`` that do not check in within ``wait_s`` (all of them answer: at once)."""
+def missing_ranks(store: Any, rank: int, world_size: int, wait_s: float = CENSUS_WAIT_S,
+                  known: Sequence[int] = ()) -> list[int]:
+    """The ranks other than ``rank`` (and ``known``, already found missing) that do not check in within
+    ``wait_s``; returns as soon as all of them have."""
     def census() -> list[int]:
-        seen, deadline = {rank}, time.monotonic() + wait_s
+        seen, deadline = {rank, *known}, time.monotonic() + wait_s
         while True:
             for r in range(world_size):
                 if r not in seen and store.check([_CHECK_IN_KEY.format(r)]):
                     seen.add(r)
             if len(seen) == world_size or time.monotonic() >= deadline:
-                return sorted(set(range(world_size)) - seen)
+                return sorted(set(range(world_size)) - seen - set(known))
             time.sleep(0.25)
 
     with _cpp_warnings_muted():
@@ -279,6 +288,39 @@ def _lost_peers(ranks: Sequence[int], wait_s: float) -> str:
     return (f"lost rank{'s' if len(ranks) > 1 else ''} {shown}: no word from {'them' if len(ranks) > 1 else 'it'} "
             f"within {wait_s:.0f} s of this failure (stopped, hung, killed or unreachable; "
             f"{'their' if len(ranks) > 1 else 'its'} own log or the launcher's may say why)")
+
+
+def _close_peer_connections(keep_port: int) -> int:
+    """Shut down every TCP connection of this process except the rendezvous store's (``keep_port``, at
+    either end): the peers blocked in a collective with this rank then fail at once ("Connection
+    closed by peer"). Gloo's abort does that for the default group only; a peer waiting in another
+    group (a pipeline or tensor-parallel one) would otherwise wait until this process exits, and then
+    find the store gone with it. Linux only (/proc/self/fd); returns how many were shut down."""
+    import stat
+    count = 0
+    try:
+        fds = [int(f) for f in os.listdir("/proc/self/fd")]
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            local, peer = sock.getsockname()[1], sock.getpeername()[1]  # a listening socket has no peer
+            if keep_port not in (local, peer):
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return count
 
 
 def _hosts_the_store(env: Mapping[str, str]) -> bool:
@@ -344,12 +386,12 @@ def report_failure(error: BaseException, timeout_minutes: Optional[float] = None
         # this rank was stopped and continued (mpirun continues a stopped rank to end it): the peers gave
         # up on *it*, and one of them reported that; "lost rank 0" from here would be wrong
         decided = Verdict(False)
-    aborted = False
+    aborted, missing = False, []
     if initialized and decided.store is not None and not decided.lost and rank is not None:
         if not decided.report:
             check_in(decided.store, rank)
         elif _caused_by_peer(error) and world_size and world_size > 1:
-            _abort_groups()  # the survivors waiting on this rank fail now, and check in
+            _abort_groups(decided.store)  # the survivors waiting on this rank fail now, and check in
             aborted = True
             missing = missing_ranks(decided.store, rank, world_size)
             if missing:
@@ -365,11 +407,13 @@ def report_failure(error: BaseException, timeout_minutes: Optional[float] = None
     if decided.lost and not decided.peers_lost:
         return code  # the store's host is gone or stuck: nothing to wait for, nobody to tell
     if initialized and not aborted:
-        _abort_groups()
+        _abort_groups(decided.store)
     if not decided.report:
         time.sleep(SILENT_GRACE_S[1 if initialized else 0])
-    elif hosts_store and decided.store is not None:
-        time.sleep(STORE_HOST_LINGER_S)  # the others learn from the store that this was reported
+    elif hosts_store and decided.store is not None and rank is not None and world_size:
+        # the others learn from the store that this was reported: they fail now (their connections to
+        # this rank closed), check in, and stay silent; this rank leaves when all have, or at the bound
+        missing_ranks(decided.store, rank, world_size, STORE_HOST_LINGER_S, known=missing)
     return code
 
 

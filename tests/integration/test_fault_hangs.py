@@ -160,13 +160,19 @@ def _faulty_argv(corpus, tmp_path: Path, *extra: str, iters: int = 6) -> list[st
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_truncated_checkpoint_file_one_rank_reads_ends_the_job(launcher, corpus, tp2pp2_checkpoint, tmp_path):
+@pytest.mark.parametrize("reader", [3, 0], ids=["rank3", "rank0"])
+def test_truncated_checkpoint_file_one_rank_reads_ends_the_job(launcher, reader, corpus, tp2pp2_checkpoint,
+                                                               tmp_path):
+    """One line and, under mpirun, exit 2, whichever rank alone reads the damaged file. Rank 0 hosts the
+    rendezvous store under mpirun: its peers, blocked in collectives of other groups, used to fail only
+    when it exited, find the store gone and print a second line ("lost rank 0")."""
     load = tmp_path / "ckpt"
     shutil.copytree(tp2pp2_checkpoint, load)
     (tag,) = [p for p in load.iterdir() if p.is_dir()]
-    # the last layer's second TP shard: read by rank 3 only (TP rank 1 of the last stage)
-    layer_files = sorted(tag.glob("layer_*-model_01-model_states.pt"))
-    victim = layer_files[-1]
+    if reader == 3:  # the last layer's second TP shard: read by rank 3 only (TP rank 1 of the last stage)
+        victim = sorted(tag.glob("layer_*-model_01-model_states.pt"))[-1]
+    else:            # the first transformer layer's first TP shard: rank 0 only (TP rank 0 of stage 0)
+        victim = tag / "layer_01-model_00-model_states.pt"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     job = Job(launcher, _faulty_argv(corpus, tmp_path, "--load", str(load)), tmp_path / "out.txt")
     try:
@@ -178,6 +184,9 @@ def test_truncated_checkpoint_file_one_rank_reads_ends_the_job(launcher, corpus,
     text = job.text()
     assert code != 0, text[-4000:]
     assert len(_error_lines(text)) == 1, text[-4000:]
+    assert victim.name in _error_lines(text)[0], text[-4000:]
+    if launcher == "mpirun":
+        assert code == 2, text[-4000:]  # the input error's status, not a survivor's 1
     _no_traceback_of_ours(text)
 
 

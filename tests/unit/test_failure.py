@@ -184,3 +184,11 @@ def test_a_peers_failure_names_the_lost_rank_and_the_timeout_flag():
     assert not failure._caused_by_peer(RuntimeError("loss is NaN at iteration 3"))
     many = failure._lost_peers(list(range(1, 12)), 5.0)
     assert many.startswith("lost ranks 1, 2, 3, 4, 5, 6, 7, 8 and 3 more: no word from them")
+
+
+def test_the_census_skips_ranks_already_known_to_be_missing():
+    store = dist.HashStore()
+    failure.check_in(store, 1)
+    started = time.monotonic()
+    assert failure.missing_ranks(store, 0, 3, wait_s=30, known=[2]) == []  # rank 2 is not waited for
+    assert time.monotonic() - started < 5
