@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_ru.checkpointing.layout import OPTIM_KEYS, layer_file, layer_optim_file, specs_by_name
+from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.model.spec import canonical_named_parameters, model_config_from_dict
 from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
 from megatron_ru.utils.logging import get_logger, log_rank0
@@ -170,7 +171,7 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
     hp = _hp_optimizer(engine)
     step = int(common.get("step", 0))
     if cfg.lora is None:  # a base checkpoint under a run with adapters: the adapters start fresh
-        params = [(n, p) for n, p in params if ".lora." not in n]
+        params = [(n, p) for n, p in params if not is_adapter_parameter(n)]
     with torch.no_grad():
         for name, p in params:  # weights
             spec = specs.get(name)

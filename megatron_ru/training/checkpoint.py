@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.training import deepspeed_compat as dsc
 from megatron_ru.training.checkpoint_files import (CheckpointError, CheckpointSaveError, check_files,
                                                    derive_expected, describe_write_failure, list_files,
@@ -390,7 +391,7 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
         # a base checkpoint (no adapters) under a run with LoRA adapters: they are not in the files; a
         # checkpoint with a LoRA base holds only the trained tensors (the rest was loaded from the base)
         base_only = meta.lora_base is not None or ((meta.model_args or {}).get("lora") is None and any(
-            ".lora." in n for n, _ in engine.module.named_parameters()))
+            is_adapter_parameter(n) for n, _ in engine.module.named_parameters()))
         path, _ = engine.load_checkpoint(load_dir, tag=iteration_dir_name(iteration),
                                          load_optimizer_states=not weights_only,
                                          load_lr_scheduler_states=not weights_only,
