@@ -40,6 +40,7 @@ from megatron_ru.training.checkpoint import (TRACKER_FILE, CheckpointMeta, itera
                                              read_latest_iteration)
 from megatron_ru.training.checkpoint_files import CheckpointError, check_files, list_files, safe_load
 from megatron_ru.utils.logging import get_logger
+from megatron_ru.utils.optim import weight_decay_groups
 
 log = get_logger(__name__)
 
@@ -333,8 +334,7 @@ class CheckpointReader:
                                   f"or resume once at the checkpoint's layout and save again")
         module = self._mp_file(mp).get("module") or {}
         names = [k for k in module if k in self.specs]
-        # engine.optimizer_param_groups: weight-decayed (matrices) first, then the rest
-        return [g for g in ([n for n in names if module[n].ndim >= 2], [n for n in names if module[n].ndim < 2]) if g]
+        return [g for _, g in weight_decay_groups(names, lambda n: module[n].ndim >= 2)]  # the engine's groups
 
     def _zero0_index(self, mp: int, optim: dict[str, Any], where: str) -> dict[str, int]:
         """{canonical name: index in torch's optimizer state} of model-parallel rank ``mp`` (ZeRO 0)."""

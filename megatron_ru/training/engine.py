@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_ru.training import deepspeed_compat as dsc
 from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
 from megatron_ru.utils.logging import get_logger, log_rank0
+from megatron_ru.utils.optim import weight_decay_groups
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -93,13 +94,9 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[
     """Megatron's grouping: no weight decay on biases and norm weights (1-D tensors), nor on a frozen
     stage's placeholder (:func:`megatron_ru.training.freeze.keep_optimizer_busy`)."""
     from megatron_ru.training.freeze import ANCHOR_ATTR
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or getattr(p, ANCHOR_ATTR, False) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    trained = [p for _, p in model.named_parameters() if p.requires_grad]
+    groups = weight_decay_groups(trained, lambda p: p.ndim >= 2 and not getattr(p, ANCHOR_ATTR, False))
+    return [{"params": g, "weight_decay": weight_decay if decay else 0.0} for decay, g in groups]
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
