@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_ru.training import deepspeed_compat as dsc
+from megatron_ru.deepspeed_bridge import compat as dsc
 from megatron_ru.training.checkpoint_files import (CheckpointError, CheckpointSaveError, check_files,
                                                    derive_expected, describe_write_failure, list_files,
                                                    rng_file_name, safe_load)

@@ -175,7 +175,7 @@ def _engine(zero_stage):
     import deepspeed
     import torch.distributed as dist
 
-    from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
+    from megatron_ru.deepspeed_bridge.compat import disable_cpu_shm_comm
     from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler
     disable_cpu_shm_comm()
     if not dist.is_initialized():

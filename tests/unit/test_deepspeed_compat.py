@@ -1,4 +1,4 @@
-"""Each patch of DeepSpeed's internals (megatron_ru/training/deepspeed_compat.py) takes effect on the
+"""Each patch of DeepSpeed's internals (megatron_ru/deepspeed_bridge/compat.py) takes effect on the
 installed DeepSpeed: the attribute it replaces exists, and the patched behaviour is what runs.
 DeepSpeed keeps global state, so each check runs in its own interpreter (``_run``)."""
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ru.training import deepspeed_compat as dsc
+from megatron_ru.deepspeed_bridge import compat as dsc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
