@@ -25,12 +25,12 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_ru.checkpointing.files import CheckpointError, safe_load
 from megatron_ru.checkpointing.layout import OPTIM_KEYS, layer_file, layer_optim_file, specs_by_name
 from megatron_ru.deepspeed_bridge.compat import create_flat_optimizer_state
 from megatron_ru.deepspeed_bridge.masters import (has_fp32_masters, restore_engine_state, set_fp32_master,
                                                   set_optimizer_state)
 from megatron_ru.model.spec import canonical_named_parameters, model_config_from_dict
-from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 log = get_logger(__name__)

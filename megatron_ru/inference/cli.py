@@ -104,7 +104,7 @@ def check_arguments(ns: argparse.Namespace, argv: Sequence[str]) -> tuple[Sampli
     """Everything that can be checked before the process group exists: one ValueError listing
     every problem. Returns the sampling parameters and the prompts."""
     from megatron_ru.adapt.model_io import is_hf_model_dir
-    from megatron_ru.training.checkpoint import read_latest_iteration
+    from megatron_ru.checkpointing.meta import read_latest_iteration
     problems: list[str] = []
     if not ns.load:
         problems.append("--load is required: the checkpoint directory to generate from")

@@ -117,8 +117,8 @@ def _lora_base(args: Arguments, loaded: Any) -> Optional[dict[str, Any]]:
     if getattr(loaded, "lora_base", None) is not None:
         return loaded.lora_base
     if (loaded.model_args or {}).get("lora") is None:
-        from megatron_ru.training.checkpoint import iteration_dir_name
-        from megatron_ru.training.lora_base import fingerprint_distributed
+        from megatron_ru.checkpointing.meta import iteration_dir_name
+        from megatron_ru.checkpointing.lora_base import fingerprint_distributed
         load = os.path.abspath(args.checkpoint.load)
         # what the base is, not only where: a later reader refuses another model put at that path
         fp = fingerprint_distributed(os.path.join(load, iteration_dir_name(int(loaded.iteration))))

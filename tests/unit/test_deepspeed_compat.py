@@ -152,7 +152,7 @@ def test_single_replica_skips_only_the_bucket_copy(tmp_path):
 
 def check_checkpoint_io(out):
     import torch
-    from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
+    from megatron_ru.checkpointing.files import CheckpointError, safe_load
     _init_single_process()
     engine = _engine(torch.nn.Linear(4, 4), zero_stage=1)
     save_dir = os.path.join(os.path.dirname(out), "ckpt")
@@ -217,7 +217,7 @@ def check_layer_loading(out):
     import torch
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
+    from megatron_ru.checkpointing.files import CheckpointError, safe_load
     _init_single_process()
     torch.manual_seed(0)
     topo = PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1)
