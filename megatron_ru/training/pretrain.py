@@ -231,7 +231,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
 def text_tables(tokenizer: Any, vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
     """[2, V] int64: UTF-8 bytes and characters per token id (0 for special and padding ids), for bits
     per byte in validation; None for a tokenizer whose ids have no text (NullTokenizer)."""
-    from megatron_ru.adapt.token_text import byte_and_char_counts, token_texts
+    from megatron_ru.data.token_text import byte_and_char_counts, token_texts
     try:
         nbytes, nchars = byte_and_char_counts(token_texts(tokenizer))
     except ValueError:
