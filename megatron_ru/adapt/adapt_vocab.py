@@ -23,10 +23,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
-from megatron_ru.adapt.model_io import KINDS, open_model, open_tokenizer, save_model
-from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
 from megatron_ru.convert.staging import check_output
+from megatron_ru.data.token_text import token_texts
+from megatron_ru.inference.model_io import KINDS, open_model, open_tokenizer, save_model
 from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT as EMBEDDING_WEIGHT
 from megatron_ru.utils.logging import get_logger
 
@@ -136,7 +136,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
     if args.old_tokenizer:
         old_source, old_tok = open_tokenizer(args.old_tokenizer, "--old-tokenizer")
     elif src.tokenizer is not None:
-        from megatron_ru.adapt.model_io import load_tokenizer
+        from megatron_ru.inference.model_io import load_tokenizer
         old_source, old_tok = src.tokenizer, load_tokenizer(src.tokenizer)
     else:
         raise ValueError(f"--model {args.model} has no tokenizer saved with it: give --old-tokenizer")
@@ -149,7 +149,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
         skipped = intermediates = 0
         if args.mode == "extend":
             from megatron_ru.adapt.extend_tokenizer import extend_tokenizer
-            from megatron_ru.adapt.model_io import load_tokenizer
+            from megatron_ru.inference.model_io import load_tokenizer
             ext = extend_tokenizer(old_source, old_texts, new_texts, os.path.join(tmp, "tokenizer"), args.extend_filter)
             target_source, skipped, intermediates = ext.tokenizer, ext.skipped, ext.intermediates
             target_tok = load_tokenizer(target_source)

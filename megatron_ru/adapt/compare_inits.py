@@ -84,9 +84,9 @@ def _score(runner: Any, docs: list[Document], start: int, length: int, state: An
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
-    from megatron_ru.adapt.model_io import load_tokenizer, open_model, open_tokenizer
-    from megatron_ru.adapt.token_text import token_texts
     from megatron_ru.adapt.vocab_map import build_vocab_map
+    from megatron_ru.data.token_text import token_texts
+    from megatron_ru.inference.model_io import load_tokenizer, open_model, open_tokenizer
     from megatron_ru.inference.runner import StageRunner
     from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT
     from megatron_ru.parallel.env import init_distributed

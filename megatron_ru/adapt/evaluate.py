@@ -16,7 +16,7 @@ What is scored:
   by ``--stride`` tokens: every token is scored once, with all the left context its window has
   (Hugging Face's perplexity recipe); ``--stride`` equal to the window length gives disjoint windows;
 * bytes and characters of the text itself (``--input``); for a preprocessed dataset (``--data-path``)
-  those the tokens stand for (:mod:`megatron_ru.adapt.token_text`), trailing end-of-document tokens
+  those the tokens stand for (:mod:`megatron_ru.data.token_text`), trailing end-of-document tokens
   not scored.
 
 Documents are spread over the data-parallel replicas; every rank of a replica runs the same windows
@@ -156,7 +156,7 @@ def load_documents(ns: argparse.Namespace, tokenizer: Any) -> list[Document]:
         return [Document(tokenizer.tokenize(t), len(t.encode("utf-8")), len(t), g) for t, g in texts]
     if ns.group_by_key is not None:
         raise ValueError("--group-by-key needs --input (a preprocessed dataset has no keys)")
-    from megatron_ru.adapt.token_text import byte_and_char_counts, token_texts
+    from megatron_ru.data.token_text import byte_and_char_counts, token_texts
     from megatron_ru.data.indexed_dataset import IndexedDataset
     nbytes, nchars = byte_and_char_counts(token_texts(tokenizer))
     ds = IndexedDataset(ns.data_path)
@@ -193,7 +193,7 @@ def score_document(runner: Any, doc: Document, start: int, length: int, stride: 
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
-    from megatron_ru.adapt.model_io import load_tokenizer, open_model, open_tokenizer
+    from megatron_ru.inference.model_io import load_tokenizer, open_model, open_tokenizer
     from megatron_ru.inference.runner import StageRunner
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.state import ParallelState

@@ -322,9 +322,9 @@ def stage_bounds(cfg: ModelConfig, pp: int) -> list[tuple[int, int]]:
 @functools.lru_cache(maxsize=256)
 def _stage_bounds(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
     # depends on the layer count only; cached: DeepSpeed's balanced partition takes ~0.3 s for 100+ layers
-    from deepspeed.runtime import utils as ds_utils
+    from megatron_ru.deepspeed_bridge.pipeline import partition_balanced
     weights = [0] + [1] * num_layers + [0, 0]  # embedding, transformer layers, final norm, output head
-    parts = ds_utils.partition_balanced(weights=weights, num_parts=pp)
+    parts = partition_balanced(weights=weights, num_parts=pp)
     return tuple((parts[s], parts[s + 1]) for s in range(pp))
 
 

@@ -175,7 +175,7 @@ def _engine(zero_stage):
     import deepspeed
     import torch.distributed as dist
 
-    from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
+    from megatron_ru.deepspeed_bridge.compat import disable_cpu_shm_comm
     from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler
     disable_cpu_shm_comm()
     if not dist.is_initialized():
@@ -308,7 +308,7 @@ def test_safe_load_from_two_threads(tmp_path):
 
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from megatron_ru.training.checkpoint_files import safe_load
+    from megatron_ru.checkpointing.files import safe_load
     with_scaler, plain = str(tmp_path / "scaler.pt"), str(tmp_path / "plain.pt")
     torch.save({"scaler": LossScaler(1.0), "x": torch.zeros(4)}, with_scaler)
     torch.save({"x": torch.ones(4)}, plain)

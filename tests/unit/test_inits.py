@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows, target_rows
-from megatron_ru.adapt.token_text import token_texts
+from megatron_ru.data.token_text import token_texts
 from megatron_ru.adapt.vocab_map import build_vocab_map
 from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
 from tests.fixtures.tokenizers import adaptation_tokenizers
@@ -69,7 +69,7 @@ def test_input_norm_correction(case):
 
 def test_adapt_vocab_output_init_and_norm_correction(case, tmp_path):
     from megatron_ru.adapt.adapt_vocab import add_arguments, adapt_vocab
-    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.inference.model_io import open_model
     from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT
     from tests.fixtures.models import tiny_llama
     vmap = case["vmap"]

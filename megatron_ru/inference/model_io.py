@@ -59,7 +59,7 @@ class ModelSource:
 
 
 def _is_checkpoint(path: str) -> bool:
-    from megatron_ru.training.checkpoint import TRACKER_FILE
+    from megatron_ru.checkpointing.meta import TRACKER_FILE
     return os.path.isfile(os.path.join(path, TRACKER_FILE)) or (
         os.path.basename(os.path.normpath(path)).startswith("iter_")
         and os.path.isfile(os.path.join(path, "metadata.json")))
