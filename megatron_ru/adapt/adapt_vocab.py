@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
-from megatron_ru.adapt.model_io import KINDS, open_model, open_tokenizer, save_model
+from megatron_ru.adapt.model_io import KINDS, model_tokenizer, open_model, open_tokenizer, save_model
 from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
 from megatron_ru.convert.staging import check_output
@@ -133,13 +133,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
         raise FileNotFoundError(f"--sample-text {args.sample_text}: no such file")
     if args.extend_filter and args.mode != "extend":
         raise ValueError("--extend-filter applies to --mode extend only")
-    if args.old_tokenizer:
-        old_source, old_tok = open_tokenizer(args.old_tokenizer, "--old-tokenizer")
-    elif src.tokenizer is not None:
-        from megatron_ru.adapt.model_io import load_tokenizer
-        old_source, old_tok = src.tokenizer, load_tokenizer(src.tokenizer)
-    else:
-        raise ValueError(f"--model {args.model} has no tokenizer saved with it: give --old-tokenizer")
+    old_source, old_tok = model_tokenizer(src, args.old_tokenizer, "--old-tokenizer", "--model")
     new_source, new_tok = open_tokenizer(args.new_tokenizer, "--new-tokenizer")
     if old_tok.vocab_size > src.vocab_size:
         raise ValueError(f"--old-tokenizer has {old_tok.vocab_size} ids but --model {args.model} has only "

@@ -14,17 +14,14 @@ whitespace-separated word) of both tokenizers are reported too. Output: a table 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_ru.adapt.evaluate import (DTYPES, OVERALL, Tally, _context_token, _read_jsonl, _reduce, Document,
-                                        score_document)
+from megatron_ru.adapt.evaluate import (DTYPES, OVERALL, _context_token, _read_jsonl, Document, emit_report,
+                                        score_documents, text_documents)
 from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
-from megatron_ru.utils import cli
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 log = get_logger(__name__)
@@ -69,22 +66,16 @@ def parse_method(spec: str, tied: bool) -> tuple[str, str, bool]:
 
 
 def _documents(path: str, keys: Sequence[str], limit: Optional[int], tokenizer: Any) -> tuple[list[Document], int]:
-    texts = [t for t, _ in _read_jsonl(path, keys, None, limit)]
-    docs = [Document(tokenizer.tokenize(t), len(t.encode("utf-8")), len(t)) for t in texts]
-    return docs, sum(len(t.split()) for t in texts)
+    texts = _read_jsonl(path, keys, None, limit)
+    return text_documents(texts, tokenizer), sum(len(t.split()) for t, _ in texts)
 
 
 def _score(runner: Any, docs: list[Document], start: int, length: int, state: Any) -> dict[str, Any]:
-    tally = Tally()
-    for i in range(state.dp_rank, len(docs), state.dp_size):
-        d = docs[i]
-        tally.add(Tally(score_document(runner, d, start, length, length, state.device), len(d.ids), d.nbytes,
-                        d.nchars, 1))
-    return _reduce({OVERALL: tally}, [OVERALL], state, runner)[OVERALL]
+    return score_documents(runner, docs, start, length, length, state)[OVERALL]
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
-    from megatron_ru.adapt.model_io import load_tokenizer, open_model, open_tokenizer
+    from megatron_ru.adapt.model_io import model_tokenizer, open_model, open_tokenizer
     from megatron_ru.adapt.token_text import token_texts
     from megatron_ru.adapt.vocab_map import build_vocab_map
     from megatron_ru.inference.runner import StageRunner
@@ -93,12 +84,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     from megatron_ru.parallel.state import ParallelState
 
     src = open_model(ns.model, "--model")
-    if ns.old_tokenizer:
-        _, old_tok = open_tokenizer(ns.old_tokenizer, "--old-tokenizer")
-    elif src.tokenizer is not None:
-        old_tok = load_tokenizer(src.tokenizer)
-    else:
-        raise ValueError(f"--model {ns.model} has no tokenizer saved with it: give --old-tokenizer")
+    _, old_tok = model_tokenizer(src, ns.old_tokenizer, "--old-tokenizer", "--model")
     _, new_tok = open_tokenizer(ns.new_tokenizer, "--new-tokenizer")
     methods = [(spec, *parse_method(spec, src.cfg.tied_embeddings)) for spec in ns.methods]
     length = ns.seq_length or src.cfg.max_position_embeddings
@@ -150,13 +136,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
            "tensor_model_parallel_size": state.tp_size, "pipeline_model_parallel_size": state.pp_size,
            "kept": vmap.counts()["kept"] + vmap.counts()["special"], "new_rows": len(vmap.new_ids()),
            "results": rows, "seconds": time.perf_counter() - t0}
-    if state.rank == 0:
-        cli.emit(format_table(out))
-        if ns.output_json:
-            tmp = ns.output_json + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=1, ensure_ascii=False)
-            os.replace(tmp, ns.output_json)
+    emit_report(out, format_table(out), ns.output_json, state)
     return out
 
 
