@@ -27,6 +27,9 @@ import torch
 from megatron_ru.adapt.token_text import TokenTexts
 from megatron_ru.adapt.token_vectors import TokenVectors, VectorOptions, train_token_vectors
 from megatron_ru.adapt.vocab_map import VocabMap
+from megatron_ru.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 FALLBACKS = ("mean", "random")
 #: new tokens whose similarities are computed at once (bounds a block's [rows, overlap] matrix)
@@ -72,7 +75,8 @@ def sparsemax(z: torch.Tensor) -> torch.Tensor:
     return _sparsemax(z, dim=-1)
 
 
-def focus_weights(queries: torch.Tensor, basis: torch.Tensor, temperature: float) -> list[tuple[list[int], list[float]]]:
+def focus_weights(queries: torch.Tensor, basis: torch.Tensor,
+                  temperature: float) -> list[tuple[list[int], list[float]]]:
     """Per row of ``queries``: the rows of ``basis`` with a nonzero weight in ``sparsemax(cosine /
     temperature)`` and those weights (float64)."""
     q = queries.to(torch.float64)
@@ -96,6 +100,10 @@ def build_focus_map(vmap: VocabMap, vectors: TokenVectors, options: FocusOptions
     overlap = [i for i, k in enumerate(vmap.kind) if k in ("kept", "special") and i in has]
     new = vmap.new_ids()
     focus_ids = [i for i in new if i in has] if overlap else []
+    if new and not overlap:
+        log.warning(f"FOCUS: no token shared by the two vocabularies occurs in --focus-corpus {options.vectors.corpus} "
+                    f"often enough (--focus-min-count {options.vectors.min_count}) to have a fastText vector: every "
+                    f"new row gets --focus-fallback {options.fallback}")
     chosen = set(focus_ids)
     no_vector = [i for i in new if i not in chosen]
     pieces = [list(p) for p in vmap.pieces]

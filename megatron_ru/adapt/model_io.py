@@ -148,7 +148,8 @@ def open_tokenizer(path: str, flag: str, num_threads: int = 1) -> tuple[Tokenize
         raise type(e)(f"{flag} {path}: {e}") from e
 
 
-def model_tokenizer(src: ModelSource, given: Optional[str], flag: str, model_flag: str) -> tuple[TokenizerSource, Tokenizer]:
+def model_tokenizer(src: ModelSource, given: Optional[str], flag: str,
+                    model_flag: str) -> tuple[TokenizerSource, Tokenizer]:
     """The tokenizer named by ``flag`` (``given``), else the one saved with the model ``src`` (opened by
     ``model_flag``); neither is a ValueError that names both flags."""
     if given:

@@ -22,7 +22,7 @@ from megatron_ru.adapt.vocab_map import build_vocab_map
 from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
 from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT
 from tests.fixtures.models import tiny_llama
-from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts
+from tests.fixtures.tokenizers import adaptation_tokenizers, focus_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,7 @@ def case(tmp_path_factory):
     old, new = GPTSentencePieceTokenizer(old_sp), GPTSentencePieceTokenizer(new_sp)
     model = tiny_llama(str(d / "base"), vocab_size=old.vocab_size, tokenizer_dir=tok_dir)
     corpus = d / "ru.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in language_texts("ru", 150, 21)),
-                      encoding="utf-8")
+    focus_corpus(corpus)
     return types.SimpleNamespace(dir=d, old=old, new=new, new_sp=new_sp, model=model, corpus=str(corpus))
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.dist_utils import run_distributed
 from tests.fixtures.models import tiny_llama
-from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts
+from tests.fixtures.tokenizers import adaptation_tokenizers, focus_corpus, language_texts
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,7 @@ def test_compare_inits_matches_evaluate(tmp_path):
     data.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in language_texts("ru", 6, 11)),
                     encoding="utf-8")
     corpus = tmp_path / "ru_corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in language_texts("ru", 150, 21)),
-                      encoding="utf-8")
+    focus_corpus(corpus)
     focus = ["--focus-corpus", str(corpus), "--focus-dim", "16", "--focus-epochs", "2", "--focus-temperature", "0.1"]
     argv = ["--model", model, "--new-tokenizer", new_sp, "--input", str(data), "--seq-length", "64",
             "--methods", "mean", "random", "mean/random", "max-char+norm", "focus", *focus,

@@ -5,7 +5,6 @@ fastText vectors reproduces, the same on a second run."""
 from __future__ import annotations
 
 import itertools
-import json
 import types
 
 import numpy as np
@@ -18,7 +17,7 @@ from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.token_vectors import VectorOptions, corpus_texts, token_words, train_token_vectors
 from megatron_ru.adapt.vocab_map import build_vocab_map
 from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
-from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts
+from tests.fixtures.tokenizers import adaptation_tokenizers, focus_corpus
 
 #: the vectors of a small synthetic corpus are close to each other: a low temperature keeps few neighbours
 TEMPERATURE = 0.01
@@ -72,7 +71,8 @@ def test_sparsemax_limits():
     assert torch.equal(sparsemax(z / 0.01), torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
     wide = sparsemax(z / 100.0)                                                   # a high temperature: near uniform
     assert (wide > 0).all() and torch.allclose(wide, torch.full_like(wide, 0.25), atol=0.01)
-    assert torch.allclose(sparsemax(torch.zeros(1, 5, dtype=torch.float64)), torch.full((1, 5), 0.2, dtype=torch.float64))
+    flat = sparsemax(torch.zeros(1, 5, dtype=torch.float64))                     # ties: uniform
+    assert torch.allclose(flat, torch.full((1, 5), 0.2, dtype=torch.float64))
     assert torch.allclose(sparsemax(z + 7.0), sparsemax(z))                      # shift invariant, like softmax
     mid = sparsemax(z)
     assert int((mid > 0).sum()) == 3 and mid[0, 3] == 0                          # in between: sparse, not one-hot
@@ -86,8 +86,7 @@ def case(tmp_path_factory):
     ot, nt = token_texts(old), token_texts(new)
     vmap = build_vocab_map(old, new, ot, nt)
     corpus = d / "ru.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in language_texts("ru", 150, 21)),
-                      encoding="utf-8")
+    focus_corpus(corpus)
     vopts = VectorOptions(corpus=str(corpus), dim=16, epochs=20, min_count=2)   # a small corpus wants many epochs
     vectors = train_token_vectors(new, nt, vopts)
     torch.manual_seed(0)
