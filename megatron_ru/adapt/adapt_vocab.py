@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-norm-correction", action="store_true",
                    help="rescale the new input-embedding rows to the median L2 norm of the old ones (output rows "
                         "are left alone; with tied embeddings the one matrix is the input)")
-    p.add_argument("--seed", type=int, default=1234, help="seed of --init random")
+    p.add_argument("--seed", type=int, default=1234, help="seed of --init random and of --focus-fallback random")
     p.add_argument("--save", required=True, help="output directory")
     p.add_argument("--output-format", choices=KINDS, default=None,
                    help="hf or megatron (default: the kind of --model)")
