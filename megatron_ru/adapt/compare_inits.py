@@ -7,9 +7,11 @@ The model is loaded once; for each method (:mod:`megatron_ru.adapt.inits`) the n
 rows are built in memory and swapped into the running model, and the same documents are scored as
 ``tools/evaluate.py`` scores them (bits per byte, comparable across tokenizers). Nothing is written
 per method. A method is ``INPUT`` (the output layer the same), ``INPUT/OUTPUT`` (an untied model's
-two sides chosen independently), either with ``+norm`` (input norm correction). The first row is the
-original model with its own tokenizer; characters per token and fertility (tokens per
-whitespace-separated word) of both tokenizers are reported too. Output: a table and ``--output-json``.
+two sides chosen independently), either with ``+norm`` (input norm correction); ``focus`` needs
+``--focus-corpus``, which adds it to the default methods (its fastText vectors are trained once).
+The first row is the original model with its own tokenizer; characters per token and fertility
+(tokens per whitespace-separated word) of both tokenizers are reported too. Output: a table and
+``--output-json``.
 """
 from __future__ import annotations
 
