@@ -90,6 +90,7 @@ setup(
         "safetensors",
         "tensorboard",
     ],
-    extras_require={"apex": ["apex"], "test": ["pytest", "pytest-timeout", "transformers"]},
+    extras_require={"apex": ["apex"], "focus": ["fasttext-wheel>=0.9.2", "entmax>=1.3"],
+                    "test": ["pytest", "pytest-timeout", "transformers"]},
     zip_safe=False,
 )

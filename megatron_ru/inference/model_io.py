@@ -148,6 +148,17 @@ def open_tokenizer(path: str, flag: str, num_threads: int = 1) -> tuple[Tokenize
         raise type(e)(f"{flag} {path}: {e}") from e
 
 
+def model_tokenizer(src: ModelSource, given: Optional[str], flag: str,
+                    model_flag: str) -> tuple[TokenizerSource, Tokenizer]:
+    """The tokenizer named by ``flag`` (``given``), else the one saved with the model ``src`` (opened by
+    ``model_flag``); neither is a ValueError that names both flags."""
+    if given:
+        return open_tokenizer(given, flag)
+    if src.tokenizer is not None:
+        return src.tokenizer, load_tokenizer(src.tokenizer)
+    raise ValueError(f"{model_flag} {src.path} has no tokenizer saved with it: give {flag}")
+
+
 def _tokenizer_record(tokenizer: TokenizerSource) -> dict[str, Any]:
     """metadata.json's tokenizer record of a checkpoint holding ``tokenizer`` in ``<ckpt>/tokenizer``."""
     if tokenizer.type == HF_TYPE:
