@@ -4,6 +4,7 @@ every checkpoint records about the run that wrote it (read by training, the offl
 ``--use-checkpoint-args`` and the tools)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -16,6 +17,8 @@ from megatron_ru.checkpointing.files import CheckpointError, derive_expected
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+#: metadata.json files read by this process: (path, mtime, size) -> CheckpointMeta
+_READ: dict[tuple[str, int, int], Any] = {}
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -118,14 +121,21 @@ class CheckpointMeta:
             raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete megatron_ru "
                                   f"checkpoint; point --load at a directory written by --save, or resume from "
                                   f"an earlier checkpoint by writing its iteration into {pointer}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                return cls(**json.load(f))
-        except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError, missing/extra fields
-            raise CheckpointError(
-                f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); it describes the checkpoint and is "
-                f"written by --save: restore it from a copy, or resume from an earlier checkpoint by writing "
-                f"its iteration into {pointer}") from None
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+        if key not in _READ:  # read once per process and version of the file (each reader gets a copy)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    meta = cls(**json.load(f))
+            except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError, missing/extra fields
+                raise CheckpointError(
+                    f"{path} is damaged ({type(e).__name__}: {str(e)[:200]}); it describes the checkpoint and is "
+                    f"written by --save: restore it from a copy, or resume from an earlier checkpoint by writing "
+                    f"its iteration into {pointer}") from None
+            if len(_READ) > 32:
+                _READ.clear()
+            _READ[key] = meta
+        return copy.deepcopy(_READ[key])
 
     def expected_files(self, present: list[str]) -> dict[str, Optional[int]]:
         """Every ``*.pt`` file of the checkpoint (and its size, when the save recorded it)."""
