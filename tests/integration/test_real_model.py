@@ -46,13 +46,12 @@ def _russian(n_chars: int, skip: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def real():
+def real(real_model_cache):
     """The Hugging Face directory, its tokenizer and transformers' answers to compare with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tools.real_model import ensure, model_dir
-    ensure()                                            # builds what is missing: CI installs, never skips
-    hf_dir = model_dir()
+    from tools.real_model import model_dir
+    hf_dir = model_dir()                                # real_model_cache built what was missing
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32).eval()
     prompts = {"english": tok(ENGLISH, add_special_tokens=False)["input_ids"],
