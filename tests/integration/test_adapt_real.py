@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -26,8 +27,15 @@ LEP_MARGIN = 0.05          # bits per byte between the twin with LEP and the ada
 CLEAR = 0.1                # a clear gain in bits per byte (measured: about 0.19 for both gains below)
 
 
-def test_adapt_real_quick(real_model_cache, tmp_path) -> None:
-    out = tmp_path / "adapt_real"
+@pytest.fixture
+def out(tmp_path):
+    """The walkthrough's directory, removed afterwards: its checkpoints and model copies are ~5 GB."""
+    path = tmp_path / "adapt_real"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_adapt_real_quick(real_model_cache, out) -> None:
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "adapt_real.py"), "--quick", "--out",
                            str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
