@@ -28,7 +28,6 @@ lowered bits per byte instead; every other check stays.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from examples.adapt_language import PY, TOOLS, mpirun, step  # noqa: E402
+from megatron_ru.utils.cli import ArgumentParser  # noqa: E402
 from tools.real_model import english_file, ensure, model_dir, text_file  # noqa: E402
 
 LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
@@ -138,7 +138,7 @@ def propagate(out: str, base: str, emb: str, twin: str, scores: list[dict],
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "adapt_real_out"))
     ap.add_argument("--quick", action="store_true",
                     help=f"the shortened run (`make test`): --methods {' '.join(QUICK['methods'])} --iters "
