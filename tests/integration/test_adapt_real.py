@@ -37,7 +37,7 @@ def out(tmp_path):
 
 def test_adapt_real_quick(real_model_cache, out) -> None:
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "adapt_real.py"), "--quick", "--out",
-                           str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
+                           str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "every check held" in proc.stdout
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
