@@ -81,7 +81,7 @@ setup(
     cmdclass={"build_ext": QuietBuildExt},
     install_requires=[
         "torch>=2.1",
-        "deepspeed>=0.19.8,<0.20",  # tested range: megatron_ru/training/deepspeed_compat.py
+        "deepspeed>=0.19.8,<0.20",  # tested range: megatron_ru/deepspeed_bridge/compat.py
         "numpy>=1.24",
         "regex",
         "sentencepiece>=0.2.0",
@@ -90,6 +90,7 @@ setup(
         "safetensors",
         "tensorboard",
     ],
-    extras_require={"apex": ["apex"], "test": ["pytest", "pytest-timeout", "transformers"]},
+    extras_require={"apex": ["apex"], "focus": ["fasttext-wheel>=0.9.2", "entmax>=1.3"],
+                    "test": ["pytest", "pytest-timeout", "transformers"]},
     zip_safe=False,
 )

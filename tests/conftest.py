@@ -1,4 +1,4 @@
-"""Suite-wide hooks: the fast suite's budget.
+"""Suite-wide hooks and fixtures: the fast suite's budget; the real model's cache.
 
 ``make test-fast`` (``pytest -m "not slow" tests``) is the edit-test loop and must stay under 3 minutes
 on 2 cores. Wall time depends on what else the machine runs, so the check counts CPU time (this
@@ -37,3 +37,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(f"the fast suite cannot fit its budget: mark the slowest tests slow "
                                 f"(pytest --durations=20 -m 'not slow' names them)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def real_model_cache() -> str:
+    """SmolLM2-135M-Instruct and the Russian/English man pages (tools/real_model.py), built here when
+    missing: CI installs them and never skips. Returns the cache directory."""
+    from tools.real_model import ensure
+    return ensure()

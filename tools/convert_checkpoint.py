@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ru.training.checkpoint_files import CheckpointSaveError  # noqa: E402
+from megatron_ru.checkpointing.files import CheckpointSaveError  # noqa: E402
 from megatron_ru.utils import cli  # noqa: E402
 
 #: subcommand -> module providing HELP, add_arguments(parser) and run(args)

@@ -22,11 +22,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_ru.adapt.focus import FocusMap, add_focus_arguments, build_focus, focus_options
 from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
-from megatron_ru.adapt.model_io import KINDS, open_model, open_tokenizer, save_model
-from megatron_ru.adapt.token_text import token_texts
 from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
 from megatron_ru.convert.staging import check_output
+from megatron_ru.data.token_text import token_texts
+from megatron_ru.inference.model_io import KINDS, model_tokenizer, open_model, open_tokenizer, save_model
 from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT as EMBEDDING_WEIGHT
 from megatron_ru.utils.logging import get_logger
 
@@ -55,14 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the old pieces' rows, weighted-mean (earlier pieces more, whitespace less), char-weighted "
                         "(by piece length), max-char (the longest piece), mean-all, mean-target (old Cyrillic "
                         "tokens), hf-default (transformers' resize), random (N(0, std of the old rows); tokens "
-                        "whose text is one old token, and matched special tokens, keep their old rows), or "
-                        "random-all (every row random: the fully random baseline). docs/adaptation.md")
+                        "whose text is one old token, and matched special tokens, keep their old rows), "
+                        "random-all (every row random: the fully random baseline), or focus (FOCUS: sparsemax-"
+                        "weighted old rows of shared tokens near in a fastText space; needs --focus-corpus). "
+                        "docs/adaptation.md")
     p.add_argument("--output-init", choices=INITS, default=None,
                    help="new rows of the output layer (default: --init); an untied model only")
     p.add_argument("--input-norm-correction", action="store_true",
                    help="rescale the new input-embedding rows to the median L2 norm of the old ones (output rows "
                         "are left alone; with tied embeddings the one matrix is the input)")
-    p.add_argument("--seed", type=int, default=1234, help="seed of --init random")
+    p.add_argument("--seed", type=int, default=1234, help="seed of --init random and of --focus-fallback random")
     p.add_argument("--save", required=True, help="output directory")
     p.add_argument("--output-format", choices=KINDS, default=None,
                    help="hf or megatron (default: the kind of --model)")
@@ -72,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="UTF-8 text for the report: characters per token of both tokenizers, frequent new tokens")
     p.add_argument("--report-json", default=None, metavar="FILE", help="write the report here too")
     p.add_argument("--force", action="store_true", help="replace --save if it exists")
+    add_focus_arguments(p)
 
 
 def _ranges(ids: list[int]) -> list[list[int]]:
@@ -90,12 +94,14 @@ def random_ids(vmap: VocabMap, init: str) -> list[int]:
 
 
 def new_matrix(old: torch.Tensor, vmap: VocabMap, init: str, rows: int, seed: int,
-               old_pieces: Sequence[Optional[bytes]], norm_correction: bool = False) -> tuple[torch.Tensor, list[int]]:
+               old_pieces: Sequence[Optional[bytes]], norm_correction: bool = False,
+               focus: Optional[FocusMap] = None) -> tuple[torch.Tensor, list[int]]:
     """The adapted matrix with ``rows`` rows by ``init`` (:mod:`megatron_ru.adapt.inits`), the computed
     rows rescaled to the old rows' median norm with ``norm_correction``, and the ids that got the mean
     of all old rows; rows past the new tokenizer's ids (a model with more rows than its tokenizer, as
-    Qwen) keep the old rows when there are any, else the mean of the old rows."""
-    new, fallbacks = init_rows(old, vmap, init, old_pieces, seed=seed)
+    Qwen) keep the old rows when there are any, else the mean of the old rows; ``focus`` is what
+    ``init`` focus needs."""
+    new, fallbacks = init_rows(old, vmap, init, old_pieces, seed=seed, focus=focus)
     if norm_correction:
         new = correct_input_norms(new, old, random_ids(vmap, init), vmap.old_size)
     if rows > new.shape[0]:
@@ -128,18 +134,21 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
     src = open_model(args.model, "--model")
     kind = args.output_format or src.kind
     check_output(args.save, [("--model", args.model), ("--old-tokenizer", args.old_tokenizer),
-                             ("--new-tokenizer", args.new_tokenizer), ("--sample-text", args.sample_text)], args.force)
+                             ("--new-tokenizer", args.new_tokenizer), ("--sample-text", args.sample_text),
+                             ("--focus-corpus", args.focus_corpus)], args.force)
     if args.sample_text and not os.path.isfile(args.sample_text):
         raise FileNotFoundError(f"--sample-text {args.sample_text}: no such file")
     if args.extend_filter and args.mode != "extend":
         raise ValueError("--extend-filter applies to --mode extend only")
-    if args.old_tokenizer:
-        old_source, old_tok = open_tokenizer(args.old_tokenizer, "--old-tokenizer")
-    elif src.tokenizer is not None:
-        from megatron_ru.adapt.model_io import load_tokenizer
-        old_source, old_tok = src.tokenizer, load_tokenizer(src.tokenizer)
-    else:
-        raise ValueError(f"--model {args.model} has no tokenizer saved with it: give --old-tokenizer")
+    output_init = args.output_init or args.init
+    if src.cfg.tied_embeddings and output_init != args.init:
+        raise ValueError(f"--output-init {output_init} differs from --init {args.init}, but --model {args.model} "
+                         "ties its output layer to the input embedding: one matrix, one initialisation")
+    if args.focus_corpus and "focus" not in (args.init, output_init):
+        raise ValueError("--focus-corpus applies to --init focus or --output-init focus only")
+    focus_opts = focus_options(args, "focus" in (args.init, output_init),
+                               "--init focus" if args.init == "focus" else "--output-init focus")
+    old_source, old_tok = model_tokenizer(src, args.old_tokenizer, "--old-tokenizer", "--model")
     new_source, new_tok = open_tokenizer(args.new_tokenizer, "--new-tokenizer")
     if old_tok.vocab_size > src.vocab_size:
         raise ValueError(f"--old-tokenizer has {old_tok.vocab_size} ids but --model {args.model} has only "
@@ -149,7 +158,7 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
         skipped = intermediates = 0
         if args.mode == "extend":
             from megatron_ru.adapt.extend_tokenizer import extend_tokenizer
-            from megatron_ru.adapt.model_io import load_tokenizer
+            from megatron_ru.inference.model_io import load_tokenizer
             ext = extend_tokenizer(old_source, old_texts, new_texts, os.path.join(tmp, "tokenizer"), args.extend_filter)
             target_source, skipped, intermediates = ext.tokenizer, ext.skipped, ext.intermediates
             target_tok = load_tokenizer(target_source)
@@ -159,16 +168,13 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             target_source, target_tok, target_texts = new_source, new_tok, new_texts
             rows = target_tok.vocab_size
         vmap = build_vocab_map(old_tok, target_tok, old_texts, target_texts)
-        output_init = args.output_init or args.init
-        if src.cfg.tied_embeddings and output_init != args.init:
-            raise ValueError(f"--output-init {output_init} differs from --init {args.init}, but --model {args.model} "
-                             "ties its output layer to the input embedding: one matrix, one initialisation")
+        fmap = build_focus(vmap, target_tok, target_texts, focus_opts) if focus_opts else None
         tensors = {}
         tensors[EMBEDDING_WEIGHT], fallbacks = new_matrix(src.get(EMBEDDING_WEIGHT), vmap, args.init, rows, args.seed,
-                                                          old_texts.pieces, args.input_norm_correction)
+                                                          old_texts.pieces, args.input_norm_correction, fmap)
         if not src.cfg.tied_embeddings:
             tensors[OUTPUT_WEIGHT], _ = new_matrix(src.get(OUTPUT_WEIGHT), vmap, output_init, rows, args.seed + 1,
-                                                   old_texts.pieces)
+                                                   old_texts.pieces, focus=fmap)
         computed = sorted(set(random_ids(vmap, args.init)) | set(random_ids(vmap, output_init)))
         record = {"mode": args.mode, "init": args.init, "output_init": output_init,
                   "input_norm_correction": bool(args.input_norm_correction), "old_vocab_size": src.vocab_size,
@@ -186,6 +192,8 @@ def adapt_vocab(args: argparse.Namespace) -> dict[str, Any]:
             "appended_pieces": (target_tok.vocab_size - old_tok.vocab_size) if args.mode == "extend" else None,
             "skipped_pieces": skipped if args.mode == "extend" else None,
             "intermediate_tokens": intermediates if args.mode == "extend" else None,
+            "focus": {**fmap.summary(), "no_vector_tokens": [target_texts.display(i) for i in fmap.no_vector[:_LISTED]]}
+            if fmap else None,
             **_sample_report(args.sample_text, old_tok, target_tok, vmap, old_texts, target_texts)}
 
         def get_tensor(name: str) -> torch.Tensor:
@@ -218,6 +226,13 @@ def _log_report(r: dict[str, Any]) -> None:
         log.info(f"--init {r['init']}: {r['random_rows']} rows drawn at random"
                  + (f"; the {r['kept']} kept and matched special tokens keep their old rows (--init random-all "
                     "draws every row)" if r["init"] == "random" else ""))
+    if r["focus"]:
+        f = r["focus"]
+        log.info(f"FOCUS: {f['focus_rows']} rows from a mean of {f['mean_neighbours']:.1f} overlapping tokens "
+                 f"(of {f['overlap_with_vector']} with a fastText vector; temperature {f['temperature']:g}); "
+                 f"{f['no_vector_rows']} new tokens without a vector -> --focus-fallback {f['fallback']}"
+                 + (f" ({', '.join(f['no_vector_tokens'][:8])}{', ...' if f['no_vector_rows'] > 8 else ''})"
+                    if f["no_vector_rows"] else "") + f"; fastText {f['fasttext_seconds']:.1f} s")
     if "new_chars_per_token" in r:
         log.info(f"characters per token on {r['sample_text']}: old tokenizer {r['old_chars_per_token']:.3f}, "
                  f"new {r['new_chars_per_token']:.3f}")

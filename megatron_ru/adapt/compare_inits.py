@@ -7,29 +7,29 @@ The model is loaded once; for each method (:mod:`megatron_ru.adapt.inits`) the n
 rows are built in memory and swapped into the running model, and the same documents are scored as
 ``tools/evaluate.py`` scores them (bits per byte, comparable across tokenizers). Nothing is written
 per method. A method is ``INPUT`` (the output layer the same), ``INPUT/OUTPUT`` (an untied model's
-two sides chosen independently), either with ``+norm`` (input norm correction). The first row is the
-original model with its own tokenizer; characters per token and fertility (tokens per
-whitespace-separated word) of both tokenizers are reported too. Output: a table and ``--output-json``.
+two sides chosen independently), either with ``+norm`` (input norm correction); ``focus`` needs
+``--focus-corpus``, which adds it to the default methods (its fastText vectors are trained once).
+The first row is the original model with its own tokenizer; characters per token and fertility
+(tokens per whitespace-separated word) of both tokenizers are reported too. Output: a table and
+``--output-json``.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_ru.adapt.evaluate import (DTYPES, OVERALL, Tally, _context_token, _read_jsonl, _reduce, Document,
-                                        score_document)
-from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
-from megatron_ru.utils import cli
+from megatron_ru.adapt.evaluate import (DTYPES, OVERALL, _context_token, _read_jsonl, Document, emit_report,
+                                        score_documents, text_documents)
+from megatron_ru.adapt.focus import add_focus_arguments, build_focus, focus_options
+from megatron_ru.adapt.inits import CORPUS_METHODS, METHODS, correct_input_norms, init_rows
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 log = get_logger(__name__)
 
-DEFAULT_METHODS = METHODS + ("mean+norm",)
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in CORPUS_METHODS) + ("mean+norm",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="JSONL documents to score (held-out text of the new language)")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--max-documents", type=int, default=None)
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD",
-                   help=f"INPUT[/OUTPUT][+norm], each of {', '.join(METHODS)}")
+    p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                   help=f"INPUT[/OUTPUT][+norm], each of {', '.join(METHODS)} (default: {' '.join(DEFAULT_METHODS)}, "
+                        "and focus with --focus-corpus)")
     p.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's maximum)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the random methods")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-backend", default="auto", choices=("auto", "nccl", "gloo"))
     p.add_argument("--distributed-timeout-minutes", type=float, default=30.0)
     p.add_argument("--output-json", default=None)
+    add_focus_arguments(p)
     return p
 
 
@@ -69,38 +71,32 @@ def parse_method(spec: str, tied: bool) -> tuple[str, str, bool]:
 
 
 def _documents(path: str, keys: Sequence[str], limit: Optional[int], tokenizer: Any) -> tuple[list[Document], int]:
-    texts = [t for t, _ in _read_jsonl(path, keys, None, limit)]
-    docs = [Document(tokenizer.tokenize(t), len(t.encode("utf-8")), len(t)) for t in texts]
-    return docs, sum(len(t.split()) for t in texts)
+    texts = _read_jsonl(path, keys, None, limit)
+    return text_documents(texts, tokenizer), sum(len(t.split()) for t, _ in texts)
 
 
 def _score(runner: Any, docs: list[Document], start: int, length: int, state: Any) -> dict[str, Any]:
-    tally = Tally()
-    for i in range(state.dp_rank, len(docs), state.dp_size):
-        d = docs[i]
-        tally.add(Tally(score_document(runner, d, start, length, length, state.device), len(d.ids), d.nbytes,
-                        d.nchars, 1))
-    return _reduce({OVERALL: tally}, [OVERALL], state, runner)[OVERALL]
+    return score_documents(runner, docs, start, length, length, state)[OVERALL]
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
-    from megatron_ru.adapt.model_io import load_tokenizer, open_model, open_tokenizer
-    from megatron_ru.adapt.token_text import token_texts
     from megatron_ru.adapt.vocab_map import build_vocab_map
+    from megatron_ru.data.token_text import token_texts
+    from megatron_ru.inference.model_io import model_tokenizer, open_model, open_tokenizer
     from megatron_ru.inference.runner import StageRunner
     from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.state import ParallelState
 
     src = open_model(ns.model, "--model")
-    if ns.old_tokenizer:
-        _, old_tok = open_tokenizer(ns.old_tokenizer, "--old-tokenizer")
-    elif src.tokenizer is not None:
-        old_tok = load_tokenizer(src.tokenizer)
-    else:
-        raise ValueError(f"--model {ns.model} has no tokenizer saved with it: give --old-tokenizer")
+    _, old_tok = model_tokenizer(src, ns.old_tokenizer, "--old-tokenizer", "--model")
     _, new_tok = open_tokenizer(ns.new_tokenizer, "--new-tokenizer")
-    methods = [(spec, *parse_method(spec, src.cfg.tied_embeddings)) for spec in ns.methods]
+    specs = ns.methods or list(DEFAULT_METHODS) + (["focus"] if ns.focus_corpus else [])
+    methods = [(spec, *parse_method(spec, src.cfg.tied_embeddings)) for spec in specs]
+    uses_focus = any("focus" in (inp, out) for _, inp, out, _ in methods)
+    if ns.focus_corpus and not uses_focus:
+        raise ValueError("--focus-corpus is given but no method of --methods uses focus")
+    focus_opts = focus_options(ns, uses_focus, "--methods focus")
     length = ns.seq_length or src.cfg.max_position_embeddings
     if not 2 <= length <= src.cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {length}: must be in [2, {src.cfg.max_position_embeddings}]")
@@ -108,8 +104,9 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     new_docs, _ = _documents(ns.input, ns.json_keys, ns.max_documents, new_tok)
     if not old_docs:
         raise ValueError(f"--input {ns.input}: no documents to score")
-    old_texts = token_texts(old_tok)
-    vmap = build_vocab_map(old_tok, new_tok, old_texts, token_texts(new_tok))
+    old_texts, new_texts = token_texts(old_tok), token_texts(new_tok)
+    vmap = build_vocab_map(old_tok, new_tok, old_texts, new_texts)
+    fmap = build_focus(vmap, new_tok, new_texts, focus_opts) if focus_opts else None
 
     init_distributed(ns.distributed_backend, ns.distributed_timeout_minutes)
     state = ParallelState.build(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size,
@@ -132,13 +129,15 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     new_rows = new_tok.vocab_size
     runner = StageRunner(src.cfg, new_rows, state, dtype=DTYPES[ns.dtype])
     for spec, inp, out, norm in methods:
-        emb, fallbacks = init_rows(get_src(WORD_EMBEDDING_WEIGHT), vmap, inp, old_texts.pieces, seed=ns.seed)
+        emb, fallbacks = init_rows(get_src(WORD_EMBEDDING_WEIGHT), vmap, inp, old_texts.pieces, seed=ns.seed,
+                                   focus=fmap)
         if norm:
             computed = list(range(vmap.new_size)) if inp == "random-all" else vmap.new_ids()
             emb = correct_input_norms(emb, get_src(WORD_EMBEDDING_WEIGHT), computed, vmap.old_size)
         swapped = {WORD_EMBEDDING_WEIGHT: emb}
         if not src.cfg.tied_embeddings:
-            swapped[OUTPUT_WEIGHT] = init_rows(get_src(OUTPUT_WEIGHT), vmap, out, old_texts.pieces, seed=ns.seed + 1)[0]
+            swapped[OUTPUT_WEIGHT] = init_rows(get_src(OUTPUT_WEIGHT), vmap, out, old_texts.pieces, seed=ns.seed + 1,
+                                               focus=fmap)[0]
         runner.load(lambda name: swapped[name] if name in swapped else get_src(name))
         rows.append({"method": spec, "input": inp, "output": out, "input_norm_correction": norm, "tokenizer": "new",
                      "words": words, "fallback": len(fallbacks),
@@ -149,14 +148,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     out = {"model": ns.model, "new_tokenizer": ns.new_tokenizer, "input": ns.input, "seq_length": length,
            "tensor_model_parallel_size": state.tp_size, "pipeline_model_parallel_size": state.pp_size,
            "kept": vmap.counts()["kept"] + vmap.counts()["special"], "new_rows": len(vmap.new_ids()),
-           "results": rows, "seconds": time.perf_counter() - t0}
-    if state.rank == 0:
-        cli.emit(format_table(out))
-        if ns.output_json:
-            tmp = ns.output_json + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=1, ensure_ascii=False)
-            os.replace(tmp, ns.output_json)
+           "results": rows, "focus": fmap.summary() if fmap else None, "seconds": time.perf_counter() - t0}
+    emit_report(out, format_table(out), ns.output_json, state)
     return out
 
 
@@ -166,6 +159,13 @@ def format_table(out: dict[str, Any]) -> str:
     for r in out["results"]:
         lines.append(f"{r['method']:<28} {r['bits_per_byte']:>10.4f} {r['chars_per_token']:>11.3f} "
                      f"{r['fertility']:>11.3f} {r.get('fallback', ''):>8}")
+    f = out.get("focus")
+    if f:
+        lines.append(f"focus: fastText (dim {f['dim']}, {f['epochs']} epochs, min count {f['min_count']}) on "
+                     f"{f['corpus_tokens']} tokens of {f['corpus']} in {f['fasttext_seconds']:.1f} s; "
+                     f"{f['focus_rows']} rows from {f['mean_neighbours']:.1f} of {f['overlap_with_vector']} "
+                     f"overlapping tokens on average (temperature {f['temperature']:g}), {f['no_vector_rows']} "
+                     f"without a vector ({f['fallback']})")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ What is scored:
   by ``--stride`` tokens: every token is scored once, with all the left context its window has
   (Hugging Face's perplexity recipe); ``--stride`` equal to the window length gives disjoint windows;
 * bytes and characters of the text itself (``--input``); for a preprocessed dataset (``--data-path``)
-  those the tokens stand for (:mod:`megatron_ru.adapt.token_text`), trailing end-of-document tokens
+  those the tokens stand for (:mod:`megatron_ru.data.token_text`), trailing end-of-document tokens
   not scored.
 
 Documents are spread over the data-parallel replicas; every rank of a replica runs the same windows
@@ -148,15 +148,19 @@ def _read_jsonl(path: str, keys: Sequence[str], group_key: Optional[str], limit:
     return out
 
 
+def text_documents(texts: Sequence[tuple[str, Optional[str]]], tokenizer: Any) -> list[Document]:
+    """(text, group) pairs tokenized, with the bytes and characters of each text."""
+    return [Document(tokenizer.tokenize(t), len(t.encode("utf-8")), len(t), g) for t, g in texts]
+
+
 def load_documents(ns: argparse.Namespace, tokenizer: Any) -> list[Document]:
     if (ns.input is None) == (ns.data_path is None):
         raise ValueError("give exactly one of --input (JSONL) and --data-path (a preprocessed dataset)")
     if ns.input is not None:
-        texts = _read_jsonl(ns.input, ns.json_keys, ns.group_by_key, ns.max_documents)
-        return [Document(tokenizer.tokenize(t), len(t.encode("utf-8")), len(t), g) for t, g in texts]
+        return text_documents(_read_jsonl(ns.input, ns.json_keys, ns.group_by_key, ns.max_documents), tokenizer)
     if ns.group_by_key is not None:
         raise ValueError("--group-by-key needs --input (a preprocessed dataset has no keys)")
-    from megatron_ru.adapt.token_text import byte_and_char_counts, token_texts
+    from megatron_ru.data.token_text import byte_and_char_counts, token_texts
     from megatron_ru.data.indexed_dataset import IndexedDataset
     nbytes, nchars = byte_and_char_counts(token_texts(tokenizer))
     ds = IndexedDataset(ns.data_path)
@@ -193,18 +197,13 @@ def score_document(runner: Any, doc: Document, start: int, length: int, stride: 
 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
-    from megatron_ru.adapt.model_io import load_tokenizer, open_model, open_tokenizer
+    from megatron_ru.inference.model_io import model_tokenizer, open_model
     from megatron_ru.inference.runner import StageRunner
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.state import ParallelState
 
     model = open_model(ns.load, "--load")
-    if ns.tokenizer:
-        _, tokenizer = open_tokenizer(ns.tokenizer, "--tokenizer")
-    elif model.tokenizer is not None:
-        tokenizer = load_tokenizer(model.tokenizer)
-    else:
-        raise ValueError(f"--load {ns.load} has no tokenizer saved with it: give --tokenizer")
+    _, tokenizer = model_tokenizer(model, ns.tokenizer, "--tokenizer", "--load")
     if tokenizer.vocab_size > model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model in --load {ns.load} has "
                          f"{model.vocab_size} vocabulary rows: it is not this model's tokenizer")
@@ -227,8 +226,21 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     runner.load(model.get)
     log_rank0(log, f"scoring {len(docs)} documents with {ns.load} at TP={state.tp_size} PP={state.pp_size} "
                    f"DP={state.dp_size}; windows of {length} tokens, stride {stride}")
-    tallies: dict[str, Tally] = defaultdict(Tally)
     t0 = time.perf_counter()
+    results = score_documents(runner, docs, start, length, stride, state)
+    names = sorted({d.group for d in docs if d.group is not None})
+    out = {"load": ns.load, "input": ns.input or ns.data_path, "seq_length": length, "stride": stride,
+           "tensor_model_parallel_size": state.tp_size, "pipeline_model_parallel_size": state.pp_size,
+           "context_token": start, OVERALL: results[OVERALL], "groups": {n: results[n] for n in names},
+           "seconds": time.perf_counter() - t0}
+    emit_report(out, format_table(out), ns.output_json, state)
+    return out
+
+
+def score_documents(runner: Any, docs: Sequence[Document], start: int, length: int, stride: int,
+                    state: Any) -> dict[str, dict[str, Any]]:
+    """:meth:`Tally.result` of ``docs`` over every data-parallel replica: ``OVERALL`` and each group."""
+    tallies: dict[str, Tally] = defaultdict(Tally)
     for i in range(state.dp_rank, len(docs), state.dp_size):
         doc = docs[i]
         nll = score_document(runner, doc, start, length, stride, state.device)
@@ -236,20 +248,19 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
         tallies[OVERALL].add(one)
         if doc.group is not None:
             tallies[doc.group].add(one)
-    names = sorted({d.group for d in docs if d.group is not None})
-    results = _reduce(tallies, [OVERALL] + names, state, runner)
-    out = {"load": ns.load, "input": ns.input or ns.data_path, "seq_length": length, "stride": stride,
-           "tensor_model_parallel_size": state.tp_size, "pipeline_model_parallel_size": state.pp_size,
-           "context_token": start, OVERALL: results[OVERALL], "groups": {n: results[n] for n in names},
-           "seconds": time.perf_counter() - t0}
-    if state.rank == 0:
-        cli.emit(format_table(out))
-        if ns.output_json:
-            tmp = ns.output_json + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=1, ensure_ascii=False)
-            os.replace(tmp, ns.output_json)
-    return out
+    return _reduce(tallies, [OVERALL] + sorted({d.group for d in docs if d.group is not None}), state, runner)
+
+
+def emit_report(out: dict[str, Any], table: str, output_json: Optional[str], state: Any) -> None:
+    """On rank 0: ``table`` on stdout and ``out`` written atomically to ``output_json`` (when given)."""
+    if state.rank != 0:
+        return
+    cli.emit(table)
+    if output_json:
+        tmp = output_json + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1, ensure_ascii=False)
+        os.replace(tmp, output_json)
 
 
 def _reduce(tallies: dict[str, Tally], names: list[str], state: Any, runner: Any) -> dict[str, dict[str, Any]]:

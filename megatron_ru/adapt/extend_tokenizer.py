@@ -35,8 +35,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_ru.adapt.token_text import WORD_START, TokenTexts, byte_level_table
 from megatron_ru.convert.tokenizer_files import HF_TYPE, SP_TYPES, TokenizerSource, copy_hf_tokenizer
+from megatron_ru.data.token_text import WORD_START, TokenTexts, byte_level_table
 
 
 @dataclass

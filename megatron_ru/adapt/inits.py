@@ -13,7 +13,9 @@ method except ``random-all``; the others ("new rows") get:
   Cyrillic by default; all old rows when none matches);
 * ``hf-default`` — drawn from a multivariate normal with the old rows' mean and 1e-9 times their
   covariance (transformers' ``resize_token_embeddings(mean_resizing=True)``);
-* ``random`` — N(0, std of the old rows); ``random-all`` — the same for every row, kept ones too.
+* ``random`` — N(0, std of the old rows); ``random-all`` — the same for every row, kept ones too;
+* ``focus`` — FOCUS: a sparsemax-weighted sum of the old rows of the overlapping tokens nearest in a
+  fastText space of the target language (:mod:`megatron_ru.adapt.focus`; needs its ``FocusMap``).
 
 A token with no piece (or whose pieces average to zero) gets the mean of all old rows under the
 piece-based methods. ``input_norm_correction`` rescales the new *input* rows to the median L2 norm
@@ -23,14 +25,19 @@ output norms make a model over-predict the new tokens).
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from megatron_ru.adapt.vocab_map import VocabMap
 
+if TYPE_CHECKING:
+    from megatron_ru.adapt.focus import FocusMap
+
 PIECE_METHODS = ("mean", "weighted-mean", "char-weighted", "max-char")
-METHODS = PIECE_METHODS + ("mean-all", "mean-target", "hf-default", "random", "random-all")
+#: methods that need a target-language corpus (``--focus-corpus``)
+CORPUS_METHODS = ("focus",)
+METHODS = PIECE_METHODS + ("mean-all", "mean-target", "hf-default", "random", "random-all") + CORPUS_METHODS
 TARGET_PATTERN = "[а-яёА-ЯЁ]"
 
 
@@ -69,11 +76,19 @@ def target_rows(old_pieces: Sequence[Optional[bytes]], pattern: str = TARGET_PAT
 
 @torch.no_grad()
 def init_rows(old: torch.Tensor, vmap: VocabMap, method: str, old_pieces: Sequence[Optional[bytes]], *,
-              seed: int = 1234, target_pattern: str = TARGET_PATTERN) -> tuple[torch.Tensor, list[int]]:
+              seed: int = 1234, target_pattern: str = TARGET_PATTERN,
+              focus: Optional["FocusMap"] = None) -> tuple[torch.Tensor, list[int]]:
     """The ``vmap.new_size`` rows of ``method`` from ``old`` (≥ ``vmap.old_size`` rows), in ``old``'s
-    dtype, and the ids that got the mean of all old rows because they had no usable piece."""
+    dtype, and the ids that got the mean of all old rows because they had no usable piece. ``focus``
+    (:func:`megatron_ru.adapt.focus.build_focus`, built on ``vmap``) is what ``method`` focus needs."""
     if method not in METHODS:
         raise ValueError(f"unknown initialisation {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "focus":
+        if focus is None:
+            raise ValueError("the focus initialisation needs --focus-corpus (target-language text for its "
+                             "fastText vectors)")
+        from megatron_ru.adapt.focus import focus_rows
+        return focus_rows(old, focus, seed)
     if method in PIECE_METHODS:
         m = piece_vocab_map(vmap, method, old_pieces)
         return m.convert_with_fallbacks(old, weighted=method != "mean")

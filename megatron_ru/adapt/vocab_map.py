@@ -1,6 +1,6 @@
 """Which old rows make each new token's embedding (ADAPTATION.md step 2).
 
-Every token of the new vocabulary is turned into its text (:mod:`megatron_ru.adapt.token_text`:
+Every token of the new vocabulary is turned into its text (:mod:`megatron_ru.data.token_text`:
 byte tokens and word-start markers included) and re-tokenized with the **old** tokenizer; its new
 row is the mean of those old pieces' rows. Then:
 
@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_ru.adapt.token_text import TokenTexts, token_texts
+from megatron_ru.data.token_text import TokenTexts, token_texts
 from megatron_ru.data.tokenizer import Tokenizer
 
 KINDS = ("kept", "special", "pieces", "fallback")

@@ -25,9 +25,13 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_ru.checkpointing.files import CheckpointError, safe_load
 from megatron_ru.checkpointing.layout import OPTIM_KEYS, layer_file, layer_optim_file, specs_by_name
+from megatron_ru.config.lora import is_adapter_parameter
+from megatron_ru.deepspeed_bridge.compat import create_flat_optimizer_state
+from megatron_ru.deepspeed_bridge.masters import (has_fp32_masters, restore_engine_state, set_fp32_master,
+                                                  set_optimizer_state)
 from megatron_ru.model.spec import canonical_named_parameters, model_config_from_dict
-from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 log = get_logger(__name__)
@@ -51,11 +55,6 @@ def _shape_error(path: str, key: str, got: Any, want: Any) -> CheckpointError:
     return CheckpointError(f"{path}: {key!r} has shape {list(got)}, this run's parameter has {list(want)}: the "
                            f"checkpoint was written for another model; check the model flags (or use "
                            f"--use-checkpoint-args)")
-
-
-def _hp_optimizer(engine: Any) -> bool:
-    """True when DeepSpeed keeps fp32 master partitions linked to the parameters (ZeRO 1/2, bf16)."""
-    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
 
 
 class _LayerSource:
@@ -160,17 +159,14 @@ def load_deepspeed_by_name(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
 
 
 def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], load_optim: bool) -> None:
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    from megatron_ru.training.deepspeed_compat import create_flat_optimizer_state
     from megatron_ru.utils.optim import adam_step_tensor
     cfg = model_config_from_dict(meta.model_args)
     specs = specs_by_name(cfg, int(meta.vocab_size))
     params = list(canonical_named_parameters(engine.module, cfg))
-    hp = _hp_optimizer(engine)
+    hp = has_fp32_masters(engine)
     step = int(common.get("step", 0))
     if cfg.lora is None:  # a base checkpoint under a run with adapters: the adapters start fresh
-        params = [(n, p) for n, p in params if ".lora." not in n]
+        params = [(n, p) for n, p in params if not is_adapter_parameter(n)]
     with torch.no_grad():
         for name, p in params:  # weights
             spec = specs.get(name)
@@ -184,7 +180,7 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
             if hp and not load_optim and p.requires_grad:
                 # the fp32 masters were made from the initial weights: set them from the file's values
                 # (not from the possibly bf16-rounded parameter)
-                safe_set_full_fp32_param(p, shard.to(p.device, torch.float32))
+                set_fp32_master(p, shard.to(p.device, torch.float32))
         if not load_optim:
             return
         opt = engine.optimizer
@@ -199,32 +195,15 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
                 if tuple(state[k].shape) != tuple(p.shape):
                     raise _shape_error(where, f"{spec.local_name}.{k}", state[k].shape, p.shape)
             if hp:
-                safe_set_full_fp32_param(p, state["fp32"].to(p.device, torch.float32))
+                set_fp32_master(p, state["fp32"].to(p.device, torch.float32))
                 for k in ("exp_avg", "exp_avg_sq"):
-                    safe_set_full_optimizer_state(p, state[k].to(p.device, torch.float32), k)
+                    set_optimizer_state(p, state[k].to(p.device, torch.float32), k)
             else:
                 p.data.copy_(state["fp32"])
                 opt.state[p] = {"step": adam_step_tensor(step, p, opt.param_groups[0]),
                                 "exp_avg": state["exp_avg"].to(p.device, torch.float32).clone(),
                                 "exp_avg_sq": state["exp_avg_sq"].to(p.device, torch.float32).clone()}
-        _load_common(engine, common, meta)
-
-
-def _load_common(engine: Any, common: dict[str, Any], meta: Any) -> None:
-    sched = common.get("lr_scheduler")
-    if sched is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(sched)
-    scaler: Optional[dict[str, Any]] = common.get("loss_scaler")
-    target = getattr(engine.optimizer, "loss_scaler", None)
-    # the dynamic loss scale of an fp16 run carries over to an fp16 run; a static scale (bf16, fp32)
-    # belongs to the run's own configuration
-    if scaler and scaler.get("dynamic") and target is not None and getattr(target, "dynamic", False):
-        for k, v in scaler.items():
-            if hasattr(target, k):
-                setattr(target, k, v)
-    engine.global_steps = int(common.get("global_steps", meta.iteration))
-    engine.global_samples = int(common.get("global_samples", meta.consumed_train_samples))
-    engine.skipped_steps = int(common.get("skipped_steps", 0))
+        restore_engine_state(engine, common, meta.iteration, meta.consumed_train_samples)
 
 
 def layers_layout_problem(meta: Any, zero_stage: int) -> Optional[str]:

@@ -32,14 +32,15 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_ru.checkpointing.files import CheckpointError, check_files, list_files, safe_load
 from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
                                               mp_model_file, mp_rank_of, padded_rows, specs_by_name, stage_of)
+from megatron_ru.checkpointing.meta import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
+                                            read_latest_iteration)
 from megatron_ru.model.spec import ParamSpec, canonical_name, model_config_from_dict, stage_bounds
 from megatron_ru.parallel.utils import unshard_tensors
-from megatron_ru.training.checkpoint import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
-                                             read_latest_iteration)
-from megatron_ru.training.checkpoint_files import CheckpointError, check_files, list_files, safe_load
 from megatron_ru.utils.logging import get_logger
+from megatron_ru.utils.optim import weight_decay_groups
 
 log = get_logger(__name__)
 
@@ -222,7 +223,7 @@ class CheckpointReader:
         from megatron_ru.model.spec import layout_shard
         base = self.meta.lora_base or {}
         if self._base is None:
-            from megatron_ru.training.lora_base import verify
+            from megatron_ru.checkpointing.lora_base import verify
             try:
                 reader = read_checkpoint(base["load"], int(base["iteration"]))
             except (OSError, CheckpointError) as e:
@@ -333,8 +334,7 @@ class CheckpointReader:
                                   f"or resume once at the checkpoint's layout and save again")
         module = self._mp_file(mp).get("module") or {}
         names = [k for k in module if k in self.specs]
-        # engine.optimizer_param_groups: weight-decayed (matrices) first, then the rest
-        return [g for g in ([n for n in names if module[n].ndim >= 2], [n for n in names if module[n].ndim < 2]) if g]
+        return [g for _, g in weight_decay_groups(names, lambda n: module[n].ndim >= 2)]  # the engine's groups
 
     def _zero0_index(self, mp: int, optim: dict[str, Any], where: str) -> dict[str, int]:
         """{canonical name: index in torch's optimizer state} of model-parallel rank ``mp`` (ZeRO 0)."""

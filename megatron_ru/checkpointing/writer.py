@@ -15,11 +15,11 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from megatron_ru.checkpointing.files import CheckpointSaveError, describe_write_failure
 from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
                                               layout_problems, padded_rows)
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import ParamSpec, layer_parameter_specs, layout_shard, model_args_dict, model_description
-from megatron_ru.training.checkpoint_files import CheckpointSaveError, describe_write_failure
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -120,7 +120,7 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
     problems = layout_problems(cfg, tp, pp)
     import dataclasses
 
-    from megatron_ru.training.checkpoint import CheckpointMeta
+    from megatron_ru.checkpointing.meta import CheckpointMeta
     unknown = sorted(set(extra_meta or {}) - {f.name for f in dataclasses.fields(CheckpointMeta)})
     if unknown:  # CheckpointMeta.read would refuse the file later
         problems.append(f"extra_meta has fields metadata.json does not hold: {', '.join(unknown)}")

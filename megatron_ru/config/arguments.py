@@ -24,7 +24,7 @@ from megatron_ru.config.parallel import ParallelConfig
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.config.training import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
 from megatron_ru.data.checks import DataBlend
-from megatron_ru.parallel.topology import ParallelLayout, layout_problems
+from megatron_ru.parallel.topology import ParallelLayout, data_parallel_size, layout_problems, micro_batches_per_step
 
 CONFIG_CLASSES: tuple[type, ...] = (ParallelConfig, ModelConfig, DataConfig, TokenizerConfig, TrainingConfig,
                                     OptimizerConfig, CheckpointConfig, LoggingConfig, LoraConfig)
@@ -67,7 +67,7 @@ class Arguments:
     @property
     def dp(self) -> int:
         """WORLD_SIZE / (TP x PP), exact: validation refuses a world size it does not divide."""
-        return self.world_size // (self.tp * self.pp)
+        return data_parallel_size(self.world_size, self.tp, self.pp)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -83,7 +83,7 @@ class Arguments:
     @property
     def grad_accum(self) -> int:
         """Exact: validation refuses a global batch that micro batch x DP does not divide."""
-        return self.global_batch_size // (self.training.micro_batch_size * self.dp)
+        return micro_batches_per_step(self.global_batch_size, self.training.micro_batch_size, self.dp)
 
     @property
     def train_iters(self) -> int:

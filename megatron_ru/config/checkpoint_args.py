@@ -25,7 +25,7 @@ from megatron_ru.config.tokenizer import TokenizerConfig
 
 if TYPE_CHECKING:
     from megatron_ru.config.arguments import Arguments
-    from megatron_ru.training.checkpoint import CheckpointMeta
+    from megatron_ru.checkpointing.meta import CheckpointMeta
 
 #: model fields that do not describe the weights: the run may choose them freely
 RUN_CHOICES = frozenset({"hidden_dropout", "attention_dropout", "recompute_granularity", "checkpoint_activations",
@@ -37,7 +37,7 @@ _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 
 def read_checkpoint_meta(load_dir: str) -> Optional["CheckpointMeta"]:
     """The metadata of the checkpoint ``load_dir`` points at (None when there is none)."""
-    from megatron_ru.training.checkpoint import CheckpointMeta, iteration_dir_name, read_latest_iteration
+    from megatron_ru.checkpointing.meta import CheckpointMeta, iteration_dir_name, read_latest_iteration
     iteration = read_latest_iteration(load_dir)
     if iteration is None:
         return None

@@ -19,22 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from megatron_ru.config.base import arg
+from megatron_ru.config.linears import LINEARS, hf_module, hf_targets
 
-#: linear layer -> (module path inside a transformer layer, parts it can be split into)
-LINEARS = {
-    "linear_qkv": ("self_attention.linear_qkv", ("q", "k", "v")),
-    "linear_proj": ("self_attention.linear_proj", ()),
-    "linear_fc1": ("mlp.linear_fc1", ("gate", "up")),
-    "linear_fc2": ("mlp.linear_fc2", ()),
-}
 #: peft / Hugging Face module names -> (linear layer, part; None = the whole layer)
-HF_TARGETS = {"q_proj": ("linear_qkv", "q"), "k_proj": ("linear_qkv", "k"), "v_proj": ("linear_qkv", "v"),
-              "o_proj": ("linear_proj", None), "gate_proj": ("linear_fc1", "gate"),
-              "up_proj": ("linear_fc1", "up"), "down_proj": ("linear_fc2", None)}
-_HF_MODULE = {("linear_qkv", "q"): "self_attn.q_proj", ("linear_qkv", "k"): "self_attn.k_proj",
-              ("linear_qkv", "v"): "self_attn.v_proj", ("linear_proj", "linear_proj"): "self_attn.o_proj",
-              ("linear_fc1", "gate"): "mlp.gate_proj", ("linear_fc1", "up"): "mlp.up_proj",
-              ("linear_fc2", "linear_fc2"): "mlp.down_proj"}
+HF_TARGETS = hf_targets()
+#: what marks an adapter's parameters in a canonical (or module) parameter name
+ADAPTER_MARK = ".lora."
 INITS = ("kaiming", "gaussian", "zeros-b", "random")
 #: --lora-modules-to-save short names -> canonical parameter prefixes
 SAVE_ALIASES = {"embedding": "embedding.", "word_embeddings": "embedding.word_embeddings.",
@@ -141,16 +131,16 @@ class AdapterSpec:
     @property
     def module(self) -> str:
         """The linear layer's path inside the transformer layer (``self_attention.linear_qkv``)."""
-        return LINEARS[self.linear][0]
+        return LINEARS[self.linear].path
 
     @property
     def name(self) -> str:
-        return f"decoder.layers.{self.layer}.{self.module}.lora.{self.part}"
+        return f"decoder.layers.{self.layer}.{self.module}{ADAPTER_MARK}{self.part}"
 
     @property
     def hf_module(self) -> Optional[str]:
         """peft's module name on a Llama-style Hugging Face model; None: no such module (a fused layer)."""
-        hf = _HF_MODULE.get((self.linear, self.part))
+        hf = hf_module(self.linear, self.part)
         return None if hf is None else f"model.layers.{self.layer}.{hf}"
 
 
@@ -196,15 +186,15 @@ def _candidates(num_layers: int, swiglu: bool) -> list[tuple[int, str, str]]:
     """Every (layer, linear, part) an adapter could sit on; part == linear for a whole layer."""
     out = []
     for i in range(num_layers):
-        for linear, (_, parts) in LINEARS.items():
+        for linear, lin in LINEARS.items():
             out.append((i, linear, linear))
-            if linear != "linear_fc1" or swiglu:
-                out += [(i, linear, p) for p in parts]
+            if not lin.swiglu_parts or swiglu:
+                out += [(i, linear, p.name) for p in lin.parts]
     return out
 
 
 def _name(i: int, linear: str, part: str) -> str:
-    return f"decoder.layers.{i}.{LINEARS[linear][0]}.lora.{part}"
+    return f"decoder.layers.{i}.{LINEARS[linear].path}{ADAPTER_MARK}{part}"
 
 
 def _target_hits(target: str, cands: list[tuple[int, str, str]], swiglu: bool) -> list[tuple[int, str, str]]:
@@ -252,7 +242,7 @@ def resolve_adapters(spec: LoraSpec, num_layers: int, swiglu: bool) -> list[Adap
     used_a: set[str] = set()
     for i, lin, part in sorted(chosen, key=lambda c: (c[0], list(LINEARS).index(c[1]), c[2])):
         names = [_name(i, lin, part)]
-        hf = _HF_MODULE.get((lin, part))
+        hf = hf_module(lin, part)
         if hf:
             names.append(f"model.layers.{i}.{hf}")
         rank = _pattern_value(spec.rank_pattern, names, used_r)
@@ -280,6 +270,11 @@ def _pattern_value(patterns: dict[str, float], names: list[str], used: set[str])
             if value is None:
                 value = v
     return value
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a parameter (canonical, or a module's local name) belongs to a LoRA/DoRA adapter."""
+    return ADAPTER_MARK in name
 
 
 def modules_to_save_patterns(spec: LoraSpec) -> list[str]:

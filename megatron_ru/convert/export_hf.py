@@ -194,7 +194,8 @@ def _hf_tensors(reader: Any, spec: Any, cfg: Any, dtype: torch.dtype) -> dict[st
     (vocabulary padding cut; Q/K/V per query group; gate and up halves of each shard): joining the
     shards first would copy every such tensor once more. Everything else: the joined tensor through
     ``from_canonical``."""
-    from megatron_ru.convert.hf_mapping import from_canonical, hf_to_canonical_names
+    from megatron_ru.convert.hf_mapping import fused_linear, from_canonical, hf_to_canonical_names
+    from megatron_ru.model.spec import PartLayout
     if reader.tp == 1 or spec.partition_dim != 0:
         return from_canonical(spec.name, reader.get(spec.name).to(dtype), cfg)
     sources = hf_to_canonical_names(cfg)[spec.name]
@@ -207,18 +208,14 @@ def _hf_tensors(reader: Any, spec: Any, cfg: Any, dtype: torch.dtype) -> dict[st
                 pieces.append(shard[:take])
             left -= take
         return {sources[0]: pieces}
-    if spec.name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-        d, r = cfg.head_dim, cfg.num_attention_heads // cfg.query_groups
+    fused = fused_linear(spec.name)
+    if fused is not None:  # each shard holds its query groups' q, k, v rows (its gate and up halves)
+        layout = PartLayout.full(fused, cfg, reader.tp)
         out: dict[str, list] = {n: [] for n in sources}
         for shard in shards:
-            groups = shard.reshape(-1, (r + 2) * d, *shard.shape[1:])
-            for g in groups:
-                for n, rows in zip(sources, g.split([r * d, d, d])):
-                    out[n].append(rows)
+            for n, rows in zip(sources, layout.split(shard, dim=0).values()):
+                out[n].append(rows)
         return out
-    if spec.partition_stride == 2:  # SwiGLU fc1: every shard holds [gate_t; up_t]
-        halves = [shard.chunk(2) for shard in shards]
-        return {sources[0]: [h[0] for h in halves], sources[1]: [h[1] for h in halves]}
     return from_canonical(spec.name, reader.get(spec.name).to(dtype), cfg)
 
 

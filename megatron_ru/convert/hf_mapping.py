@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_ru.config.linears import LINEARS
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import (EMBEDDING, FINAL_NORM, OUTPUT_LAYER, VOCAB_WEIGHTS, WORD_EMBEDDINGS, layer_prefix,
-                                    parameter_specs)
+from megatron_ru.model.spec import (EMBEDDING, FINAL_NORM, OUTPUT_LAYER, VOCAB_WEIGHTS, WORD_EMBEDDINGS, PartLayout,
+                                    layer_prefix, parameter_specs)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -32,16 +33,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
 }
 
-_LAYER_MAP = {  # canonical local name -> HF names under model.layers.{i}.
+_LAYER_MAP = {  # canonical local name -> HF names under model.layers.{i}. (linear layers: config/linears.py)
     "input_layernorm.weight": ("input_layernorm.weight",),
-    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                         "self_attn.v_proj.weight"),
-    "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
-    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+    **{f"{lin.path}.weight": tuple(f"{hf}.weight" for _, hf in lin.hf_modules()) for lin in LINEARS.values()},
+    # Qwen2 has q/k/v biases; no supported family has the other linear biases
+    "self_attention.linear_qkv.bias": tuple(f"{hf}.bias" for _, hf in LINEARS["linear_qkv"].hf_modules()),
 }
+#: Hugging Face module (``self_attn.q_proj``) -> (linear layer, part or None for the whole layer)
+_HF_PARTS = {hf: (lin.key, ours) for lin in LINEARS.values() for ours, hf in lin.hf_modules()}
 _TOP_MAP = {
     f"{EMBEDDING}.{WORD_EMBEDDINGS}": ("model.embed_tokens.weight",),
     f"{FINAL_NORM}.weight": ("model.norm.weight",),
@@ -297,25 +297,20 @@ def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
 
 
 def _hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    h, d, nq, ng = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-    ffn = cfg.resolved_ffn_hidden_size
-    per = {"q_proj": nq * d, "k_proj": ng * d, "v_proj": ng * d}
+    h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {}
     for names in hf_to_canonical_names(cfg, vocab_size).values():
         for n in names:
-            part = n.split(".")[-2]
+            module = ".".join(n.split(".")[3:-1])     # model.layers.{i}.<module>.weight
             if n in ("model.embed_tokens.weight", "lm_head.weight"):
                 out[n] = (vocab_size, h)
             elif n.endswith("norm.weight"):
                 out[n] = (h,)
-            elif part in per:
-                out[n] = (per[part], h) if n.endswith("weight") else (per[part],)
-            elif part == "o_proj":
-                out[n] = (h, nq * d)
-            elif part in ("gate_proj", "up_proj"):
-                out[n] = (ffn, h)
-            elif part == "down_proj":
-                out[n] = (h, ffn)
+            elif module in _HF_PARTS:
+                linear, part = _HF_PARTS[module]
+                lin = LINEARS[linear]
+                rows = lin.part_rows(cfg)[part or linear]
+                out[n] = (rows, lin.in_features(cfg)) if n.endswith("weight") else (rows,)
     return out
 
 
@@ -344,15 +339,19 @@ def to_canonical(name: str, hf_tensors: dict[str, torch.Tensor], cfg: ModelConfi
     for n in sources:
         _check_shape(n, hf_tensors[n], shapes[n])
     parts = [hf_tensors[n] for n in sources]
-    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
-        ng, d = cfg.query_groups, cfg.head_dim
-        r = cfg.num_attention_heads // ng
-        tail = parts[0].shape[1:]
-        q, k, v = (p.reshape(ng, n_rows * d, *tail) for p, n_rows in zip(parts, (r, 1, 1)))
-        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
-    if name.endswith("linear_fc1.weight"):
-        return torch.cat(parts, dim=0)
-    return parts[0]
+    fused = fused_linear(name)
+    if fused is None:
+        return parts[0]
+    layout = PartLayout.full(fused, cfg)
+    return layout.join(dict(zip(layout.parts(), parts)), dim=0)
+
+
+def fused_linear(name: str) -> Optional[str]:
+    """The linear layer whose canonical tensor ``name`` joins several Hugging Face tensors, else None."""
+    for lin in LINEARS.values():
+        if lin.parts and name.endswith((f"{lin.path}.weight", f"{lin.path}.bias")):
+            return lin.key
+    return None
 
 
 def from_canonical(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -361,14 +360,8 @@ def from_canonical(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[st
     vocab = tensor.shape[0] if name in VOCAB_WEIGHTS else 1
     want = _memo("specs", cfg, vocab, lambda: {spec.name: spec.shape for spec in parameter_specs(cfg, vocab)})[name]
     _check_shape(name, tensor, want, "the model configuration")
-    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
-        ng, d = cfg.query_groups, cfg.head_dim
-        r = cfg.num_attention_heads // ng
-        tail = tensor.shape[1:]
-        grouped = tensor.reshape(ng, (r + 2) * d, *tail)
-        q, k, v = grouped.split([r * d, d, d], dim=1)
-        return {n: t.reshape(-1, *tail).contiguous() for n, t in zip(sources, (q, k, v))}
-    if name.endswith("linear_fc1.weight"):
-        gate, up = tensor.chunk(2, dim=0)
-        return {sources[0]: gate.contiguous(), sources[1]: up.contiguous()}
-    return {sources[0]: tensor}
+    fused = fused_linear(name)
+    if fused is None:
+        return {sources[0]: tensor}
+    parts = PartLayout.full(fused, cfg).split(tensor, dim=0)
+    return {n: t.contiguous() for n, t in zip(sources, parts.values())}

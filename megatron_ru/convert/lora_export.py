@@ -16,16 +16,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_ru.config.lora import HF_TARGETS, LINEARS, AdapterSpec, LoraSpec
+from megatron_ru.config.linears import LINEARS
+from megatron_ru.config.lora import HF_TARGETS, AdapterSpec, LoraSpec
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.lora import PartLayout, model_adapters
+from megatron_ru.model.lora import model_adapters
+from megatron_ru.model.spec import PartLayout
 
 #: peft's key prefix in adapter_model.safetensors (PeftModelForCausalLM -> LlamaForCausalLM)
 PEFT_PREFIX = "base_model.model."
-_HF_PART_NAMES = {("linear_qkv", "q"): "self_attn.q_proj", ("linear_qkv", "k"): "self_attn.k_proj",
-                  ("linear_qkv", "v"): "self_attn.v_proj", ("linear_proj", None): "self_attn.o_proj",
-                  ("linear_fc1", "gate"): "mlp.gate_proj", ("linear_fc1", "up"): "mlp.up_proj",
-                  ("linear_fc2", None): "mlp.down_proj"}
 #: canonical trained modules -> their Hugging Face module (peft's modules_to_save)
 _SAVE_HF = {"embedding.word_embeddings.weight": ("model.embed_tokens", "embed_tokens"),
             "output_layer.weight": ("lm_head", "lm_head"), "decoder.final_layernorm.weight": ("model.norm", "norm")}
@@ -37,8 +35,7 @@ def base_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def _layout(cfg: ModelConfig, linear: str) -> PartLayout:
-    r = cfg.num_attention_heads // cfg.query_groups
-    return PartLayout(linear, cfg.query_groups, r, cfg.head_dim)
+    return PartLayout.full(linear, cfg)
 
 
 def _weight_name(a: AdapterSpec) -> str:
@@ -86,10 +83,8 @@ def merged_weights(get: Callable[[str], torch.Tensor], cfg: ModelConfig) -> Call
 
 def _hf_parts(a: AdapterSpec) -> list[tuple[Optional[str], str]]:
     """(our part of the fused rows or None, peft module inside the layer) of one adapter."""
-    if a.linear in ("linear_proj", "linear_fc2"):
-        return [(None, _HF_PART_NAMES[(a.linear, None)])]
-    parts = LINEARS[a.linear][1] if a.whole else (a.part,)
-    return [(p, _HF_PART_NAMES[(a.linear, p)]) for p in parts]
+    modules = LINEARS[a.linear].hf_modules()
+    return modules if a.whole else [(p, hf) for p, hf in modules if p == a.part]
 
 
 def peft_adapter(get: Callable[[str], torch.Tensor], cfg: ModelConfig, base_dir: str,

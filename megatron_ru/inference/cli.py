@@ -103,8 +103,8 @@ def sampling_params(ns: argparse.Namespace, argv: Sequence[str]) -> SamplingPara
 def check_arguments(ns: argparse.Namespace, argv: Sequence[str]) -> tuple[SamplingParams, list[str]]:
     """Everything that can be checked before the process group exists: one ValueError listing
     every problem. Returns the sampling parameters and the prompts."""
-    from megatron_ru.adapt.model_io import is_hf_model_dir
-    from megatron_ru.training.checkpoint import read_latest_iteration
+    from megatron_ru.inference.model_io import is_hf_model_dir
+    from megatron_ru.checkpointing.meta import read_latest_iteration
     problems: list[str] = []
     if not ns.load:
         problems.append("--load is required: the checkpoint directory to generate from")
@@ -202,7 +202,7 @@ def completion_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int
 
 def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     """Generate for every prompt; returns the result records (complete on rank 0)."""
-    from megatron_ru.adapt.model_io import is_hf_model_dir, open_model
+    from megatron_ru.inference.model_io import is_hf_model_dir, open_model
     from megatron_ru.checkpointing import read_checkpoint
     from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.inference.generate import generate

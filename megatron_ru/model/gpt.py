@@ -1,6 +1,6 @@
 """GPT/LLaMA decoder as a sequence of layers: embedding, N transformer layers, final norm,
 output head — the same layer objects serve DeepSpeed's PipelineModule (via
-:func:`build_layer_specs`) and the plain :class:`GPTModel` used when PP = 1.
+:func:`pipeline_layers`) and the plain :class:`GPTModel` used when PP = 1.
 
 Interfaces between layers: the embedding takes token ids [b, s] (or a tuple
 ``(tokens, position_ids)``) and returns hidden states [s, b, h] ([s/tp, b, h] with sequence
@@ -10,7 +10,8 @@ mean loss over unmasked tokens.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,7 @@ class EmbeddingLayer(nn.Module):
 
 
 def tied_output_logits(embedding: EmbeddingLayer, hidden: torch.Tensor) -> torch.Tensor:
-    """Output head reusing the word embeddings (TiedLayerSpec ``forward_fn``)."""
+    """Output head reusing the word embeddings (the tied output layer's ``forward_fn``)."""
     return parallel_lm_logits(hidden, embedding.word_embeddings.weight, embedding.tp_group,
                               embedding.sequence_parallel)
 
@@ -162,29 +163,46 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch
     return masked_mean(losses, loss_mask)
 
 
-def build_layer_specs(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
-                      sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
-                      dtype: torch.dtype = torch.float32) -> list:
-    """The model description (:func:`megatron_ru.model.spec.model_description`) as DeepSpeed pipeline
-    layer specs: [embedding, layer 0 .. N-1, final norm, output head]. With tied embeddings the first
-    and last specs are ``TiedLayerSpec("embed")`` sharing ``word_embeddings.weight`` (on a separate
-    last stage it is built ``output_only``). Use with ``PipelineModule(layers=..., loss_fn=GPTLoss(...),
-    partition_method="type:TransformerLayer")``."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    specs: list = []
+@dataclass(frozen=True)
+class PipelineLayer:
+    """One entry of the pipeline's layer list: how to build the layer (``cls(*args, **kwargs)``), and for a
+    layer sharing a weight with another, the key both share (``tied_key``), the shared attribute and the
+    forward function used instead of the module's own. The DeepSpeed bridge turns these into its
+    ``LayerSpec``/``TiedLayerSpec`` (:func:`megatron_ru.deepspeed_bridge.pipeline.layer_specs`)."""
+
+    cls: type
+    args: tuple
+    kwargs: dict[str, Any]
+    tied_key: str | None = None
+    tied_weight_attr: str | None = None
+    forward_fn: Callable[..., Any] | None = None
+
+    def build(self) -> nn.Module:
+        return self.cls(*self.args, **self.kwargs)
+
+
+def pipeline_layers(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
+                    sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
+                    dtype: torch.dtype = torch.float32) -> list[PipelineLayer]:
+    """The model description (:func:`megatron_ru.model.spec.model_description`) as the pipeline's layer
+    list: [embedding, layer 0 .. N-1, final norm, output head]. With tied embeddings the first and last
+    share ``word_embeddings.weight`` under the key ``"embed"`` (on a separate last stage the output head
+    is built ``output_only``). Cut into stages by
+    :func:`megatron_ru.deepspeed_bridge.pipeline.pipeline_module` with ``loss_fn=GPTLoss(...)`` and
+    ``partition_method="type:TransformerLayer"``."""
+    layers: list[PipelineLayer] = []
     for desc in model_description(cfg):
         # DeepSpeed builds a tied module from the first spec a stage owns: with one stage that is
         # the full embedding, on a separate last stage the word-embeddings-only output head
         cls, args, kwargs = layer_constructor(desc, cfg, vocab_size, tp_group, sequence_parallel, seed=seed,
                                               device=device, dtype=dtype, output_only=desc.tied_output)
         if desc.kind == "embedding" and cfg.tied_embeddings:
-            specs.append(TiedLayerSpec(TIED_KEY, cls, *args, tied_weight_attr=WORD_EMBEDDINGS, **kwargs))
+            layers.append(PipelineLayer(cls, args, kwargs, TIED_KEY, WORD_EMBEDDINGS))
         elif desc.tied_output:
-            specs.append(TiedLayerSpec(TIED_KEY, cls, *args, forward_fn=tied_output_logits,
-                                       tied_weight_attr=WORD_EMBEDDINGS, **kwargs))
+            layers.append(PipelineLayer(cls, args, kwargs, TIED_KEY, WORD_EMBEDDINGS, tied_output_logits))
         else:
-            specs.append(LayerSpec(cls, *args, **kwargs))
-    return specs
+            layers.append(PipelineLayer(cls, args, kwargs))
+    return layers
 
 
 def _attach(root: nn.Module, prefix: str, module: nn.Module) -> None:

@@ -8,18 +8,12 @@ a layout that needs more padding starts from the same effective model.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
 
 from megatron_ru.parallel.layers import InitMethod
-
-
-def name_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed for parameter ``name`` (Python's hash() is salted per process)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+from megatron_ru.parallel.random import name_seed
 
 
 def normal_init(std: float, seed: int, name: str, valid_rows: int | None = None) -> InitMethod:

@@ -31,9 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_ru.config.linears import LINEARS
+from megatron_ru.config.linears import part_rows as _part_rows
 from megatron_ru.config.lora import AdapterSpec, LoraSpec, resolve_adapters
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import name_seed
+from megatron_ru.model.spec import PartLayout
 from megatron_ru.parallel.mappings import (copy_to_tensor_model_parallel_region,
                                            reduce_from_tensor_model_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
@@ -71,40 +74,6 @@ def _init_full(name: str, shape: tuple[int, ...], how: str, seed: int, std: floa
         return full.normal_(0.0, std, generator=gen)
     bound = 1.0 / math.sqrt(shape[1])    # kaiming-uniform with a = sqrt(5), as nn.Linear and peft
     return full.uniform_(-bound, bound, generator=gen)
-
-
-class PartLayout:
-    """Where the parts of a fused column-parallel layer sit in its local output rows."""
-
-    def __init__(self, linear: str, groups_local: int = 1, heads_per_group: int = 1, head_dim: int = 1) -> None:
-        self.linear = linear
-        self.g, self.r, self.d = groups_local, heads_per_group, head_dim
-
-    def select(self, t: torch.Tensor, part: str, dim: int) -> torch.Tensor:
-        """The rows of ``part`` along ``dim`` of a local tensor (output [..., rows] or weight [rows, in])."""
-        if part == self.linear:
-            return t
-        dim = dim % t.dim()
-        if self.linear == "linear_fc1":
-            return t.chunk(2, dim=dim)[("gate", "up").index(part)]
-        shape = t.shape
-        v = t.reshape(*shape[:dim], self.g, self.r + 2, self.d, *shape[dim + 1:])
-        lo = {"q": 0, "k": self.r, "v": self.r + 1}[part]
-        hi = self.r if part == "q" else lo + 1
-        return v.narrow(dim + 1, lo, hi - lo).reshape(*shape[:dim], -1, *shape[dim + 1:])
-
-    def assemble(self, deltas: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """The local output-row tensor (last dim) holding each part's delta and zeros elsewhere."""
-        lead = like.shape[:-1]
-        if self.linear == "linear_fc1":
-            half = like.shape[-1] // 2
-            return torch.cat([deltas[p] if p in deltas else like.new_zeros(*lead, half) for p in ("gate", "up")], -1)
-        pieces = []
-        for part, n in (("q", self.r), ("k", 1), ("v", 1)):
-            t = deltas.get(part)
-            pieces.append(t.reshape(*lead, self.g, n, self.d) if t is not None
-                          else like.new_zeros(*lead, self.g, n, self.d))
-        return torch.cat(pieces, dim=-2).reshape(like.shape)
 
 
 class LoraAdapter(nn.Module):
@@ -225,34 +194,16 @@ def add_layer_adapters(cfg: ModelConfig, layer_number: int, linear_name: str, li
     mine = [a for a in model_adapters(cfg) if a.layer == layer_number and a.linear == linear_name]
     if not mine:
         return
-    rows = part_rows(cfg)
+    rows = _part_rows(cfg)
     stride = {p: b_stride(cfg, p) for p in rows}
     layout = PartLayout(linear_name, groups_local, heads_per_group, cfg.head_dim)
-    attach_adapters(linear, mine, spec, layout, column=is_column(linear_name), part_rows=rows, stride_of=stride,
+    attach_adapters(linear, mine, spec, layout, column=LINEARS[linear_name].column, part_rows=rows, stride_of=stride,
                     seed=seed, std=cfg.init_method_std)
-
-
-def is_column(linear: str) -> bool:
-    return linear in ("linear_qkv", "linear_fc1")
-
-
-def part_rows(cfg: ModelConfig) -> dict[str, int]:
-    """Output rows of each adaptable part (a whole layer by its own name)."""
-    d, nq, ng, h = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups, cfg.hidden_size
-    ffn = cfg.resolved_ffn_hidden_size
-    return {"linear_qkv": (nq + 2 * ng) * d, "q": nq * d, "k": ng * d, "v": ng * d, "linear_proj": h,
-            "linear_fc1": ffn * (2 if cfg.swiglu else 1), "gate": ffn, "up": ffn, "linear_fc2": h}
-
-
-def linear_inputs(cfg: ModelConfig) -> dict[str, int]:
-    """Input features of each adaptable linear layer."""
-    return {"linear_qkv": cfg.hidden_size, "linear_proj": cfg.num_attention_heads * cfg.head_dim,
-            "linear_fc1": cfg.hidden_size, "linear_fc2": cfg.resolved_ffn_hidden_size}
 
 
 def b_stride(cfg: ModelConfig, part: str) -> int:
     """TP split stride of B's rows: the fused [gate; up] rows of a SwiGLU linear_fc1 keep stride 2."""
-    return 2 if part == "linear_fc1" and cfg.swiglu else 1
+    return LINEARS[part].stride(cfg) if part in LINEARS else 1
 
 
 def lora_adapters(model: nn.Module) -> list[tuple[nn.Module, LinearAdapters]]:

@@ -6,7 +6,9 @@ Everything that needs to know what the model is made of reads it from here: :cla
 :func:`model_description` with :func:`build_layer`; initialisation seeds, ``--freeze`` patterns,
 ``--train-only-embeddings``, checkpoint conversion and resharding use the canonical names of
 :func:`parameter_specs` / :func:`canonical_name`. A new architecture detail (a new parameter, a
-new split) is added to the layer classes and to :func:`_layer_params` below — nowhere else.
+new split) is added to the layer classes and to :func:`_layer_params` below — nowhere else. The
+linear layers (path, split, sizes, fused parts and their Hugging Face modules) are the table of
+``config/linears.py``; :class:`PartLayout` says where each fused part's rows are.
 
 Canonical names are megatron-core's and do not depend on TP or PP::
 
@@ -33,6 +35,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from megatron_ru.config.linears import LINEARS
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.parallel.utils import pad_vocab_size
 
@@ -154,27 +157,90 @@ def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tu
                                                   if cfg.normalization == "LayerNorm" else [])
     if desc.kind == "final_norm":
         return norm
-    d, nq, ng = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-    ffn = cfg.resolved_ffn_hidden_size
-    fc1_rows = 2 * ffn if cfg.swiglu else ffn
-    stride = 2 if cfg.swiglu else 1
+    qkv, proj, fc1, fc2 = (LINEARS[k] for k in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
     bias = cfg.add_bias_linear
-    qkv_bias = cfg.add_qkv_bias_effective
     out = [("input_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
-    out.append(("self_attention.linear_qkv.weight", ((nq + 2 * ng) * d, h), 0, 1, False))
-    if qkv_bias:
-        out.append(("self_attention.linear_qkv.bias", ((nq + 2 * ng) * d,), 0, 1, False))
-    out.append(("self_attention.linear_proj.weight", (h, nq * d), 1, 1, False))
-    if bias:
-        out.append(("self_attention.linear_proj.bias", (h,), None, 1, False))
+    out += _linear_params(qkv, cfg, cfg.add_qkv_bias_effective)
+    out += _linear_params(proj, cfg, bias)
     out += [("pre_mlp_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
-    out.append(("mlp.linear_fc1.weight", (fc1_rows, h), 0, stride, False))
-    if bias:
-        out.append(("mlp.linear_fc1.bias", (fc1_rows,), 0, stride, False))
-    out.append(("mlp.linear_fc2.weight", (h, ffn), 1, 1, False))
-    if bias:
-        out.append(("mlp.linear_fc2.bias", (h,), None, 1, False))
+    out += _linear_params(fc1, cfg, bias)
+    out += _linear_params(fc2, cfg, bias)
     return out + _adapter_params(desc, cfg)
+
+
+def _linear_params(lin: Any, cfg: ModelConfig, bias: bool) -> list[tuple[str, tuple[int, ...], Optional[int], int, bool]]:
+    """Weight (and bias) of one linear layer: column-parallel layers split their output rows (with the
+    layer's stride), row-parallel ones their input columns (their bias is replicated)."""
+    rows, cols, stride = lin.out_features(cfg), lin.in_features(cfg), lin.stride(cfg)
+    out = [(f"{lin.path}.weight", (rows, cols), 0 if lin.column else 1, stride if lin.column else 1, False)]
+    if bias:
+        out.append((f"{lin.path}.bias", (rows,), 0 if lin.column else None, stride if lin.column else 1, False))
+    return out
+
+
+class PartLayout:
+    """Where the fused parts of a linear layer sit in its output rows: Q/K/V interleaved per query
+    group (``[q_0 .. q_{r-1}, k, v]`` of ``head_dim`` rows each, group after group), SwiGLU's
+    ``[gate; up]`` halves. ``groups`` is the number of query groups the tensor holds: all of them in a
+    canonical tensor (:meth:`full`), ``query_groups / TP`` in a tensor-parallel shard."""
+
+    def __init__(self, linear: str, groups: int = 1, heads_per_group: int = 1, head_dim: int = 1) -> None:
+        self.linear = linear
+        self.g, self.r, self.d = groups, heads_per_group, head_dim
+
+    @classmethod
+    def full(cls, linear: str, cfg: ModelConfig, tp: int = 1) -> "PartLayout":
+        """The layout of a canonical tensor (``tp`` 1) or of one of ``tp`` shards."""
+        return cls(linear, cfg.query_groups // tp, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim)
+
+    def parts(self) -> tuple[str, ...]:
+        return {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}.get(self.linear, (self.linear,))
+
+    def _qkv_counts(self) -> dict[str, tuple[int, int]]:
+        return {"q": (0, self.r), "k": (self.r, 1), "v": (self.r + 1, 1)}
+
+    def select(self, t: torch.Tensor, part: str, dim: int) -> torch.Tensor:
+        """The rows of ``part`` along ``dim`` (a view for linear_fc1 and the whole layer)."""
+        if part == self.linear:
+            return t
+        dim = dim % t.dim()
+        if self.linear == "linear_fc1":
+            return t.chunk(2, dim=dim)[("gate", "up").index(part)]
+        shape = t.shape
+        v = t.reshape(*shape[:dim], self.g, self.r + 2, self.d, *shape[dim + 1:])
+        lo, n = self._qkv_counts()[part]
+        return v.narrow(dim + 1, lo, n).reshape(*shape[:dim], -1, *shape[dim + 1:])
+
+    def split(self, t: torch.Tensor, dim: int = 0) -> dict[str, torch.Tensor]:
+        """Every part's rows along ``dim``, in row order."""
+        return {p: self.select(t, p, dim) for p in self.parts()}
+
+    def join(self, parts: dict[str, torch.Tensor], dim: int = 0) -> torch.Tensor:
+        """The inverse of :meth:`split` (every part given)."""
+        if self.linear not in ("linear_qkv", "linear_fc1"):
+            return parts[self.linear]
+        if self.linear == "linear_fc1":
+            return torch.cat([parts["gate"], parts["up"]], dim=dim)
+        first = parts["q"]
+        dim = dim % first.dim()
+        lead, tail = first.shape[:dim], first.shape[dim + 1:]
+        grouped = [parts[p].reshape(*lead, self.g, n, self.d, *tail) for p, (_, n) in self._qkv_counts().items()]
+        return torch.cat(grouped, dim=dim + 1).reshape(*lead, -1, *tail)
+
+    def assemble(self, deltas: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped as ``like`` holding each given part's rows (last dim) and zeros elsewhere."""
+        zeros = like.new_zeros(like.shape)
+        return self.join({p: deltas[p] if p in deltas else z for p, z in self.split(zeros, -1).items()}, -1)
+
+
+def split_heads(qkv: torch.Tensor, groups: int, heads_per_group: int, head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention's view of linear_qkv's output [..., groups * (r + 2) * d] (:class:`PartLayout`): queries
+    [..., groups * r, d], keys and values [..., groups, d]."""
+    lead, r = qkv.shape[:-1], heads_per_group
+    grouped = qkv.view(*lead, groups, r + 2, head_dim)
+    q = grouped[..., :r, :].reshape(*lead, groups * r, head_dim)
+    return q, grouped[..., r, :], grouped[..., r + 1, :]
 
 
 def _adapter_params(desc: LayerDesc, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], Optional[int], int, bool]]:
@@ -182,16 +248,18 @@ def _adapter_params(desc: LayerDesc, cfg: ModelConfig) -> list[tuple[str, tuple[
     spec = cfg.lora_spec
     if spec is None:
         return []
-    from megatron_ru.config.lora import LINEARS
-    from megatron_ru.model.lora import adapter_param_shapes, b_stride, is_column, linear_inputs, model_adapters, part_rows
-    rows, inputs = part_rows(cfg), linear_inputs(cfg)
+    from megatron_ru.config.linears import part_rows
+    from megatron_ru.config.lora import ADAPTER_MARK
+    from megatron_ru.model.lora import adapter_param_shapes, b_stride, model_adapters
+    rows = part_rows(cfg)
     out = []
     for a in model_adapters(cfg):
         if a.layer != desc.layer_number:
             continue
-        for pname, shape, dim, st in adapter_param_shapes(a, inputs[a.linear], rows[a.part], is_column(a.linear),
+        lin = LINEARS[a.linear]
+        for pname, shape, dim, st in adapter_param_shapes(a, lin.in_features(cfg), rows[a.part], lin.column,
                                                           spec.use_dora, b_stride(cfg, a.part)):
-            out.append((f"{LINEARS[a.linear][0]}.lora.{a.part}.{pname}", shape, dim, st, False))
+            out.append((f"{lin.path}{ADAPTER_MARK}{a.part}.{pname}", shape, dim, st, False))
     return out
 
 
@@ -254,9 +322,9 @@ def stage_bounds(cfg: ModelConfig, pp: int) -> list[tuple[int, int]]:
 @functools.lru_cache(maxsize=256)
 def _stage_bounds(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
     # depends on the layer count only; cached: DeepSpeed's balanced partition takes ~0.3 s for 100+ layers
-    from deepspeed.runtime import utils as ds_utils
+    from megatron_ru.deepspeed_bridge.pipeline import partition_balanced
     weights = [0] + [1] * num_layers + [0, 0]  # embedding, transformer layers, final norm, output head
-    parts = ds_utils.partition_balanced(weights=weights, num_parts=pp)
+    parts = partition_balanced(weights=weights, num_parts=pp)
     return tuple((parts[s], parts[s + 1]) for s in range(pp))
 
 

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_ru.config.linears import LINEARS
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init, scaled_std
 from megatron_ru.model.kv_cache import LayerKVCache
 from megatron_ru.model.lora import add_layer_adapters
 from megatron_ru.model.rope import RopeSpec, apply_rotary, cached_cos_sin, rotary_cos_sin
-from megatron_ru.model.spec import layer_prefix
+from megatron_ru.model.spec import layer_prefix, split_heads
 from megatron_ru.parallel import random as tp_random
 from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_ru.parallel.mappings import copy_to_tensor_model_parallel_region
@@ -95,15 +96,15 @@ class Attention(nn.Module):
         self.rope = RopeSpec.from_config(cfg) if cfg.position_embedding_type == "rope" else None
         self.dropout = cfg.attention_dropout
         self.sliding_window = cfg.sliding_window
-        qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.head_dim
+        qkv, proj = LINEARS["linear_qkv"], LINEARS["linear_proj"]
         std = cfg.init_method_std
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                       device=device, dtype=dtype)
-        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size,
+        self.linear_qkv = ColumnParallelLinear(qkv.in_features(cfg), qkv.out_features(cfg),
                                                init_method=normal_init(std, seed, prefix + "linear_qkv.weight"),
                                                **{**common, "bias": cfg.add_qkv_bias_effective})
         self.linear_proj = RowParallelLinear(
-            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, input_is_parallel=True,
+            proj.in_features(cfg), proj.out_features(cfg), input_is_parallel=True,
             init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_proj.weight"),
             **common)
         add_layer_adapters(cfg, layer_number, "linear_qkv", self.linear_qkv, seed=seed,
@@ -130,9 +131,7 @@ class Attention(nn.Module):
         qkv = self.linear_qkv(x)                           # [s, b, groups/tp * (r + 2) * d]
         s, b = qkv.shape[:2]
         r, d = self.heads_per_group, self.head_dim
-        qkv = qkv.view(s, b, self.groups_per_rank, r + 2, d)
-        q = qkv[:, :, :, :r].reshape(s, b, self.groups_per_rank * r, d)
-        k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]      # [s, b, groups/tp, d]
+        q, k, v = split_heads(qkv, self.groups_per_rank, r, d)  # [s, b, heads/tp, d], k/v [s, b, groups/tp, d]
         if self.rope is not None and rope_tables is not None:
             cos, sin = (t.to(q.dtype) for t in rope_tables)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -178,17 +177,17 @@ class MLP(nn.Module):
                  sequence_parallel: bool, seed: int, device: torch.device | None, dtype: torch.dtype) -> None:
         super().__init__()
         prefix = layer_prefix(layer_number) + ".mlp."
-        ffn = cfg.resolved_ffn_hidden_size
+        fc1, fc2 = LINEARS["linear_fc1"], LINEARS["linear_fc2"]
         self.swiglu = cfg.swiglu
         std = cfg.init_method_std
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                       device=device, dtype=dtype)
-        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, ffn * (2 if cfg.swiglu else 1),
-                                               partition_stride=2 if cfg.swiglu else 1,
+        self.linear_fc1 = ColumnParallelLinear(fc1.in_features(cfg), fc1.out_features(cfg),
+                                               partition_stride=fc1.stride(cfg),
                                                init_method=normal_init(std, seed, prefix + "linear_fc1.weight"),
                                                **common)
         self.linear_fc2 = RowParallelLinear(
-            ffn, cfg.hidden_size, input_is_parallel=True,
+            fc2.in_features(cfg), fc2.out_features(cfg), input_is_parallel=True,
             init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_fc2.weight"),
             **common)
         add_layer_adapters(cfg, layer_number, "linear_fc1", self.linear_fc1, seed=seed)

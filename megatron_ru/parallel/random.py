@@ -15,6 +15,7 @@ tracker state, for checkpoints and for activation recomputation (see :func:`chec
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -99,6 +100,14 @@ def set_keyed_dropout_data_parallel(size: int, rank: int) -> None:
     _KEYED_DP = (size, rank)
 
 
+def name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed for ``name`` (a parameter's or an adapter's canonical name) under ``seed``
+    (Python's hash() is salted per process); the initialisation (:mod:`megatron_ru.model.init`) and keyed
+    dropout draw from it."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
 def keyed_dropout(key: str, x: torch.Tensor, p: float, *, full_shape: tuple[int, ...] | None = None,
                   columns: tuple[int, int] | None = None) -> torch.Tensor:
     """Dropout whose mask depends only on ``key`` (e.g. an adapter's canonical name), how many times
@@ -106,7 +115,6 @@ def keyed_dropout(key: str, x: torch.Tensor, p: float, *, full_shape: tuple[int,
     other random streams, so every TP/PP layout drops what one process drops. ``full_shape``/
     ``columns`` (start, width): ``x`` holds these last-dimension columns of a tensor of that shape.
     A call counts as one micro-batch (:func:`set_keyed_dropout_data_parallel`)."""
-    from megatron_ru.model.init import name_seed
     n = _KEYED_CALLS.get(key, 0)
     _KEYED_CALLS[key] = n + 1
     gen = torch.Generator(device=x.device).manual_seed(name_seed(n * _KEYED_DP[0] + _KEYED_DP[1], key))

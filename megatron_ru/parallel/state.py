@@ -6,7 +6,7 @@
     engine, *_ = deepspeed.initialize(model=..., mpu=state, ...)
 
 The object also is DeepSpeed's ``mpu``: the ``get_*`` methods DeepSpeed calls come from the
-:class:`~megatron_ru.training.deepspeed_compat.DeepSpeedMpu` mixin, which lives with the other
+:class:`~megatron_ru.deepspeed_bridge.compat.DeepSpeedMpu` mixin, which lives with the other
 DeepSpeed-specific code (what they mean, and why no ``get_sequence_parallel_*``, is said there).
 
 ``python -m megatron_ru.parallel.state --world-size 8 --tensor-model-parallel-size 2
@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ru.deepspeed_bridge.compat import DeepSpeedMpu
 from megatron_ru.parallel.topology import ParallelLayout, RankCoord, layout_problems
-from megatron_ru.training.deepspeed_compat import DeepSpeedMpu
 from megatron_ru.utils.logging import get_logger, log_rank0
 from megatron_ru.utils import cli
 
@@ -106,11 +106,6 @@ class ParallelState(DeepSpeedMpu):
                 "pp_size": self.pp_size, "tp_group": self.tp_ranks, "dp_group": self.dp_ranks,
                 "pp_group": self.pp_ranks, "mp_group": self.mp_ranks,
                 "embedding_group": self.embedding_ranks}
-
-    def ds_topology(self):
-        """DeepSpeed's topology object for ``PipelineModule(topology=...)``; same rank order."""
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-        return PipeModelDataParallelTopology(num_pp=self.pp_size, num_mp=self.tp_size, num_dp=self.dp_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

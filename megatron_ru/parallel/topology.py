@@ -74,6 +74,21 @@ def layout_problems(world_size: int, tp: int, pp: int) -> list[str]:
     return problems
 
 
+def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
+    """DP = WORLD_SIZE / (TP x PP), the one place it is computed; ValueError (naming the flags and the
+    valid choices) when TP x PP does not divide the world size. Nothing is clamped."""
+    problems = layout_problems(world_size, tp, pp)
+    if problems:
+        raise ValueError("invalid parallel layout: " + "; ".join(problems))
+    return world_size // (tp * pp)
+
+
+def micro_batches_per_step(global_batch: int, micro_batch: int, dp: int) -> int:
+    """Gradient-accumulation steps: micro batches each data-parallel rank runs per iteration (the
+    global batch is checked to be a multiple of micro batch x DP where the flags are parsed)."""
+    return global_batch // (micro_batch * dp)
+
+
 class ParallelLayout:
     """The TP × DP × PP grid of ``world_size`` ranks; DP = world_size / (TP × PP).
 
@@ -82,13 +97,10 @@ class ParallelLayout:
     """
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1) -> None:
-        problems = layout_problems(world_size, tp, pp)
-        if problems:
-            raise ValueError("invalid parallel layout: " + "; ".join(problems))
+        self.dp = data_parallel_size(world_size, tp, pp)
         self.world_size = world_size
         self.tp = tp
         self.pp = pp
-        self.dp = world_size // (tp * pp)
 
     def __repr__(self) -> str:
         return f"ParallelLayout(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, dp={self.dp})"

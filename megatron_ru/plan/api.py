@@ -14,10 +14,10 @@ if TYPE_CHECKING:
 
 def layout_for_arguments(args: "Arguments", world_size: Optional[int] = None) -> Layout:
     """The :class:`Layout` a parsed command line runs with on ``world_size`` ranks."""
-    from megatron_ru.parallel.topology import ParallelLayout
+    from megatron_ru.parallel.topology import data_parallel_size
     world = args.world_size if world_size is None else world_size
     tp, pp = args.tp, args.pp
-    dp = ParallelLayout(world, tp, pp).dp  # the one rule: a world size TP x PP does not divide is an error
+    dp = data_parallel_size(world, tp, pp)
     t = args.training
     global_batch = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
     return Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=global_batch,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ru.parallel.topology import micro_batches_per_step
+
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "full")
 
@@ -38,7 +40,7 @@ class Layout:
     @property
     def num_micro_batches(self) -> int:
         """Micro batches per data-parallel rank per iteration (gradient accumulation steps)."""
-        return self.global_batch // (self.micro_batch * self.dp)
+        return micro_batches_per_step(self.global_batch, self.micro_batch, self.dp)
 
     @property
     def tokens_per_step(self) -> int:

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import spec as model_spec
 
@@ -65,7 +66,7 @@ def _trainable_rule(cfg: ModelConfig):
         return lambda name: True
     from megatron_ru.config.lora import modules_to_save_patterns
     patterns = modules_to_save_patterns(spec)
-    return lambda name: ".lora." in name or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+    return lambda name: is_adapter_parameter(name) or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
 def stage_tensors(cfg: ModelConfig, vocab_size: int, tp: int, pp: int) -> list[list[TensorInfo]]:

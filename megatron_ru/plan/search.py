@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
+from megatron_ru.parallel.topology import data_parallel_size
 from megatron_ru.plan.activations import Runtime
 from megatron_ru.plan.hardware import GIB, GpuSpec
 from megatron_ru.plan.layout import Layout
@@ -74,7 +75,7 @@ def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_le
             if problems:
                 invalid.append(f"TP {tp} x PP {pp}: " + "; ".join(problems))
                 continue
-            dp = num_gpus // (tp * pp)
+            dp = data_parallel_size(num_gpus, tp, pp)
             if global_batch % dp:
                 invalid.append(f"TP {tp} x PP {pp}: --global-batch-size {global_batch} is not divisible by DP {dp}")
                 continue

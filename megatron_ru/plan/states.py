@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from megatron_ru.plan.layout import Layout
 from megatron_ru.plan.params import TensorInfo
+from megatron_ru.utils.optim import weight_decay_groups
 
 #: DeepSpeed's defaults for the settings our generated config leaves alone (elements)
 DEFAULT_REDUCE_BUCKET = 500_000_000
@@ -92,9 +93,7 @@ def wrapper_name(precision: str, zero_stage: int) -> str:
 def optimizer_groups(tensors: list[TensorInfo]) -> list[list[TensorInfo]]:
     """The optimizer's parameter groups (megatron_ru.training.engine.optimizer_param_groups): trainable
     matrices (weight decay), then trainable vectors; empty groups dropped."""
-    decay = [t for t in tensors if t.trainable and t.ndim >= 2]
-    no_decay = [t for t in tensors if t.trainable and t.ndim < 2]
-    return [g for g in (decay, no_decay) if g]
+    return [g for _, g in weight_decay_groups([t for t in tensors if t.trainable], lambda t: t.ndim >= 2)]
 
 
 def padded_flat_size(n: int, dp: int) -> int:

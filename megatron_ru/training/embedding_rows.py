@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_ru.config.model import ModelConfig
+from megatron_ru.deepspeed_bridge.masters import after_inner_step, fp32_master_fragment
 from megatron_ru.model.spec import VOCAB_WEIGHTS, canonical_named_parameters
 from megatron_ru.utils.logging import get_logger, log_rank0
 
@@ -61,7 +62,7 @@ class KeptRows:
             trained_rows = train.to(device=p.device, dtype=p.dtype).unsqueeze(1)
             p.register_hook(lambda g, m=trained_rows: g * m)
             keep = (~train).unsqueeze(1).expand(p.shape).reshape(-1)     # per flat element
-            target, start = self._master(p)
+            target, start = fp32_master_fragment(p)
             if target is None or target.numel() == 0:
                 continue
             idx = keep[start:start + target.numel()].nonzero().flatten().to(target.device)
@@ -69,14 +70,6 @@ class KeptRows:
                 self.entries.append((target, idx, target[idx].clone()))
         log_rank0(log, f"--train-embedding-rows new: {trained} rows train on this rank's shards; the others are "
                        f"kept as loaded")
-
-    @staticmethod
-    def _master(p: torch.nn.Parameter) -> tuple[Optional[torch.Tensor], int]:
-        """(flat fp32 tensor the optimizer updates for ``p`` on this rank, its offset in ``p``'s elements)."""
-        mapping = getattr(p, "_hp_mapping", None)
-        if mapping is not None:       # bf16 / ZeRO 1-2: this rank's fragment of the fp32 master partition
-            return mapping.hp_fragment.data.view(-1), int(mapping.lp_fragment_address.start)
-        return p.data.view(-1), 0     # fp32 without ZeRO: the parameter itself
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -86,15 +79,7 @@ class KeptRows:
             target[idx] = values
 
 
-def restore_after_step(optimizer: torch.optim.Optimizer, kept: KeptRows) -> None:
-    """Make ``optimizer.step`` put the kept rows back after every step it takes."""
-    if not kept.entries:
-        return
-    inner = optimizer.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
-        kept.restore()
-        return out
-
-    optimizer.step = step  # type: ignore[method-assign]
+def restore_after_step(engine: Any, kept: KeptRows) -> None:
+    """Make the engine's inner optimizer put the kept rows back after every step it takes."""
+    if kept.entries:
+        after_inner_step(engine, kept.restore)

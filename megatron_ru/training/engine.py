@@ -1,16 +1,17 @@
-"""The DeepSpeed bridge: config generation, optimizer, ``deepspeed.initialize`` with our groups.
+"""What goes into the DeepSpeed engine: its JSON config from the flags, the optimizer, the LR schedule and
+TP/PP-aware clipping; :func:`initialize_engine` hands them to :mod:`megatron_ru.deepspeed_bridge`.
 
 * PP = 1: a plain module, ``deepspeed.initialize(..., mpu=ParallelState)``; ZeRO 0-3.
-* PP > 1: a ``PipelineModule`` whose topology is ``ParallelState.ds_topology()`` (same rank order
-  as our groups: TP fastest, then DP, then PP); ZeRO 0-1. DeepSpeed then uses the module's grid as
-  its mpu (it refuses an explicit one with a pipeline).
+* PP > 1: a ``PipelineModule`` whose topology is :func:`megatron_ru.deepspeed_bridge.pipeline.topology` (same
+  rank order as our groups: TP fastest, then DP, then PP); ZeRO 0-1. DeepSpeed then uses the module's grid
+  as its mpu (it refuses an explicit one with a pipeline).
 * Gradient clipping counts every gradient element once across the model: TP-sharded parameters
   (``tensor_model_parallel``) on every TP rank, replicated ones (norms, biases of row-parallel
   layers) on TP rank 0 only, pipeline-tied copies (``ds_pipe_replicated``) once. DeepSpeed's ZeRO
   and bf16 optimizers already filter this way; its fp32 no-ZeRO path filters replicated parameters
   by the *model*-parallel rank (TP × PP), which drops them on every stage but the first when PP > 1,
   so that one path uses :func:`clip_grad_norm_tp_aware` instead (installed through
-  :mod:`megatron_ru.training.deepspeed_compat`, where every patch of DeepSpeed's internals lives).
+  :mod:`megatron_ru.deepspeed_bridge.compat`, where every patch of DeepSpeed's internals lives).
 * We use torch's AdamW (no JIT build) and skip DeepSpeed's shared-memory CPU collective kernel,
   whose first use JIT-compiles for ~50 s: gloo does the same work.
 """
@@ -18,36 +19,27 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from megatron_ru.training import deepspeed_compat as dsc
-from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
+from megatron_ru.deepspeed_bridge import compat as dsc
+from megatron_ru.deepspeed_bridge.engine import attach_comm, initialize
+from megatron_ru.deepspeed_bridge.pipeline import is_pipeline_module
 from megatron_ru.utils.logging import get_logger, log_rank0
+from megatron_ru.utils.optim import weight_decay_groups
 
 if TYPE_CHECKING:
-    from deepspeed import DeepSpeedEngine
-
     from megatron_ru.config.arguments import Arguments
+    from megatron_ru.deepspeed_bridge.engine import DeepSpeedEngine
     from megatron_ru.parallel.state import ParallelState
     from megatron_ru.training.lr import LRSchedule
 
-__all__ = ["attach_deepspeed_comm", "build_ds_config", "build_optimizer", "clip_grad_norm_tp_aware",
-           "disable_cpu_shm_comm", "initialize_engine", "optimizer_param_groups"]
+__all__ = ["build_ds_config", "build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine",
+           "optimizer_param_groups"]
 
 log = get_logger(__name__)
-
-
-def attach_deepspeed_comm() -> None:
-    """Let DeepSpeed's ``deepspeed.comm`` use the process group we initialised (our rank discovery,
-    no MPI discovery that would rewrite MASTER_ADDR/PORT). Needed before building a PipelineModule."""
-    dsc.check_version()
-    dsc.disable_cpu_shm_comm()
-    import deepspeed
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
-                               dist_init_required=False)
 
 
 def build_ds_config(args: "Arguments") -> dict[str, Any]:
@@ -93,13 +85,9 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[
     """Megatron's grouping: no weight decay on biases and norm weights (1-D tensors), nor on a frozen
     stage's placeholder (:func:`megatron_ru.training.freeze.keep_optimizer_busy`)."""
     from megatron_ru.training.freeze import ANCHOR_ATTR
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or getattr(p, ANCHOR_ATTR, False) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    trained = [p for _, p in model.named_parameters() if p.requires_grad]
+    groups = weight_decay_groups(trained, lambda p: p.ndim >= 2 and not getattr(p, ANCHOR_ATTR, False))
+    return [{"params": g, "weight_decay": weight_decay if decay else 0.0} for decay, g in groups]
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
@@ -160,20 +148,16 @@ def clip_grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], max_norm: floa
 def initialize_engine(model: torch.nn.Module, state: "ParallelState", args: "Arguments",
                       schedule: "LRSchedule") -> "DeepSpeedEngine":
     """``deepspeed.initialize`` for a module (PP=1) or a ``PipelineModule`` (PP>1)."""
-    attach_deepspeed_comm()
-    import deepspeed
-    from deepspeed.runtime.pipe.module import PipelineModule
-
+    attach_comm()
     from megatron_ru.training.lr import MegatronLRScheduler
 
-    is_pipe = isinstance(model, PipelineModule)
+    is_pipe = is_pipeline_module(model)
     if (state.pp_size > 1) != is_pipe:
         raise ValueError(f"internal: PP={state.pp_size} needs {'a' if state.pp_size > 1 else 'no'} PipelineModule")
     optimizer = build_optimizer(model, args.optimizer)
     ds_config = build_ds_config(args)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config, mpu=None if is_pipe else state,
-        lr_scheduler=lambda opt: MegatronLRScheduler(opt, schedule), dist_init_required=False)
+    engine = initialize(model, optimizer, ds_config, mpu=None if is_pipe else state,
+                        lr_scheduler=lambda opt: MegatronLRScheduler(opt, schedule))
     dsc.skip_single_replica_allreduce(engine, state.dp_size)
     if not (args.training.bf16 or args.training.fp16) and args.training.zero_stage == 0:
         tp_rank, mp_group, max_norm = state.tp_rank, state.mp_group, engine.gradient_clipping()
@@ -183,19 +167,3 @@ def initialize_engine(model: torch.nn.Module, state: "ParallelState", args: "Arg
                    f"ZeRO {args.training.zero_stage}, {args.precision}, micro batch {args.training.micro_batch_size}"
                    f" x grad accum {args.grad_accum} x DP {args.dp} = global batch {args.global_batch_size}")
     return engine
-
-
-def loss_scale_of(engine: Any) -> float:
-    opt = engine.optimizer
-    for attr in ("cur_scale", "loss_scale"):
-        value = getattr(opt, attr, None)
-        if isinstance(value, (int, float)) or torch.is_tensor(value):
-            return float(value)
-    return 1.0
-
-
-def grad_norm_of(engine: Any) -> Optional[float]:
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm)

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import EMBEDDING, OUTPUT_LAYER, canonical_named_parameters
 from megatron_ru.utils.logging import get_logger, log_rank0
@@ -99,7 +100,7 @@ def apply_lora_freezing(model: torch.nn.Module, cfg: ModelConfig, group: Any = N
     saved = {n for h in hits for n in h}
     frozen = []
     for name, p in named:
-        train = ".lora." in name or name in saved
+        train = is_adapter_parameter(name) or name in saved
         p.requires_grad_(train)
         if not train:
             frozen.append(name)

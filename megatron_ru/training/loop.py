@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_ru.config.training import CheckpointConfig, LoggingConfig, TrainingConfig
+from megatron_ru.deepspeed_bridge.engine import grad_norm_of, loss_scale_of
 from megatron_ru.parallel.comm_audit import audit_for_run
 from megatron_ru.parallel.state import ParallelState
 from megatron_ru.training import checkpoint as ckpt
 from megatron_ru.training.data import Batch, SampleDataset, micro_batches, pipeline_items
-from megatron_ru.training.engine import grad_norm_of, loss_scale_of
 from megatron_ru.training.metrics import EtaClock, MetricsWriter, peak_memory_mib
 from megatron_ru.training.signals import ExitSignal
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 if TYPE_CHECKING:
-    from deepspeed import DeepSpeedEngine
+    from megatron_ru.deepspeed_bridge.engine import DeepSpeedEngine
 
 log = get_logger(__name__)
 

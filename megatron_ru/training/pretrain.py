@@ -4,10 +4,9 @@ process that already initialised torch.distributed (tests).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,10 +17,10 @@ from megatron_ru.training.failure import parse_on_rank0, report_failure, watch_f
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
 from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
 from megatron_ru.training.signals import ExitSignal, install_if_requested
-from megatron_ru.utils.logging import forward_logger, get_logger, log_rank0, route_warnings, stdout_to_log
+from megatron_ru.utils.logging import get_logger, log_rank0, route_warnings
 
 if TYPE_CHECKING:
-    from deepspeed import DeepSpeedEngine
+    from megatron_ru.deepspeed_bridge.engine import DeepSpeedEngine
 
 log = get_logger(__name__)
 
@@ -44,20 +43,20 @@ def throughput(args: Arguments, vocab_size: int) -> Throughput:
 
 
 def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch.nn.Module:
-    """``GPTModel`` for PP = 1, a DeepSpeed ``PipelineModule`` over our layer specs for PP > 1.
+    """``GPTModel`` for PP = 1, a DeepSpeed ``PipelineModule`` over our layer list for PP > 1.
     Parameters are created in fp32 (DeepSpeed casts for bf16/fp16 and keeps fp32 masters)."""
-    from megatron_ru.model.gpt import GPTLoss, GPTModel, build_layer_specs
+    from megatron_ru.model.gpt import GPTLoss, GPTModel, pipeline_layers
     common = dict(seed=args.training.seed, device=state.device)
     tp_group = state.tp_group if state.tp_size > 1 else None
     sp = args.parallel.sequence_parallel
     if state.pp_size == 1:
         model = GPTModel(args.model, vocab_size, tp_group, sp, **common)
     else:
-        from deepspeed.pipe import PipelineModule
-        specs = build_layer_specs(args.model, vocab_size, tp_group, sp, **common)
+        from megatron_ru.deepspeed_bridge.pipeline import pipeline_module
+        layers = pipeline_layers(args.model, vocab_size, tp_group, sp, **common)
         # recomputation happens inside our layers (TP-aware RNG), not in DeepSpeed's pipeline
-        model = PipelineModule(layers=specs, loss_fn=GPTLoss(vocab_size, tp_group), topology=state.ds_topology(),
-                               partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+        model = pipeline_module(layers, GPTLoss(vocab_size, tp_group), state,
+                                partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
     if args.training.torch_compile:
         from megatron_ru.model.compile import compile_model
         compiled = compile_model(model)
@@ -118,8 +117,8 @@ def _lora_base(args: Arguments, loaded: Any) -> Optional[dict[str, Any]]:
     if getattr(loaded, "lora_base", None) is not None:
         return loaded.lora_base
     if (loaded.model_args or {}).get("lora") is None:
-        from megatron_ru.training.checkpoint import iteration_dir_name
-        from megatron_ru.training.lora_base import fingerprint_distributed
+        from megatron_ru.checkpointing.meta import iteration_dir_name
+        from megatron_ru.checkpointing.lora_base import fingerprint_distributed
         load = os.path.abspath(args.checkpoint.load)
         # what the base is, not only where: a later reader refuses another model put at that path
         fp = fingerprint_distributed(os.path.join(load, iteration_dir_name(int(loaded.iteration))))
@@ -133,20 +132,20 @@ def _train_new_rows_only(engine: "DeepSpeedEngine", state: ParallelState, args: 
     from megatron_ru.training.embedding_rows import KeptRows, new_rows_of, restore_after_step
     rows = new_rows_of(loaded, args.checkpoint.load)
     kept = KeptRows(engine.module, args.model, vocab_size, rows, state.tp_rank)
-    restore_after_step(getattr(engine.optimizer, "optimizer", engine.optimizer), kept)
+    restore_after_step(engine, kept)
 
 
 def _init_dora_after_load(engine: "DeepSpeedEngine") -> None:
     """DoRA magnitudes start as the row norms of the loaded base weights (peft), also in the fp32
     masters DeepSpeed made from the constructed weights."""
+    from megatron_ru.deepspeed_bridge.masters import has_fp32_master, set_fp32_master
     from megatron_ru.model.lora import init_dora_magnitudes, lora_adapters
     if not init_dora_magnitudes(engine.module):
         return
     for _, adapters in lora_adapters(engine.module):
         for ad in adapters.values():
-            if ad.use_dora and hasattr(ad.magnitude, "_hp_mapping"):
-                from deepspeed.utils import safe_set_full_fp32_param
-                safe_set_full_fp32_param(ad.magnitude, ad.magnitude.detach().float())
+            if ad.use_dora and has_fp32_master(ad.magnitude):
+                set_fp32_master(ad.magnitude, ad.magnitude.detach().float())
 
 
 def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) -> Progress:
@@ -170,18 +169,6 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
 
 
-@contextlib.contextmanager
-def deepspeed_quiet() -> Iterator[None]:
-    """DeepSpeed's start-up chatter as debug records of ``megatron_ru.deepspeed``: what it prints while the
-    model and the engine are built (``SEED_LAYERS=...``, ``Using topology: ...``, the per-stage layer
-    listing of PipelineModule) and, from then on, its logger (warnings kept on rank 0, see
-    :func:`forward_logger`). MEGATRON_RU_LOG_LEVEL=DEBUG shows them."""
-    with stdout_to_log(get_logger("megatron_ru.deepspeed")):
-        import deepspeed  # noqa: F401 - its logger exists from the import on
-        forward_logger("DeepSpeed")
-        yield
-
-
 def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     """Everything before the first iteration: groups, seeds, tokenizer, data, model, engine, resume.
     ``exit_signal``: a handler installed earlier (by ``pretrain_gpt.py``, before its imports), else
@@ -190,7 +177,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.random import model_parallel_seed, set_keyed_dropout_data_parallel
     from megatron_ru.training.data import build_datasets
-    from megatron_ru.training.engine import attach_deepspeed_comm, initialize_engine
+    from megatron_ru.deepspeed_bridge.engine import attach_comm, quiet
+    from megatron_ru.training.engine import initialize_engine
     from megatron_ru.model.lora import init_dora_magnitudes
     from megatron_ru.training.freeze import apply_freezing, apply_lora_freezing
     from megatron_ru.training.banner import log_banner
@@ -211,8 +199,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
         check_model_matches(args.checkpoint.load, args.model, vocab_size)
     train_ds, valid_ds, test_ds = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
                                                  vocab_size=vocab_size)
-    with deepspeed_quiet():
-        attach_deepspeed_comm()
+    with quiet():
+        attach_comm()
         model = build_model(args, state, vocab_size)
         pp_group = state.pp_group if state.pp_size > 1 else None
         apply_freezing(model, args.model, train_only_embeddings=args.training.train_only_embeddings,
@@ -243,7 +231,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
 def text_tables(tokenizer: Any, vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
     """[2, V] int64: UTF-8 bytes and characters per token id (0 for special and padding ids), for bits
     per byte in validation; None for a tokenizer whose ids have no text (NullTokenizer)."""
-    from megatron_ru.adapt.token_text import byte_and_char_counts, token_texts
+    from megatron_ru.data.token_text import byte_and_char_counts, token_texts
     try:
         nbytes, nchars = byte_and_char_counts(token_texts(tokenizer))
     except ValueError:

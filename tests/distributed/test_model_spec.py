@@ -55,19 +55,19 @@ def test_gpt_model_parameters_are_the_specs(tied, gpt2):
 
 def _stage_body(rank, world_size, tp, pp, cfg_args):
     import deepspeed
-    from deepspeed.pipe import PipelineModule
 
-    from megatron_ru.model.gpt import GPTLoss, build_layer_specs
+    from megatron_ru.deepspeed_bridge.pipeline import pipeline_module
+    from megatron_ru.model.gpt import GPTLoss, pipeline_layers
     from megatron_ru.model.spec import stage_bounds
     from megatron_ru.parallel.state import ParallelState
-    from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
+    from megatron_ru.deepspeed_bridge.compat import disable_cpu_shm_comm
     disable_cpu_shm_comm()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False)
     cfg = _cfg(*cfg_args)
     state = ParallelState.build(tp, pp, device=torch.device("cpu"))
     group = state.tp_group if tp > 1 else None
-    module = PipelineModule(layers=build_layer_specs(cfg, VOCAB, group, seed=11), loss_fn=GPTLoss(VOCAB, group),
-                            topology=state.ds_topology(), partition_method="type:TransformerLayer")
+    module = pipeline_module(pipeline_layers(cfg, VOCAB, group, seed=11), GPTLoss(VOCAB, group), state,
+                             partition_method="type:TransformerLayer")
     assert module.parts == [b[0] for b in stage_bounds(cfg, pp)] + [stage_bounds(cfg, pp)[-1][1]]
     reference = dict(GPTModel(cfg, VOCAB, seed=11).named_parameters())
     out = {}

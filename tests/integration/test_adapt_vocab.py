@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megatron_ru.adapt.model_io import open_model, save_model
+from megatron_ru.inference.model_io import open_model, save_model
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts, sample_texts
 
@@ -77,7 +77,7 @@ def _loss(hf_dir: str, texts: list[str], tok) -> float:
 
 
 def test_mean_of_old_pieces_beats_random_rows(base):
-    from megatron_ru.adapt.token_text import token_texts
+    from megatron_ru.data.token_text import token_texts
     from megatron_ru.adapt.vocab_map import build_vocab_map
     from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
     d = base["dir"]

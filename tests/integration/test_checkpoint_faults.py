@@ -139,7 +139,7 @@ def test_damaged_tp2_pp2_checkpoint_is_refused_with_the_files_named(tmp_path):
     assert sorted(r["intact"]) == [4, 5]
     # the save recorded every file with its size; the layout-derived list (old checkpoints) agrees
     from megatron_ru.training.checkpoint import CheckpointMeta
-    from megatron_ru.training.checkpoint_files import derive_expected, list_files
+    from megatron_ru.checkpointing.files import derive_expected, list_files
     meta = CheckpointMeta.read(os.path.join(backup))
     assert meta.files == list_files(backup) and len(meta.files) == 7 * 2 + 4 + 4
     assert sorted(derive_expected(2, 2, 1, 0, meta.files)) == sorted(meta.files)

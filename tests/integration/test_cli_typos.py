@@ -30,6 +30,7 @@ TOOLS = {
     "-m megatron_ru.data.builder": ("--train-smaples", "--train-samples"),
     "examples/demo.py": ("--corpus-mbb", "--corpus-mb"),
     "examples/adapt_language.py": ("--scael", "--scale"),
+    "examples/adapt_real.py": ("--twin-itres", "--twin-iters"),
 }
 
 

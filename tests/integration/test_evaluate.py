@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from megatron_ru.adapt.model_io import open_model, save_model
+from megatron_ru.inference.model_io import open_model, save_model
 from megatron_ru.data.preprocess.synthetic import document
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import make_hf_tokenizer_dir, make_sentencepiece, sample_texts

@@ -253,8 +253,8 @@ from megatron_ru.parallel.env import init_distributed
 init_distributed("gloo", timeout_minutes=0.25)
 import deepspeed.comm as ds_comm
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
-from megatron_ru.training.engine import attach_deepspeed_comm
-attach_deepspeed_comm()
+from megatron_ru.deepspeed_bridge.engine import attach_comm
+attach_comm()
 grid = PipelineParallelGrid(topology=PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1))
 groups = [ds_comm.new_group([0]), grid.get_data_parallel_group(), grid.get_slice_parallel_group()]
 print(sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups}))

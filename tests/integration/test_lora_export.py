@@ -20,7 +20,7 @@ TOL = 1e-5
 
 def _our_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of the checkpoint (adapters included) computed by megatron_ru in one process."""
-    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.inference.model_io import open_model
     from megatron_ru.model import GPTModel
     from megatron_ru.checkpointing.layout import specs_by_name
     from megatron_ru.model.spec import canonical_named_parameters, layout_shard, padded_vocab_rows

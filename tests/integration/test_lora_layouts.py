@@ -48,7 +48,7 @@ def _two(argv: list[str]) -> list[str]:
 
 def _grads(save: str) -> tuple[dict[str, torch.Tensor], int]:
     """Canonical name -> w0 - w1 of every trained tensor, from the saved step and a fresh model."""
-    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.inference.model_io import open_model
     from megatron_ru.model import GPTModel
     from megatron_ru.model.lora import init_dora_magnitudes
     from megatron_ru.model.spec import canonical_named_parameters

@@ -23,7 +23,7 @@ def _model_bytes(ckpt_iter_dir: str) -> int:
 
 
 def test_lora_resume_is_exact_and_stores_only_the_adapters(tmp_path):
-    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.inference.model_io import open_model
     from megatron_ru.training.checkpoint import CheckpointMeta, iteration_dir_name
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
     base = str(tmp_path / "base")

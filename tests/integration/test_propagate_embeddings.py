@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megatron_ru.adapt.model_io import open_model, save_model
+from megatron_ru.inference.model_io import open_model, save_model
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import adaptation_tokenizers
 
@@ -115,9 +115,9 @@ def test_modes_recover_the_map_and_keep_chat_tokens(family):
 
 
 def test_keep_original_rows_and_layer_delta(family):
-    from megatron_ru.adapt.token_text import token_texts
+    from megatron_ru.data.token_text import token_texts
     from megatron_ru.adapt.vocab_map import build_vocab_map
-    from megatron_ru.adapt.model_io import load_tokenizer
+    from megatron_ru.inference.model_io import load_tokenizer
     adapted, instruct, base = open_model(family["adapted"]), open_model(family["instruct"]), open_model(family["base"])
     _, out = _run(family, "keep_delta", "--keep-original-rows", "--layer-delta", "0.5",
                   "--output-format", "megatron", "--target-tensor-parallel-size", "2")

@@ -147,7 +147,7 @@ def test_reshard_resumes_training_exactly(tmp_path):
         # the DeepSpeed-native save at the new layout holds exactly the state of the source layout
         _same_checkpoints(str(tmp_path / f"{name}_src"), str(tmp_path / f"{name}_back"))
         assert read_meta(tmp_path / f"{name}_back").data_parallel_size > 1
-    from megatron_ru.training.checkpoint_files import safe_load
+    from megatron_ru.checkpointing.files import safe_load
     last = safe_load(str(tmp_path / "pad_src" / "iter_0000003" / "zero_pp_rank_3_mp_rank_00_optim_states.pt"))
     assert last["optimizer_state_dict"]["group_paddings"][1] > 0
     pad = read_checkpoint(str(tmp_path / "pad_src"))
@@ -161,7 +161,7 @@ def _bad_deepspeed_inputs(tmp_path):
     import shutil
 
     from megatron_ru.checkpointing import reshard
-    from megatron_ru.training.checkpoint_files import safe_load
+    from megatron_ru.checkpointing.files import safe_load
     src, out = tmp_path / "bad", tmp_path / "bad_out"
     shutil.copytree(tmp_path / "z1", src)
     ckpt = src / "iter_0000006"

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from megatron_ru.adapt.model_io import open_model, save_model
+from megatron_ru.inference.model_io import open_model, save_model
 from tests.dist_utils import run_distributed
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import adaptation_tokenizers, language_texts

@@ -66,13 +66,12 @@ def test_train_only_embeddings_and_freeze_patterns():
     with pytest.raises(ValueError, match="--freeze pattern 'decoder.layer.0.*' matches no parameter"):
         apply_freezing(model, args.model, freeze=["decoder.layer.0.*"])
     # pipeline stages name layers by index; the patterns still use the canonical names
-    from deepspeed.pipe import PipelineModule  # noqa: F401  (only the layer specs are built here)
-    from megatron_ru.model.gpt import build_layer_specs
-    layers = torch.nn.Sequential(*[spec.build() for spec in build_layer_specs(args.model, VOCAB - 1)])
+    from megatron_ru.model.gpt import pipeline_layers
+    layers = torch.nn.Sequential(*[spec.build() for spec in pipeline_layers(args.model, VOCAB - 1)])
     apply_freezing(layers, args.model, train_only_embeddings=True)
     trainable = sorted(n for n, p in layers.named_parameters() if p.requires_grad)
     assert trainable == ["0.word_embeddings.weight", f"{len(layers) - 1}.weight"]
-    layers = torch.nn.Sequential(*[spec.build() for spec in build_layer_specs(args.model, VOCAB - 1)])
+    layers = torch.nn.Sequential(*[spec.build() for spec in pipeline_layers(args.model, VOCAB - 1)])
     frozen = apply_freezing(layers, args.model, freeze=["decoder.layers.1.*", "output_layer.weight"])
     assert sorted(frozen) == sorted(n for n, _ in model.named_parameters()
                                     if n.startswith("decoder.layers.1.") or n == "output_layer.weight")
@@ -84,7 +83,7 @@ def test_train_only_embeddings_and_freeze_patterns():
     # a pipeline stage left with nothing to train keeps its smallest parameter in the optimizer, with a
     # zero gradient and no weight decay (other stages train: DeepSpeed steps every stage's optimizer)
     from megatron_ru.training.freeze import ANCHOR_ATTR, keep_optimizer_busy
-    stage = torch.nn.Sequential(*[spec.build() for spec in build_layer_specs(args.model, VOCAB - 1)[2:4]])
+    stage = torch.nn.Sequential(*[spec.build() for spec in pipeline_layers(args.model, VOCAB - 1)[2:4]])
     for p in stage.parameters():
         p.requires_grad_(False)
     keep_optimizer_busy(list(stage.named_parameters()))

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from megatron_ru.training.checkpoint import CheckpointMeta, read_latest_iteration
-from megatron_ru.training.checkpoint_files import derive_expected, list_files
+from megatron_ru.checkpointing.files import derive_expected, list_files
 from tests.dist_utils import run_distributed
 from tests.integration._train_helpers import make_corpus, tiny_argv, train_body
 

@@ -175,7 +175,7 @@ def _engine(zero_stage):
     import deepspeed
     import torch.distributed as dist
 
-    from megatron_ru.training.deepspeed_compat import disable_cpu_shm_comm
+    from megatron_ru.deepspeed_bridge.compat import disable_cpu_shm_comm
     from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler
     disable_cpu_shm_comm()
     if not dist.is_initialized():
@@ -308,7 +308,7 @@ def test_safe_load_from_two_threads(tmp_path):
 
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from megatron_ru.training.checkpoint_files import safe_load
+    from megatron_ru.checkpointing.files import safe_load
     with_scaler, plain = str(tmp_path / "scaler.pt"), str(tmp_path / "plain.pt")
     torch.save({"scaler": LossScaler(1.0), "x": torch.zeros(4)}, with_scaler)
     torch.save({"x": torch.ones(4)}, plain)
@@ -326,3 +326,28 @@ def test_safe_load_from_two_threads(tmp_path):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_metadata_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """Every reader of a checkpoint (--use-checkpoint-args, the loader, the offline reader) asks for
+    metadata.json; the file is parsed once per process, and again only when it changes."""
+    import json as _json
+
+    from megatron_ru.checkpointing import meta as meta_module
+    from megatron_ru.checkpointing.meta import METADATA_FILE, CheckpointMeta
+    parsed = []
+    real_load = _json.load
+    monkeypatch.setattr(meta_module.json, "load", lambda f: parsed.append(1) or real_load(f))
+    path = tmp_path / METADATA_FILE
+    fields = dict(consumed_train_samples=0, consumed_valid_samples=0, tensor_model_parallel_size=1,
+                  pipeline_model_parallel_size=1, data_parallel_size=1, zero_stage=0, model_args={}, args={})
+
+    def write(iteration: int) -> None:
+        path.write_text(_json.dumps({"iteration": iteration, **fields}))
+    write(3)
+    first, second = CheckpointMeta.read(str(tmp_path)), CheckpointMeta.read(str(tmp_path))
+    assert first.iteration == second.iteration == 3 and len(parsed) == 1
+    first.iteration = 99  # each reader has its own copy
+    assert CheckpointMeta.read(str(tmp_path)).iteration == 3 and len(parsed) == 1
+    write(40)
+    assert CheckpointMeta.read(str(tmp_path)).iteration == 40 and len(parsed) == 2

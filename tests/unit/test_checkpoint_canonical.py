@@ -13,7 +13,7 @@ from megatron_ru.checkpointing import reshard
 from megatron_ru.checkpointing.layout import layer_file, layer_optim_file
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import parameter_specs
-from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
+from megatron_ru.checkpointing.files import CheckpointError, safe_load
 
 V = 75  # odd: padded to 128 (divisible-by 64 x TP 2) rows, stripped back to 75
 
@@ -463,7 +463,7 @@ def test_reader_takes_an_iteration_directory_and_refuses_zero3(tmp_path):
 
 
 def test_interrupted_or_full_disk_write_leaves_nothing(tmp_path):
-    from megatron_ru.training.checkpoint_files import CheckpointSaveError
+    from megatron_ru.checkpointing.files import CheckpointSaveError
     from tests.fixtures.filesystems import small_tmpfs
     cfg = tiny_cfg()
     tensors = canonical_tensors(cfg)

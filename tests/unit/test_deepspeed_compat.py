@@ -1,4 +1,4 @@
-"""Each patch of DeepSpeed's internals (megatron_ru/training/deepspeed_compat.py) takes effect on the
+"""Each patch of DeepSpeed's internals (megatron_ru/deepspeed_bridge/compat.py) takes effect on the
 installed DeepSpeed: the attribute it replaces exists, and the patched behaviour is what runs.
 DeepSpeed keeps global state, so each check runs in its own interpreter (``_run``)."""
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ru.training import deepspeed_compat as dsc
+from megatron_ru.deepspeed_bridge import compat as dsc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -152,7 +152,7 @@ def test_single_replica_skips_only_the_bucket_copy(tmp_path):
 
 def check_checkpoint_io(out):
     import torch
-    from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
+    from megatron_ru.checkpointing.files import CheckpointError, safe_load
     _init_single_process()
     engine = _engine(torch.nn.Linear(4, 4), zero_stage=1)
     save_dir = os.path.join(os.path.dirname(out), "ckpt")
@@ -217,7 +217,7 @@ def check_layer_loading(out):
     import torch
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from megatron_ru.training.checkpoint_files import CheckpointError, safe_load
+    from megatron_ru.checkpointing.files import CheckpointError, safe_load
     _init_single_process()
     torch.manual_seed(0)
     topo = PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1)

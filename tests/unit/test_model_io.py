@@ -1,4 +1,4 @@
-"""adapt.model_io: a model opened from a Hugging Face directory or a megatron_ru checkpoint at any
+"""inference.model_io: a model opened from a Hugging Face directory or a megatron_ru checkpoint at any
 layout gives the same canonical tensors, and is written back as either kind, tokenizer included."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from megatron_ru.adapt.model_io import open_model, open_tokenizer, save_model
+from megatron_ru.inference.model_io import open_model, open_tokenizer, save_model
 from tests.fixtures.models import tiny_llama
 from tests.fixtures.tokenizers import make_hf_tokenizer_dir, make_sentencepiece
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model import GPTModel, build_layer_specs, tied_output_logits
+from megatron_ru.deepspeed_bridge.pipeline import layer_specs
+from megatron_ru.model import GPTModel, pipeline_layers, tied_output_logits
 from megatron_ru.model.init import name_seed
 from megatron_ru.parallel.random import get_rng_tracker, model_parallel_seed
 from megatron_ru.parallel.utils import pad_vocab_size, shard_tensor, unshard_tensors
@@ -94,7 +95,7 @@ def test_padding_does_not_change_the_model(make_cfg) -> None:
 def test_layer_specs_compose_to_gpt_model(make_cfg) -> None:
     cfg = make_cfg()
     model = GPTModel(cfg, VOCAB, seed=9)
-    specs = build_layer_specs(cfg, VOCAB, seed=9)
+    specs = layer_specs(pipeline_layers(cfg, VOCAB, seed=9))
     assert len(specs) == cfg.num_layers + 3
     layers = [spec.build() for spec in specs]
     tied = cfg.tied_embeddings

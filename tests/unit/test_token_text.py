@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatron_ru.adapt.token_text import byte_and_char_counts, token_texts
+from megatron_ru.data.token_text import byte_and_char_counts, token_texts
 from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer, NullTokenizer, SentencePieceTokenizer
 from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece, sample_texts
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_ru.adapt.extend_tokenizer import extend_tokenizer
-from megatron_ru.adapt.model_io import load_tokenizer
-from megatron_ru.adapt.token_text import token_texts
+from megatron_ru.inference.model_io import load_tokenizer
+from megatron_ru.data.token_text import token_texts
 from megatron_ru.adapt.vocab_map import build_vocab_map, piece_weights
 from megatron_ru.convert.tokenizer_files import TokenizerSource
 from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
@@ -222,7 +222,7 @@ def test_replace_with_a_byte_level_old_tokenizer_without_unk(toks, tmp_path, ini
     import argparse
 
     from megatron_ru.adapt.adapt_vocab import add_arguments, adapt_vocab
-    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.inference.model_io import open_model
     from tests.fixtures.models import tiny_llama
 
     old_dir = _byte_level_without_unk(tmp_path, toks["en_texts"] + toks["ru_texts"])
@@ -259,7 +259,7 @@ def test_random_inits_say_which_rows_they_draw(toks, tmp_path):
     import argparse
 
     from megatron_ru.adapt.adapt_vocab import add_arguments, adapt_vocab
-    from megatron_ru.adapt.model_io import open_model
+    from megatron_ru.inference.model_io import open_model
     from megatron_ru.model.spec import WORD_EMBEDDING_WEIGHT
     from tests.fixtures.models import tiny_llama
 

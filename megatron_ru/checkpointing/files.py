@@ -21,6 +21,9 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megatron_ru.deepspeed_bridge.compat import TESTED_RANGE_TEXT
+from megatron_ru.deepspeed_bridge.zero_files import pickled_classes
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is; the message names the file and the fix."""
@@ -128,13 +131,6 @@ def check_files(ckpt_dir: str, expected: dict[str, Optional[int]], *, kinds: set
 
 # ---- reading one file ------------------------------------------------------------------------------
 
-def _safe_deepspeed_globals() -> list[Any]:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 _ALLOWED: list[bool] = []
 
 
@@ -143,13 +139,8 @@ def _allow_deepspeed_globals() -> None:
     context manager restores the list on exit: with loads in two threads — the checkpoint reader
     reads the next layer in the background — one thread's exit removed them under the other's load.)"""
     if not _ALLOWED:
-        torch.serialization.add_safe_globals(_safe_deepspeed_globals())
+        torch.serialization.add_safe_globals(pickled_classes())
         _ALLOWED.append(True)
-
-
-def dsc_range() -> str:
-    from megatron_ru.training.deepspeed_compat import TESTED_RANGE_TEXT
-    return TESTED_RANGE_TEXT
 
 
 def _first_line(e: BaseException) -> str:
@@ -180,7 +171,7 @@ def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
         if found and found.group(1).startswith(("deepspeed.", "torch.")):
             raise CheckpointError(
                 f"{path} holds a {found.group(1)} object, which megatron_ru does not allow-list for loading "
-                f"(a DeepSpeed release other than the tested {dsc_range()} may have written it): save it "
+                f"(a DeepSpeed release other than the tested {TESTED_RANGE_TEXT} may have written it): save it "
                 f"again with a tested DeepSpeed, or {fix}") from None
         if found:
             raise CheckpointError(

@@ -22,7 +22,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
-from megatron_ru.training.checkpoint_files import CheckpointError, file_kind
+from megatron_ru.checkpointing.files import CheckpointError, file_kind
 
 ALGORITHM = "sha256"
 _CHUNK = 8 << 20
@@ -100,7 +100,7 @@ def mismatch_error(lora_dir: str, base: dict[str, Any], problems: list[str]) -> 
 
 
 def base_dir(base: dict[str, Any]) -> str:
-    from megatron_ru.training.checkpoint import iteration_dir_name
+    from megatron_ru.checkpointing.meta import iteration_dir_name
     return os.path.join(str(base["load"]), iteration_dir_name(int(base["iteration"])))
 
 

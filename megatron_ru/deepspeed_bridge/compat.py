@@ -8,7 +8,7 @@ takes effect on the installed DeepSpeed:
 * :func:`disable_cpu_shm_comm` — ``deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False``:
   on CPU, DeepSpeed JIT-builds a shared-memory allreduce kernel on first init (~50 s); gloo does the work.
 * :func:`install_fp32_clipping` — ``engine.clip_fp32_gradients``: DeepSpeed's fp32 no-ZeRO clipping
-  drops replicated parameters on every pipeline stage but the first (see ``engine.py``).
+  drops replicated parameters on every pipeline stage but the first (see ``training/engine.py``).
 * :func:`install_checkpoint_io` — the checkpoint engine's ``load`` (weights-only ``torch.load``, errors
   that name the file) and ``save`` (a failed write, e.g. a full disk, is recorded instead of raised
   half-way through DeepSpeed's collectives, so every rank can agree to abandon the save).
@@ -62,7 +62,7 @@ def version_problem(version: str) -> Optional[str]:
     if low <= _parse_version(version) < high:
         return None
     return (f"DeepSpeed {version} is installed; megatron_ru was tested with {TESTED_RANGE_TEXT} and patches "
-            f"some of its internals (megatron_ru/training/deepspeed_compat.py): install a tested release "
+            f"some of its internals (megatron_ru/deepspeed_bridge/compat.py): install a tested release "
             f"(pip install '{TESTED_RANGE_TEXT}') or run tests/unit/test_deepspeed_compat.py against this one")
 
 
@@ -82,7 +82,7 @@ def check_version() -> None:
 def _missing(what: str) -> RuntimeError:
     import deepspeed
     return RuntimeError(f"DeepSpeed {deepspeed.__version__} has no {what}, which megatron_ru patches "
-                        f"(megatron_ru/training/deepspeed_compat.py): install {TESTED_RANGE_TEXT}")
+                        f"(megatron_ru/deepspeed_bridge/compat.py): install {TESTED_RANGE_TEXT}")
 
 
 # ---- 1. no JIT build of the CPU shared-memory allreduce ---------------------------------------------

@@ -59,7 +59,7 @@ class ModelSource:
 
 
 def _is_checkpoint(path: str) -> bool:
-    from megatron_ru.training.checkpoint import TRACKER_FILE
+    from megatron_ru.checkpointing.meta import TRACKER_FILE
     return os.path.isfile(os.path.join(path, TRACKER_FILE)) or (
         os.path.basename(os.path.normpath(path)).startswith("iter_")
         and os.path.isfile(os.path.join(path, "metadata.json")))
@@ -146,6 +146,17 @@ def open_tokenizer(path: str, flag: str, num_threads: int = 1) -> tuple[Tokenize
         return source, load_tokenizer(source, num_threads)
     except (OSError, ValueError) as e:
         raise type(e)(f"{flag} {path}: {e}") from e
+
+
+def model_tokenizer(src: ModelSource, given: Optional[str], flag: str,
+                    model_flag: str) -> tuple[TokenizerSource, Tokenizer]:
+    """The tokenizer named by ``flag`` (``given``), else the one saved with the model ``src`` (opened by
+    ``model_flag``); neither is a ValueError that names both flags."""
+    if given:
+        return open_tokenizer(given, flag)
+    if src.tokenizer is not None:
+        return src.tokenizer, load_tokenizer(src.tokenizer)
+    raise ValueError(f"{model_flag} {src.path} has no tokenizer saved with it: give {flag}")
 
 
 def _tokenizer_record(tokenizer: TokenizerSource) -> dict[str, Any]:
