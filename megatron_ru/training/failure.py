@@ -364,8 +364,9 @@ def message_of(error: BaseException, timeout_minutes: Optional[float], what: str
     if lost == str(error):  # the error is the news itself
         return f"{what} failed: {text}."
     if lost:
+        timed_out = re.search(r"timed out|timeout", text, re.I) is not None
         after = (f" after --distributed-timeout-minutes ({timeout_minutes})" if peers_lost and timeout_minutes
-                 else "")
+                 and timed_out else "")
         return f"{what} failed: {lost}; this rank gave up{after} at {type(error).__name__}: {text}."
     hint = (f" If another rank died or hung, its own log (or the launcher's) says why; collectives "
             f"give up after --distributed-timeout-minutes ({timeout_minutes}).") if timeout_minutes else ""

@@ -86,7 +86,8 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path):
         out, _ = procs[0].communicate(timeout=90)
         assert time.time() - killed_at < 75  # well within the 1-minute collective timeout + exit
         assert procs[0].returncode == 1
-        assert "training failed:" in out and "If another rank died or hung" in out, out[-3000:]
+        # the survivor names the killed rank (it never reached its failure handler)
+        assert "training failed: lost rank 1: no word from it" in out, out[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
