@@ -128,8 +128,8 @@ class ProcessWorkers:
                     continue
                 try:
                     s, value, error = conn.recv()
-                except EOFError:  # its worker died, mid-message or before; the sentinel says how
-                    continue
+                except (EOFError, OSError):  # its worker died before the message or mid-message ("got end of
+                    continue                     # file during message"); the sentinel says how
                 if error is not None:
                     raise RuntimeError(f"a worker process failed while tokenizing:\n{error}")
                 self._done[s] = value
