@@ -1,4 +1,4 @@
-"""Suite-wide hooks and fixtures: the fast suite's budget; the real model's cache.
+"""Suite-wide hooks and fixtures: the fast suite's budget; the real model's cache; the package logger's records.
 
 ``make test-fast`` (``pytest -m "not slow" tests``) is the edit-test loop and must stay under 3 minutes
 on 2 cores. Wall time depends on what else the machine runs, so the check counts CPU time (this
@@ -8,6 +8,7 @@ schedulers belongs in the slow set (``pytestmark = pytest.mark.slow``).
 """
 from __future__ import annotations
 
+import logging
 import resource
 import time
 
@@ -45,3 +46,12 @@ def real_model_cache() -> str:
     missing: CI installs them and never skips. Returns the cache directory."""
     from tools.real_model import ensure
     return ensure()
+
+
+@pytest.fixture
+def records(caplog):
+    """caplog for the package's logger (it does not propagate to the root logger)."""
+    root = logging.getLogger("megatron_ru")
+    root.addHandler(caplog.handler)
+    yield caplog
+    root.removeHandler(caplog.handler)

@@ -35,15 +35,6 @@ def test_before_the_process_group_rank_0_prints(env, prints):
     assert failure.should_report(env) is prints
 
 
-@pytest.fixture
-def records(caplog):
-    """caplog for the package's logger (it does not propagate to the root logger)."""
-    root = logging.getLogger("megatron_ru")
-    root.addHandler(caplog.handler)
-    yield caplog
-    root.removeHandler(caplog.handler)
-
-
 def test_report_prints_one_line_without_traceback(records, monkeypatch):
     caplog = records
     monkeypatch.setattr(failure, "SILENT_GRACE_S", (0.0, 0.0))

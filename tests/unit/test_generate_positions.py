@@ -16,14 +16,6 @@ from megatron_ru.inference.sampling import SamplingParams  # noqa: E402
 from megatron_ru.model import GPTModel  # noqa: E402
 
 
-@pytest.fixture
-def records(caplog):
-    root = logging.getLogger("megatron_ru")
-    root.addHandler(caplog.handler)
-    yield caplog
-    root.removeHandler(caplog.handler)
-
-
 def _warnings(caplog):
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
