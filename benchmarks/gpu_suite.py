@@ -60,12 +60,15 @@ OURS = {
     "ours": (("--torch-compile", "--adam-implementation", "fused"), {}),
     "ours-eager": (("--adam-implementation", "fused"), {}),
     "ours-before": (("--adam-implementation", "for-loop"), {}),
+    "ours-ds-step": (("--torch-compile", "--adam-implementation", "fused"), {}),
     "ours-mb8": (("--torch-compile", "--adam-implementation", "fused"), {"batch": 8}),
     "ours-mb8-ga4": (("--torch-compile", "--adam-implementation", "fused"), {"batch": 8, "accum": 4}),
 }
-ABLATION = ("ours-eager", "ours-before")
+ABLATION = ("ours-eager", "ours-ds-step", "ours-before")
+#: variants that run DeepSpeed's own bf16 optimizer loops (before install_batched_bf16_step)
+DEEPSPEED_STEP = ("ours-ds-step", "ours-before")
 BASELINES = ("plain", "transformers")
-STATE_BYTES = {"ours": 18, "ours-eager": 18, "ours-before": 18, "ours-mb8": 18, "ours-mb8-ga4": 18, "plain": 16,
+STATE_BYTES = {"ours": 18, "ours-eager": 18, "ours-before": 18, "ours-mb8": 18, "ours-mb8-ga4": 18, "ours-ds-step": 18, "plain": 16,
                "transformers": 16}
 
 
@@ -303,6 +306,9 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
                 args, trainer = build_trainer(shapes[name], prefix, os.path.join(tmp, "cache"), total + 2,
                                               precision, 0 if precision == "fp32" else 1, OURS[name][0])
                 keep.append(trainer)
+                if name in DEEPSPEED_STEP:  # back to the class's methods: DeepSpeed's loops
+                    for attr in ("step", "update_hp_grads"):
+                        vars(trainer.engine.optimizer).pop(attr, None)
                 return trainer.train_step
             build(name, make)
     if args is None:  # the baselines alone (a process of their own): the model flags without an engine
@@ -322,8 +328,12 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
     if device.type == "cuda" and "ours" in fns and shape == "1b-seq2048":
         try:
             profile = _profile(fns["ours"], device)
+            profile["idle_causes"] = _idle_causes(fns["ours"])
+            if "ours-ds-step" in fns:
+                profile["idle_causes_ds_step"] = _idle_causes(fns["ours-ds-step"])
         except Exception as e:  # noqa: BLE001 - the figures above stand without it
             profile = {"error": f"{type(e).__name__}: {e}"}
+    smoke_idle = _idle_causes(fns["ours"], kernel_cat="cpu_op", top=3) if smoke and "ours" in fns else None
     tokens = p["batch"] * p["seq"]
     flops = flops_per_token(model_shape(args, vocab)) * tokens
     peak = device_peak_tflops(precision, None)
@@ -335,10 +345,78 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
         st["tflops"] = scale * flops / st["median_s"] / 1e12
         st["mfu"] = st["tflops"] / peak if peak else None
     return {"shape": shape, "dims": p, "precision": precision, "contenders": stats, "errors": errors,
-            "profile_of_ours": profile,
+            "profile_of_ours": profile, "idle_causes_smoke": smoke_idle,
             "tokens_per_step": tokens,
             "flops_per_step": flops, "peak_tflops": peak,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
+
+
+def _idle_causes(step: Callable[[], None], kernel_cat: str = "kernel", top: int = 15) -> dict[str, Any]:
+    """Where the GPU waits for the host: one step traced with Python stacks; every gap between kernels
+    is charged to the Python frames (of megatron_ru, DeepSpeed, benchmarks) and the aten op that launched
+    the kernel after it. Profiling slows the host, so the gaps are larger than unprofiled; their ranking
+    is the point. ``kernel_cat``: the trace category of the device's work ("cpu_op" exercises the code
+    on a CPU)."""
+    import bisect
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kernel_cat == "kernel" else [])
+    with profile(activities=acts, with_stack=True) as prof:
+        step()
+        _sync(_device())
+    path = os.path.join(tempfile.mkdtemp(prefix="gpu_suite_trace_"), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") == kernel_cat), key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"
+                and "correlation" in e.get("args", {})}
+    def per_thread(cat: str) -> dict[Any, tuple[list[float], list[dict]]]:
+        out: dict[Any, list[dict]] = {}
+        for e in events:
+            if e.get("cat") == cat:
+                out.setdefault(e.get("tid"), []).append(e)
+        return {tid: ([e["ts"] for e in evs], evs) for tid, evs in
+                ((tid, sorted(evs, key=lambda e: e["ts"])) for tid, evs in out.items())}
+
+    ops, py = per_thread("cpu_op"), per_thread("python_function")
+    py_by_id = {e["args"].get("Python id"): e for _, evs in py.values() for e in evs}
+    ours = ("megatron_ru/", "deepspeed/", "benchmarks/")
+
+    def enclosing(table, tid, t):
+        starts, evs = table.get(tid, ([], []))
+        i = bisect.bisect_right(starts, t) - 1
+        for j in range(i, max(i - 5000, -1), -1):  # nested: the latest start that still spans t is the innermost
+            if evs[j]["ts"] + evs[j]["dur"] >= t:
+                return evs[j]
+        return None
+
+    def frames(tid, t) -> str:
+        e, names = enclosing(py, tid, t), []
+        while e is not None and len(names) < 3:
+            if any(k in e["name"] for k in ours):
+                names.append(e["name"].split("site-packages/")[-1][:80])
+            e = py_by_id.get(e["args"].get("Python parent id"))
+        return " < ".join(names) or ("(no Python frame: autograd or another thread)" if e is None
+                                     else "(no frame of ours)")
+
+    by_frames: dict[str, float] = {}
+    by_op: dict[str, float] = {}
+    total = 0.0
+    for prev, k in zip(kernels, kernels[1:]):
+        gap = k["ts"] - (prev["ts"] + prev["dur"])
+        if gap <= 5:  # µs: back to back
+            continue
+        total += gap
+        launch = launches.get(k.get("args", {}).get("correlation"), k)
+        t, tid = launch["ts"], launch.get("tid")
+        key = frames(tid, t)
+        by_frames[key] = by_frames.get(key, 0.0) + gap
+        op = enclosing(ops, tid, t)
+        by_op[op["name"] if op else "?"] = by_op.get(op["name"] if op else "?", 0.0) + gap
+    span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) if kernels else 0.0
+    rank = lambda d: [(k, round(v / 1e3, 3)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+    return {"kernels": len(kernels), "span_ms": span / 1e3, "gaps_ms": total / 1e3,
+            "gaps_by_python_frames_ms": rank(by_frames), "gaps_by_launching_op_ms": rank(by_op)}
 
 
 def _profile(step: Callable[[], None], device, steps: int = 2) -> dict[str, Any]:
@@ -474,10 +552,13 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _plan(smoke: bool, gpu_bytes: Optional[int], no_ablation: bool = False) -> list[tuple[str, list[str], list[str]]]:
+def _plan(smoke: bool, gpu_bytes: Optional[int], no_ablation: bool = False, only: Optional[set[str]] = None
+          ) -> list[tuple[str, list[str], list[str]]]:
     """(part, worker arguments, contenders) in run order: the headline first, so that a cut-short run
     still has it. Contenders whose states would not fit together run in processes of their own."""
-    first = ["ours", *BASELINES, "ours-mb8-ga4", *([] if no_ablation else ABLATION)]
+    # ours-ds-step next to ours: the A/B of the bf16 optimizer's loops runs interleaved in one process
+    ablation = [] if no_ablation else ["ours-ds-step", *(a for a in ABLATION if a != "ours-ds-step")]
+    first = ["ours", *ablation[:1], *BASELINES, "ours-mb8-ga4", *ablation[1:]]
     plans: list[tuple[str, list[str], list[str]]] = [("matrix-1b-seq2048", ["--shape", "1b-seq2048"], first)]
     plans.append(("matrix-8b-layer-seq4096", ["--shape", "8b-layer-seq4096"], ["ours", *BASELINES]))
     plans.append(("fp16", [], []))
@@ -486,6 +567,10 @@ def _plan(smoke: bool, gpu_bytes: Optional[int], no_ablation: bool = False) -> l
     plans.append(("generation", [], []))
     out = []
     for part, argv, contenders in plans:
+        if only and part.startswith("matrix"):
+            contenders = [c for c in contenders if c in only]
+            if not contenders:
+                continue
         if part.startswith("matrix") and gpu_bytes and not smoke:
             p = SHAPES[argv[1]]
             params = p["layers"] * (p["hidden"] * (p["hidden"] + 2 * p["hidden"] // p["heads"] * p["groups"])
@@ -539,11 +624,22 @@ def _markdown(results: dict[str, Any]) -> str:
                           f"per step, {prof['kernel_ms_per_step']:.1f} ms of GPU kernels (the GPU waits "
                           f"{prof.get('gpu_idle_ms_per_step', 0.0):.1f} ms for the host); the largest: " + "; ".join(
                               f"{name} {ms} ms x{n}" for name, ms, n in prof["top_kernels_ms_per_step"][:8])]
+            for key, label in (("idle_causes", "ours"), ("idle_causes_ds_step", "ours-ds-step")):
+                idle = prof.get(key)
+                if idle:
+                    lines += ["", f"GPU idle of {label}, one step traced with Python stacks (slower host): "
+                                  f"{idle['gaps_ms']:.1f} ms of gaps in {idle['span_ms']:.1f} ms, {idle['kernels']} "
+                                  f"kernels; by the frames that launched the next kernel: " + "; ".join(
+                                      f"{k} {v} ms" for k, v in idle["gaps_by_python_frames_ms"][:10])
+                              + "; by launching op: " + "; ".join(
+                                      f"{k} {v} ms" for k, v in idle["gaps_by_launching_op_ms"][:8])]
         lines += ["", "Recipes (all: the same tokens, bf16 compute, fp32 master weights and Adam state, clipping 1.0):"]
         lines += [f"- {name}: pretrain_gpt.py --bf16 --zero-stage 1 {' '.join(flags)}"
                   f"{' --micro-batch-size ' + str(shape['batch']) if shape else ''}"
                   f"{' --global-batch-size ' + str(shape['batch'] * shape['accum']) if 'accum' in shape else ''}; "
-                  + RECIPES["pretrain_gpt"] for name, (flags, shape) in OURS.items()]
+                  + RECIPES["pretrain_gpt"]
+                  + ("; DeepSpeed's own per-parameter loops in the bf16 optimizer" if name in DEEPSPEED_STEP else "")
+                  for name, (flags, shape) in OURS.items()]
         lines += [f"- plain: {RECIPES['plain_torch']}", f"- transformers: {RECIPES['transformers']}",
                   "MFU: model FLOPs (6 x matmul parameters x tokens + 12 x layers x hidden x seq x tokens, "
                   "megatron_ru/training/metrics.py) against the dense bf16 peak (989 TFLOP/s for H100/H200).", ""]
@@ -605,7 +701,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--part-timeout", type=float, default=300, help="seconds before a part is stopped")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
-    ap.add_argument("--contenders", help=argparse.SUPPRESS)
+    ap.add_argument("--contenders", help="comma-separated subset of the matrix's contenders (default: all)")
     ap.add_argument("--json", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     opts.steps = opts.steps or (2 if opts.cpu_smoke else 8)
@@ -628,7 +724,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                MEGATRON_RU_LOG_LEVEL=os.environ.get("MEGATRON_RU_LOG_LEVEL",
                                                                                            "WARNING"))
     failed = 0
-    for part, part_argv, contenders in _plan(opts.cpu_smoke, gpu_bytes, opts.no_ablation):
+    only = set(opts.contenders.split(",")) if opts.contenders else None
+    for part, part_argv, contenders in _plan(opts.cpu_smoke, gpu_bytes, opts.no_ablation, only):
         if wanted and part.split("#")[0] not in wanted:
             continue
         path = os.path.join(tempfile.mkdtemp(prefix="gpu_suite_part_"), "result.json")

@@ -28,6 +28,9 @@ takes effect on the installed DeepSpeed:
   ``pipeline_enable_backward_allreduce``: with one data-parallel replica, DeepSpeed's bf16 and no-ZeRO
   paths still flatten every gradient into a bucket, "all-reduce" it over one rank and copy it back
   (~6 % of a 1B bf16 step on one H200); we skip that copy, which changes no number.
+* :func:`install_batched_bf16_step` — ``BF16_Optimizer.update_hp_grads`` and ``.step``: the same
+  arithmetic with multi-tensor kernels instead of per-parameter Python loops, and no host read of the
+  clipping coefficient.
 * :class:`DeepSpeedMpu` — the ``get_*`` interface DeepSpeed calls on ``mpu=`` (PP = 1); a mixin of
   :class:`~megatron_ru.parallel.state.ParallelState`, which passes itself as ``mpu``.
 """
@@ -116,6 +119,109 @@ def skip_single_replica_allreduce(engine: Any, dp_size: int) -> bool:
         raise _missing(f"{type(engine).__name__}.{attr}")
     setattr(engine, attr, False)
     return True
+
+
+# ---- 1c. the bf16 optimizer's per-step loops as multi-tensor kernels -----------------------------
+
+def install_batched_bf16_step(engine: Any) -> bool:
+    """Make DeepSpeed's ``BF16_Optimizer`` (bf16 at ZeRO 1) run its per-parameter loops as multi-tensor
+    kernels, with one host synchronisation per step instead of two; the numbers are DeepSpeed's:
+
+    * ``update_hp_grads``: each bf16 gradient is added to its fp32 gradient with ``torch._foreach_add_``
+      (DeepSpeed: an fp32 copy of each gradient, then an add, two kernels and a temporary per parameter);
+      bf16 to fp32 is exact, so the sums are the same bits.
+    * ``step``: the gradient norm from ``torch._foreach_norm`` (DeepSpeed: one ``norm`` per tensor; the
+      same per-tensor norms, combined, model-parallel reduced and masked as DeepSpeed does), and clipping
+      by ``min(1, max_norm / (norm + 1e-6))`` in one ``torch._foreach_mul_`` without reading the
+      coefficient on the host (DeepSpeed: ``if clip_coef < 1`` on the host, then one ``mul_`` per
+      tensor; multiplying by exactly 1 changes no bit). The one remaining read is the non-finite check.
+
+    Installed where the optimizer is the plain case (no MoE, Muon, AutoEP folding; the 2-norm); returns
+    whether it was. Tested bit for bit against DeepSpeed's own methods in tests/unit/test_deepspeed_compat.py."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    opt = engine.optimizer
+    if not isinstance(opt, BF16_Optimizer):
+        return False
+    for attr in ("fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups", "get_grads_for_norm",
+                 "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition", "update_lp_params",
+                 "clear_hp_grads", "clear_lp_grads", "_lazy_init_hp_params_optimizer_state", "clip_grad"):
+        if not hasattr(opt, attr):
+            raise _missing(f"BF16_Optimizer.{attr}")
+    if (getattr(opt, "has_moe_layers", False) or getattr(opt, "_uses_muon", False) or float(opt.norm_type) != 2.0
+            or getattr(opt, "autoep_folding_tp_group", None) is not None or opt.immediate_grad_update):
+        return False
+    opt.update_hp_grads = types.MethodType(_batched_update_hp_grads, opt)
+    opt.step = types.MethodType(_batched_bf16_step, opt)
+    return True
+
+
+def _batched_update_hp_grads(self: Any, clear_lp_grads: bool = False) -> None:
+    import torch
+    hp, lp_grads = [], []
+    with torch.no_grad():
+        for i, group in enumerate(self.bf16_groups):
+            for j, lp in enumerate(group):
+                if lp.grad is None:
+                    continue
+                hp_grad = self.fp32_groups_gradients[i][j]
+                hp.append(hp_grad)
+                lp_grads.append(lp.grad.detach().view(hp_grad.shape))
+                lp._hp_grad = hp_grad
+                self.fp32_groups_has_gradients[i][j] = True
+        if hp:
+            torch._foreach_add_(hp, lp_grads)
+        if clear_lp_grads and lp_grads:
+            torch._foreach_zero_(lp_grads)
+
+
+def _global_grad_norm(grads: list, mpu: Any) -> Any:
+    """DeepSpeed's ``get_global_norm_of_tensors`` (2-norm, no MoE) with the per-tensor norms in one call."""
+    import torch
+    from deepspeed import comm as ds_dist
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    from deepspeed.accelerator import get_accelerator
+    device = get_accelerator().current_device_name()
+    norms = torch._foreach_norm([g.detach().float() for g in grads], 2.0) if grads else []
+    total = torch.stack([n.to(device) for n in norms]).pow(2.0).sum() if norms else \
+        torch.zeros((), dtype=torch.float32, device=device)
+    if mpu is not None:
+        ds_dist.all_reduce(total, op=ds_dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    total = total.to(grads[0].device if grads else device).pow(0.5)
+    mask_nan_or_inf_with_val_inplace(total, device=total.device)
+    return total
+
+
+def _batched_bf16_step(self: Any, closure: Any = None) -> None:
+    import torch
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+    if closure is not None:
+        raise NotImplementedError(f"{type(self).__name__} does not support closure.")
+    self.overflow = False
+    norm = _global_grad_norm(self.get_grads_for_norm()[0], self.mpu)
+    self._global_grad_norm = norm
+    if is_invalid_grad_norm(norm):  # the step's one host read
+        self.overflow = True
+        self._global_grad_norm = float("inf")
+        self.clear_hp_grads()
+        self.clear_lp_grads()
+        return
+    if self.clip_grad > 0.0:
+        grads = self.get_grads_for_norm(for_clipping=True)
+        if grads:
+            coef = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0)
+            with torch.no_grad():
+                torch._foreach_mul_(grads, coef)
+    for param_partition, grad_partition in zip(self.fp32_groups_flat_partition,
+                                               self.fp32_groups_gradient_flat_partition):
+        param_partition.grad = grad_partition.to(param_partition.dtype) \
+            if grad_partition.dtype != param_partition.dtype else grad_partition
+    self.optimizer.step()
+    if self.grad_acc_dtype is not torch.float32:
+        for param_partition in self.fp32_groups_flat_partition:
+            param_partition.grad = None
+    self._lazy_init_hp_params_optimizer_state()
+    self.update_lp_params()
+    self.clear_hp_grads()
 
 
 # ---- 2. TP/PP-aware fp32 gradient clipping ---------------------------------------------------------

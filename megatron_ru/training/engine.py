@@ -159,6 +159,7 @@ def initialize_engine(model: torch.nn.Module, state: "ParallelState", args: "Arg
     engine = initialize(model, optimizer, ds_config, mpu=None if is_pipe else state,
                         lr_scheduler=lambda opt: MegatronLRScheduler(opt, schedule))
     dsc.skip_single_replica_allreduce(engine, state.dp_size)
+    dsc.install_batched_bf16_step(engine)
     if not (args.training.bf16 or args.training.fp16) and args.training.zero_stage == 0:
         tp_rank, mp_group, max_norm = state.tp_rank, state.mp_group, engine.gradient_clipping()
         dsc.install_fp32_clipping(
