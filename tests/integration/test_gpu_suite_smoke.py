@@ -23,8 +23,11 @@ def test_gpu_suite_cpu_smoke(tmp_path):
                           "matrix-8b-layer-seq4096"}
     assert not [p for p, r in parts.items() if "error" in r]
     assert set(parts["matrix-1b-seq2048"]["contenders"]) == {"ours", "ours-eager", "ours-before", "ours-mb8-ga4",
-                                                             "plain", "transformers"}
+                                                             "ours-ds-step", "plain", "transformers"}
     assert not parts["matrix-1b-seq2048"]["errors"]
+    # the idle-time attribution runs on the CPU's trace (on the CPU, CPU ops stand in for kernels)
+    idle = parts["matrix-1b-seq2048"]["idle_causes_smoke"]
+    assert idle["kernels"] > 0 and idle["gaps_by_python_frames_ms"] and idle["gaps_by_launching_op_ms"]
     for shape in ("1b-seq4096", "8b-layer-seq4096"):
         assert set(parts[f"matrix-{shape}"]["contenders"]) == {"ours", "plain", "transformers"}
     rows = parts["correctness"]["rows"]
