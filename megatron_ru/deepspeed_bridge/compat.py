@@ -28,9 +28,9 @@ takes effect on the installed DeepSpeed:
   ``pipeline_enable_backward_allreduce``: with one data-parallel replica, DeepSpeed's bf16 and no-ZeRO
   paths still flatten every gradient into a bucket, "all-reduce" it over one rank and copy it back
   (~6 % of a 1B bf16 step on one H200); we skip that copy, which changes no number.
-* :func:`install_batched_bf16_step` — ``BF16_Optimizer.update_hp_grads`` and ``.step``: the same
-  arithmetic with multi-tensor kernels instead of per-parameter Python loops, and no host read of the
-  clipping coefficient.
+* :func:`install_batched_bf16_step` — ``BF16_Optimizer.update_hp_grads``, ``.clear_hp_grads`` and
+  ``.step``: the same gradients and updates with multi-tensor kernels instead of per-parameter Python
+  loops, no zeroing pass over the fp32 gradients, and no host read of the clipping coefficient.
 * :class:`DeepSpeedMpu` — the ``get_*`` interface DeepSpeed calls on ``mpu=`` (PP = 1); a mixin of
   :class:`~megatron_ru.parallel.state.ParallelState`, which passes itself as ``mpu``.
 """
@@ -127,9 +127,13 @@ def install_batched_bf16_step(engine: Any) -> bool:
     """Make DeepSpeed's ``BF16_Optimizer`` (bf16 at ZeRO 1) run its per-parameter loops as multi-tensor
     kernels, with one host synchronisation per step instead of two; the numbers are DeepSpeed's:
 
-    * ``update_hp_grads``: each bf16 gradient is added to its fp32 gradient with ``torch._foreach_add_``
-      (DeepSpeed: an fp32 copy of each gradient, then an add, two kernels and a temporary per parameter);
-      bf16 to fp32 is exact, so the sums are the same bits.
+    * ``update_hp_grads``: the first micro batch's bf16 gradients are copied into the fp32 gradients
+      (``torch._foreach_copy_``), later ones added (``torch._foreach_add_``); DeepSpeed adds every one into
+      a buffer it zeroed after the last step, with an fp32 copy and an add per parameter. bf16 to fp32 is
+      exact and ``0 + g == g``, so the gradients are the same (a -0.0 may stay -0.0, which no later
+      operation tells from 0.0).
+    * ``clear_hp_grads``: only marks the fp32 gradients stale (DeepSpeed zeroes the whole buffer); the step
+      zeroes those of parameters that got no gradient since (usually none) before it reads the buffer.
     * ``step``: the gradient norm from ``torch._foreach_norm`` (DeepSpeed: one ``norm`` per tensor; the
       same per-tensor norms, combined, model-parallel reduced and masked as DeepSpeed does), and clipping
       by ``min(1, max_norm / (norm + 1e-6))`` in one ``torch._foreach_mul_`` without reading the
@@ -151,27 +155,50 @@ def install_batched_bf16_step(engine: Any) -> bool:
             or getattr(opt, "autoep_folding_tp_group", None) is not None or opt.immediate_grad_update):
         return False
     opt.update_hp_grads = types.MethodType(_batched_update_hp_grads, opt)
+    opt.clear_hp_grads = types.MethodType(_mark_hp_grads_stale, opt)
     opt.step = types.MethodType(_batched_bf16_step, opt)
     return True
 
 
 def _batched_update_hp_grads(self: Any, clear_lp_grads: bool = False) -> None:
     import torch
-    hp, lp_grads = [], []
+    first: tuple[list, list] = ([], [])  # (fp32 gradients, bf16 gradients): copied
+    more: tuple[list, list] = ([], [])  # added
     with torch.no_grad():
         for i, group in enumerate(self.bf16_groups):
             for j, lp in enumerate(group):
                 if lp.grad is None:
                     continue
                 hp_grad = self.fp32_groups_gradients[i][j]
-                hp.append(hp_grad)
-                lp_grads.append(lp.grad.detach().view(hp_grad.shape))
+                into = more if self.fp32_groups_has_gradients[i][j] else first
+                into[0].append(hp_grad)
+                into[1].append(lp.grad.detach().view(hp_grad.shape))
                 lp._hp_grad = hp_grad
                 self.fp32_groups_has_gradients[i][j] = True
-        if hp:
-            torch._foreach_add_(hp, lp_grads)
-        if clear_lp_grads and lp_grads:
-            torch._foreach_zero_(lp_grads)
+        if first[0]:
+            torch._foreach_copy_(*first)
+        if more[0]:
+            torch._foreach_add_(*more)
+        if clear_lp_grads:
+            lp_grads = first[1] + more[1]
+            if lp_grads:
+                torch._foreach_zero_(lp_grads)
+
+
+def _mark_hp_grads_stale(self: Any) -> None:
+    for i, group in enumerate(self.fp32_groups_gradients):
+        self.fp32_groups_has_gradients[i] = [False] * len(group)
+
+
+def _zero_stale_hp_grads(self: Any) -> None:
+    """Zero the fp32 gradients no micro batch wrote since the last step (the optimizer reads the whole
+    buffer; the alignment padding outside every parameter was zeroed at start and is never written)."""
+    import torch
+    stale = [g for grads, has in zip(self.fp32_groups_gradients, self.fp32_groups_has_gradients)
+             for g, h in zip(grads, has) if not h]
+    if stale:
+        with torch.no_grad():
+            torch._foreach_zero_(stale)
 
 
 def _global_grad_norm(grads: list, mpu: Any) -> Any:
@@ -197,6 +224,7 @@ def _batched_bf16_step(self: Any, closure: Any = None) -> None:
     if closure is not None:
         raise NotImplementedError(f"{type(self).__name__} does not support closure.")
     self.overflow = False
+    _zero_stale_hp_grads(self)
     norm = _global_grad_norm(self.get_grads_for_norm()[0], self.mpu)
     self._global_grad_norm = norm
     if is_invalid_grad_norm(norm):  # the step's one host read

@@ -150,45 +150,76 @@ def test_single_replica_skips_only_the_bucket_copy(tmp_path):
 
 # ---- 1c. the bf16 optimizer's loops as multi-tensor kernels --------------------------------------------
 
+class _SometimesUnused:
+    """A model whose second branch takes part only when ``use_extra`` is set (its gradients are then
+    missing in some steps), made a torch module on first use."""
+
+    @staticmethod
+    def build():
+        import torch
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+                self.extra = torch.nn.Linear(8, 4)
+                self.use_extra = False
+
+            def forward(self, x):
+                y = self.body(x)
+                return y + self.extra(x) if self.use_extra else y
+
+        return Model()
+
+
 def check_batched_bf16_step(out):
+    import deepspeed
     import torch
     _init_single_process()
     runs = {}
-    for name in ("deepspeed", "batched"):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
-        import deepspeed
-        cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-               "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True,
-               "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
-        installed = dsc.install_batched_bf16_step(engine) if name == "batched" else False
-        g = torch.Generator().manual_seed(1)
-        norms = []
-        for scale in (10.0, 1e-3, 3.0):  # clipped, not clipped, clipped
-            x = torch.randn(2, 8, generator=g).to(torch.bfloat16)
-            engine.backward(engine(x).float().square().sum() * scale)
-            engine.step()
-            norms.append(float(engine.get_global_grad_norm()))
-        masters = [p.detach().clone() for p in engine.optimizer.fp32_groups_flat_partition]
-        runs[name] = {"installed": installed, "type": type(engine.optimizer).__name__, "norms": norms,
-                      "weights": [p.detach().float().flatten().tolist() for p in engine.module.parameters()],
-                      "masters": [m.flatten().tolist() for m in masters],
-                      "patched": {"step": "step" in vars(engine.optimizer),
-                                  "update_hp_grads": "update_hp_grads" in vars(engine.optimizer)}}
+    for accum in (1, 2):
+        for name in ("deepspeed", "batched"):
+            torch.manual_seed(0)
+            model = _SometimesUnused.build()
+            cfg = {"train_batch_size": 2 * accum, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                   "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+                   "zero_allow_untested_optimizer": True, "bf16": {"enabled": True},
+                   "data_types": {"grad_accum_dtype": "fp32"}}
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
+            installed = dsc.install_batched_bf16_step(engine) if name == "batched" else False
+            g = torch.Generator().manual_seed(1)
+            norms = []
+            # clipped, not clipped, clipped; the extra branch joins in the second step only
+            for step, scale in enumerate((10.0, 1e-3, 3.0)):
+                if step == 2:  # gradients set to None (as zero_grad(set_to_none=True) leaves them): stale fp32 ones
+                    for p in engine.module.extra.parameters():
+                        p.grad = None
+                for _ in range(accum):
+                    engine.module.use_extra = step == 1
+                    x = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+                    engine.backward(engine(x).float().square().sum() * scale)
+                    engine.step()
+                norms.append(float(engine.get_global_grad_norm()))
+            runs[f"{name}-accum{accum}"] = {
+                "installed": installed, "type": type(engine.optimizer).__name__, "norms": norms,
+                "weights": [p.detach().float().flatten().tolist() for p in engine.module.parameters()],
+                "masters": [m.detach().flatten().tolist() for m in engine.optimizer.fp32_groups_flat_partition],
+                "patched": sorted(a for a in ("step", "update_hp_grads", "clear_hp_grads")
+                                  if a in vars(engine.optimizer))}
     json.dump(runs, open(out, "w"))
 
 
 def test_batched_bf16_step_is_deepspeeds_arithmetic(tmp_path):
     r = _run("check_batched_bf16_step", tmp_path)
-    ds, ours = r["deepspeed"], r["batched"]
-    assert ds["type"] == ours["type"] == "BF16_Optimizer"
-    assert ours["installed"] and ours["patched"] == {"step": True, "update_hp_grads": True}
-    assert not ds["installed"] and ds["patched"] == {"step": False, "update_hp_grads": False}
-    assert ds["norms"][0] > 1.0 and ds["norms"][1] < 1.0 and ds["norms"][2] > 1.0  # both clipping branches ran
-    assert ours["norms"] == ds["norms"]  # bit for bit
-    assert ours["masters"] == ds["masters"] and ours["weights"] == ds["weights"]
+    for accum in (1, 2):
+        ds, ours = r[f"deepspeed-accum{accum}"], r[f"batched-accum{accum}"]
+        assert ds["type"] == ours["type"] == "BF16_Optimizer"
+        assert ours["installed"] and ours["patched"] == ["clear_hp_grads", "step", "update_hp_grads"]
+        assert not ds["installed"] and ds["patched"] == []
+        assert ds["norms"][0] > 1.0 and ds["norms"][1] < 1.0 and ds["norms"][2] > 1.0  # both clipping branches
+        assert ours["norms"] == ds["norms"], accum  # bit for bit
+        assert ours["masters"] == ds["masters"] and ours["weights"] == ds["weights"], accum
 
 
 # ---- 3. checkpoint engine load/save -----------------------------------------------------------------
