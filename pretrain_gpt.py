@@ -19,7 +19,7 @@ from megatron_ru.training.signals import install_if_requested  # noqa: E402
 
 EXIT_SIGNAL = install_if_requested(sys.argv[1:])
 
-from megatron_ru.training.failure import exit_with  # noqa: E402
+from megatron_ru.parallel.failure import exit_with  # noqa: E402
 from megatron_ru.training.pretrain import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ru.adapt.compare_inits import main  # noqa: E402
-from megatron_ru.training.failure import exit_with  # noqa: E402
+from megatron_ru.parallel.failure import exit_with  # noqa: E402
 
 if __name__ == "__main__":
     exit_with(main())

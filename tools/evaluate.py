@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ru.adapt import evaluate  # noqa: E402
-from megatron_ru.training.failure import exit_with  # noqa: E402
+from megatron_ru.parallel.failure import exit_with  # noqa: E402
 from megatron_ru.utils.cli import with_one_line_errors  # noqa: E402
 
 # usage mistakes as one line with a suggestion, as in every other tool

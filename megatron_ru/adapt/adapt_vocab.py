@@ -25,7 +25,7 @@ import torch
 from megatron_ru.adapt.focus import FocusMap, add_focus_arguments, build_focus, focus_options
 from megatron_ru.adapt.inits import METHODS, correct_input_norms, init_rows
 from megatron_ru.adapt.vocab_map import VocabMap, build_vocab_map
-from megatron_ru.convert.staging import check_output
+from megatron_ru.utils.staging import check_output
 from megatron_ru.data.token_text import token_texts
 from megatron_ru.inference.model_io import KINDS, model_tokenizer, open_model, open_tokenizer, save_model
 from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT as EMBEDDING_WEIGHT

@@ -170,5 +170,5 @@ def format_table(out: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_ru.training.failure import distributed_tool_main
+    from megatron_ru.parallel.failure import distributed_tool_main
     return distributed_tool_main(argv, build_parser, run, what="the comparison")

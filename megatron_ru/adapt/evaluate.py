@@ -286,5 +286,5 @@ def format_table(out: dict[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The whole program; returns the exit status (0 done, 2 a bad flag or input, 1 a failure)."""
-    from megatron_ru.training.failure import distributed_tool_main
+    from megatron_ru.parallel.failure import distributed_tool_main
     return distributed_tool_main(argv, build_parser, run, what="evaluation")

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from megatron_ru.adapt.vocab_map import build_vocab_map
-from megatron_ru.convert.staging import check_output
+from megatron_ru.utils.staging import check_output
 from megatron_ru.data.token_text import token_texts
 from megatron_ru.inference.model_io import KINDS, ModelSource, load_tokenizer, open_model, save_model
 from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT, model_args_dict

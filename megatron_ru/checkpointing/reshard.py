@@ -67,7 +67,7 @@ def _copy_tokenizer(meta_tokenizer: Any, load_dir: str):
 
 def _refuse_overlap(save: str, inputs: list) -> None:
     """The conversion tools' one overlap rule (an existing --save is the writer's to refuse without --force)."""
-    from megatron_ru.convert.staging import overlap_problem
+    from megatron_ru.utils.staging import overlap_problem
     problem = overlap_problem(save, inputs)
     if problem:
         raise ValueError(problem)

@@ -82,7 +82,7 @@ def _prepare_output(save_dir: str, force: bool) -> str:
     parent = os.path.dirname(save_dir)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"--save {save_dir}: the parent directory {parent} does not exist; create it first")
-    from megatron_ru.convert.staging import remove_stale_temporaries, temporary_name
+    from megatron_ru.utils.staging import remove_stale_temporaries, temporary_name
     remove_stale_temporaries(save_dir)
     tmp = temporary_name(save_dir)
     shutil.rmtree(tmp, ignore_errors=True)

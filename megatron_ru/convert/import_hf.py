@@ -22,7 +22,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from megatron_ru.convert.hf_io import HFWeights
-from megatron_ru.convert.staging import check_output
+from megatron_ru.utils.staging import check_output
 from megatron_ru.checkpointing.hints import continue_pretraining
 from megatron_ru.convert.tokenizer_files import HF_TYPE, TOKENIZER_DIR, copy_hf_tokenizer
 from megatron_ru.utils.logging import get_logger

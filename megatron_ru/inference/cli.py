@@ -24,7 +24,7 @@ from megatron_ru.config.base import accept_negative_numbers, add_config_argument
 from megatron_ru.config.tokenizer import TokenizerConfig
 from megatron_ru.inference.prompts import collect_prompts, result_record, write_jsonl
 from megatron_ru.inference.sampling import SamplingParams
-from megatron_ru.training.failure import distributed_tool_main
+from megatron_ru.parallel.failure import distributed_tool_main
 from megatron_ru.utils import cli
 from megatron_ru.utils.logging import get_logger, log_rank0
 

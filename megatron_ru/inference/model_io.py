@@ -234,7 +234,7 @@ def _save_hf(out: str, cfg: ModelConfig, vocab_size: int, get_tensor: Callable[[
     from megatron_ru.convert.export_hf import write_hf_files
     from megatron_ru.convert.hf_mapping import (SUPPORTED_ARCHITECTURES, architecture_for, export_problems,
                                                 from_canonical)
-    from megatron_ru.convert.staging import staged_directory
+    from megatron_ru.utils.staging import staged_directory
     problems = export_problems(cfg)
     if problems:
         raise ValueError("this model cannot be expressed as a Hugging Face Llama/Mistral/Qwen2 model: it has "

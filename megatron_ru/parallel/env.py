@@ -343,7 +343,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10) ->
 
 class RendezvousTimeout(RuntimeError):
     """Rank 0's rendezvous store did not come up in time. Rank 0 cannot say so (it is the one
-    missing), so every rank that waited reports it (megatron_ru.training.failure)."""
+    missing), so every rank that waited reports it (megatron_ru.parallel.failure)."""
     every_rank_reports = True
 
 

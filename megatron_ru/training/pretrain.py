@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_ru.config.arguments import Arguments, parse_arguments
 from megatron_ru.parallel.state import ParallelState
-from megatron_ru.training.failure import parse_on_rank0, report_failure, watch_for_stops
+from megatron_ru.parallel.failure import parse_on_rank0, report_failure, watch_for_stops
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
 from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
 from megatron_ru.training.signals import ExitSignal, install_if_requested
@@ -264,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = No
          exit_signal: Optional[ExitSignal] = None) -> int:
     """The whole program; returns the exit status: 0 done (also after a signal-triggered save),
     2 a configuration or input error, 1 a failure during training. A failure is printed once per
-    job, without a traceback unless MEGATRON_RU_DEBUG=1 (:mod:`megatron_ru.training.failure`).
+    job, without a traceback unless MEGATRON_RU_DEBUG=1 (:mod:`megatron_ru.parallel.failure`).
     On failure the process group is left for the process exit to drop: destroying it could wait
     on a peer that is stuck (``pretrain_gpt.py`` exits at once with :func:`flush_and_exit`)."""
     job_started = time.time() if job_started is None else job_started

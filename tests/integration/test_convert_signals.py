@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megatron_ru.convert.staging import remove_stale_temporaries
+from megatron_ru.utils.staging import remove_stale_temporaries
 from tests.integration._train_helpers import REPO
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ for _ in range(2):
 atexit.register(lambda: open(sys.argv[2], "w").write("atexit ran"))
 time.sleep(0.3)
 if sys.argv[1] == "exit_with":
-    from megatron_ru.training.failure import exit_with
+    from megatron_ru.parallel.failure import exit_with
     exit_with(0)
 sys.exit(0)
 """

@@ -1,4 +1,4 @@
-"""Exit status and who prints an error (megatron_ru.training.failure), before a process group exists."""
+"""Exit status and who prints an error (megatron_ru.parallel.failure), before a process group exists."""
 import logging
 import time
 
@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import pytest
 
-from megatron_ru.training import failure
+from megatron_ru.parallel import failure
 from megatron_ru.utils.logging import current_rank
 
 

@@ -9,7 +9,7 @@ from tests.unit.test_checkpoint_canonical import canonical_tensors, tiny_cfg, wr
 
 
 def test_overlap_problem_names_both_flags_in_every_direction(tmp_path):
-    from megatron_ru.convert.staging import overlap_problem
+    from megatron_ru.utils.staging import overlap_problem
     src = tmp_path / "p" / "run1"
     src.mkdir(parents=True)
     assert "--save" in overlap_problem(str(tmp_path / "p"), [("--load", str(src))]) and \
@@ -23,7 +23,7 @@ def test_overlap_problem_names_both_flags_in_every_direction(tmp_path):
 
 
 def test_check_output_refuses_an_output_that_is_a_file(tmp_path):
-    from megatron_ru.convert.staging import check_output
+    from megatron_ru.utils.staging import check_output
     (tmp_path / "f").write_text("x")
     with pytest.raises(FileExistsError, match="is not a directory"):
         check_output(str(tmp_path / "f"), [("--load", str(tmp_path / "in"))], force=True)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from megatron_ru.parallel import env as penv
-from megatron_ru.training import failure
+from megatron_ru.parallel import failure
 from tests.dist_utils import free_port
 from tests.integration._train_helpers import REPO
 
