@@ -276,7 +276,8 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
     import torch
 
     from benchmarks.train_step import build_trainer, hf_step_fn, interleave, make_corpus, plain_step_fn
-    from megatron_ru.training.metrics import device_peak_tflops, flops_per_token
+    from megatron_ru.model.flops import flops_per_token
+    from megatron_ru.plan.hardware import device_peak_tflops
     from megatron_ru.training.pretrain import model_shape
     p = (SMOKE_SHAPES if smoke else SHAPES)[shape]
     precision = _precision(smoke)
@@ -642,7 +643,7 @@ def _markdown(results: dict[str, Any]) -> str:
                   for name, (flags, shape) in OURS.items()]
         lines += [f"- plain: {RECIPES['plain_torch']}", f"- transformers: {RECIPES['transformers']}",
                   "MFU: model FLOPs (6 x matmul parameters x tokens + 12 x layers x hidden x seq x tokens, "
-                  "megatron_ru/training/metrics.py) against the dense bf16 peak (989 TFLOP/s for H100/H200).", ""]
+                  "megatron_ru/model/flops.py) against the dense bf16 peak (989 TFLOP/s for H100/H200).", ""]
     corr = results["parts"].get("correctness", {})
     if "rows" in corr:
         lines += ["| correctness check | value | tolerance | pass |", "|---|---|---|---|"]

@@ -202,7 +202,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="train_step_")
     prefix = make_corpus(tmp, p["vocab"], (total + 2) * p["batch"] * p["accum"] * (p["seq"] + 1) * 2)
 
-    from megatron_ru.training.metrics import device_peak_tflops, flops_per_token
+    from megatron_ru.model.flops import flops_per_token
+    from megatron_ru.plan.hardware import device_peak_tflops
     from megatron_ru.training.pretrain import model_shape
 
     zero_stage = opts.zero_stage if opts.zero_stage is not None else (1 if opts.bf16 else 0)

@@ -126,7 +126,12 @@ class CheckpointReader:
         return safe_load(os.path.join(self.dir, name), mmap=mmap)
 
     def _mp_file(self, mp_rank: int) -> dict[str, Any]:
+        """The memory-mapped ``mp_rank_XX_model_states.pt`` of model-parallel rank ``mp_rank`` (ZeRO 0: with the
+        optimizer's state). One stage's TP ranks' files are kept at a time: the pages a mapping has touched count
+        in the process's memory until it is dropped, and the loaders walk the stages in order."""
         if mp_rank not in self._mp_files:
+            if len(self._mp_files) >= self.tp:
+                self._mp_files.clear()
             self._mp_files[mp_rank] = self._load(mp_model_file(mp_rank))
         return self._mp_files[mp_rank]
 

@@ -194,7 +194,7 @@ def _data_rule(a: Arguments) -> list[str]:
     """Datasets against the split, the sample counts and the tokenizer (index files and a sample
     of documents only; see megatron_ru/data/checks.py)."""
     from megatron_ru.data.checks import data_problems
-    from megatron_ru.training.data import dataset_sizes
+    from megatron_ru.data.builder import dataset_sizes
     vocab_size, out = _tokenizer_vocab_size(a)
     if a.data.problems() or a.training.problems() or not _derivable(a):
         return out  # missing files, a bad --split or batch sizes are reported by their own rules
@@ -221,7 +221,7 @@ def _resolve_data_flags(cfg: DataConfig) -> tuple[Optional[DataBlend], Optional[
 
 
 def _lr_rule(a: Arguments) -> list[str]:
-    from megatron_ru.training.lr import schedule_from_config
+    from megatron_ru.config.lr_schedule import schedule_from_config
     if not _derivable(a):
         return []
     try:

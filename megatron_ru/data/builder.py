@@ -24,6 +24,13 @@ log = get_logger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
 
 
+def dataset_sizes(train_iters: int, global_batch: int, eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
+    """Samples each split must provide (train, valid, test): every iteration's global batch, and
+    ``eval_iters`` global batches per evaluation (one every ``eval_interval`` iterations and one at the end)."""
+    eval_runs = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
+    return (train_iters * global_batch, eval_runs * eval_iters * global_batch, 0)
+
+
 def _split_dataset(indexed: IndexedDataset, split: int, doc_range: tuple[int, int], num_samples: int,
                    cfg: DataConfig, seed: int, is_builder_rank: bool,
                    barrier: Optional[Callable[[], None]]) -> Optional[GPTDataset]:

@@ -36,7 +36,7 @@ def vocab_size_for_arguments(args: "Arguments") -> int:
 
 def buckets_for_arguments(args: "Arguments") -> BucketSizes:
     """DeepSpeed's bucket sizes from the config the engine will be built with."""
-    from megatron_ru.training.engine import build_ds_config
+    from megatron_ru.config.deepspeed import build_ds_config
     return BucketSizes.from_ds_config(build_ds_config(args))
 
 

@@ -3,7 +3,7 @@
 Memory is what ``nvidia-smi`` reports as the total of one GPU (MiB), i.e. what the CUDA allocator
 can reach before the context and allowance of :mod:`megatron_ru.plan.memory` are taken off. Peak
 TFLOP/s are NVIDIA's dense (no sparsity) tensor-core figures of the SXM parts, as in
-``megatron_ru.training.metrics.PEAK_TFLOPS``. Bandwidths are per GPU and per direction, in GB/s:
+PEAK_TFLOPS below (the progress line's MFU uses the same table). Bandwidths are per GPU and per direction, in GB/s:
 ``intra_node`` the NVLink bandwidth of one GPU (V100 6 x 25, A100 12 x 25, H100/H200 18 x 25),
 ``inter_node`` the InfiniBand bandwidth per GPU of the usual DGX-class node (V100: one 100 Gb/s EDR
 port per GPU, A100: 200 Gb/s HDR, H100/H200: 400 Gb/s NDR). Sites differ (ABCI's V100 nodes have two
@@ -14,7 +14,34 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from megatron_ru.training.metrics import PEAK_TFLOPS
+import torch
+
+#: dense peak TFLOP/s per device by (name fragment, precision); SXM parts, no sparsity
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "V100": {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7},
+}
+
+
+
+def peak_tflops_for(device_name: str, precision: str) -> Optional[float]:
+    """Peak dense TFLOP/s for a device name (``torch.cuda.get_device_name``) or None if unknown."""
+    for key, table in PEAK_TFLOPS.items():
+        if key in device_name.upper():
+            value = table.get(precision, 0.0)
+            return value or None
+    return None
+
+
+def device_peak_tflops(precision: str, override: Optional[float]) -> Optional[float]:
+    if override is not None:
+        return override
+    if torch.cuda.is_available():
+        return peak_tflops_for(torch.cuda.get_device_name(), precision)
+    return None
+
 
 GIB = 2 ** 30
 MIB = 2 ** 20

@@ -1,7 +1,7 @@
 """Time per step of a layout: compute at an achievable fraction of peak, the 1F1B pipeline bubble,
 and the communication of each parallel dimension over its link; the largest overhead is named.
 
-* Compute: the FLOPs of ``megatron_ru.training.metrics.flops_per_token`` (the TFLOP/s our log
+* Compute: the FLOPs of ``megatron_ru.model.flops.flops_per_token`` (the TFLOP/s our log
   reports; recomputation adds a forward of the layers) of the busiest stage, divided by TP, at
   :data:`ACHIEVABLE_FRACTION` of the GPU's dense peak.
 * Pipeline (Narayanan et al. 2021, section 2.2): a step takes ``(m + (p - 1) / v)`` micro-batch slots
@@ -24,7 +24,7 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.plan.hardware import GpuSpec
 from megatron_ru.plan.layout import Layout
 from megatron_ru.plan.memory import MemoryPrediction
-from megatron_ru.training.metrics import ModelShape, flops_per_token
+from megatron_ru.model.flops import ModelShape, flops_per_token
 
 #: Share of the dense peak the model's FLOPs run at when nothing else waits: one number for every GPU
 #: generation, calibrated once against the published reference points of docs/planner.md (their

@@ -46,11 +46,6 @@ def collate(samples: list[dict[str, np.ndarray]]) -> Batch:
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def dataset_sizes(train_iters: int, global_batch: int, eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
-    eval_runs = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
-    return (train_iters * global_batch, eval_runs * eval_iters * global_batch, 0)
-
-
 def validation_pass_samples(prefixes: Sequence[str], split: Sequence[float], seq_length: int) -> int:
     """Samples in one pass over the validation split of every dataset in ``prefixes`` (Megatron's
     count per epoch: ``(tokens - 1) // seq_length``; the index files only)."""
@@ -131,7 +126,7 @@ def build_datasets(args: "Arguments", is_builder_rank: bool, barrier: Optional[C
                    vocab_size: Optional[int] = None
                    ) -> tuple[Optional[SampleDataset], Optional[SampleDataset], Optional[SampleDataset]]:
     """(train, valid, test); with ``vocab_size`` train and valid are :class:`VocabCheckedDataset`."""
-    from megatron_ru.data.builder import build_train_valid_test_datasets
+    from megatron_ru.data.builder import build_train_valid_test_datasets, dataset_sizes
     cap_eval_iters(args)
     sizes = dataset_sizes(args.train_iters, args.global_batch_size, args.training.eval_interval,
                           args.training.eval_iters)

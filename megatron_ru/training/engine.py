@@ -1,4 +1,4 @@
-"""What goes into the DeepSpeed engine: its JSON config from the flags, the optimizer, the LR schedule and
+"""What goes into the DeepSpeed engine: its JSON config from the flags (:mod:`megatron_ru.config.deepspeed`), the optimizer, the LR schedule and
 TP/PP-aware clipping; :func:`initialize_engine` hands them to :mod:`megatron_ru.deepspeed_bridge`.
 
 * PP = 1: a plain module, ``deepspeed.initialize(..., mpu=ParallelState)``; ZeRO 0-3.
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_ru.config.deepspeed import build_ds_config
 from megatron_ru.deepspeed_bridge import compat as dsc
 from megatron_ru.deepspeed_bridge.engine import attach_comm, initialize
 from megatron_ru.deepspeed_bridge.pipeline import is_pipeline_module
@@ -34,51 +35,12 @@ if TYPE_CHECKING:
     from megatron_ru.config.arguments import Arguments
     from megatron_ru.deepspeed_bridge.engine import DeepSpeedEngine
     from megatron_ru.parallel.state import ParallelState
-    from megatron_ru.training.lr import LRSchedule
+    from megatron_ru.config.lr_schedule import LRSchedule
 
-__all__ = ["build_ds_config", "build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine",
+__all__ = ["build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine",
            "optimizer_param_groups"]
 
 log = get_logger(__name__)
-
-
-def build_ds_config(args: "Arguments") -> dict[str, Any]:
-    """The DeepSpeed JSON config from the flags (or the user's ``--deepspeed_config`` with the
-    flags' batch sizes, precision and ZeRO stage filled in; validation already checked they agree)."""
-    t, o = args.training, args.optimizer
-    cfg: dict[str, Any] = {}
-    if t.deepspeed_config:
-        with open(t.deepspeed_config, encoding="utf-8") as f:
-            cfg = json.load(f)
-    cfg.update({
-        "train_batch_size": args.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": args.grad_accum,
-    })
-    cfg.setdefault("gradient_clipping", o.clip_grad)
-    cfg.setdefault("steps_per_print", 2 ** 31 - 1)  # our loop logs
-    cfg.setdefault("wall_clock_breakdown", False)
-    cfg.setdefault("zero_allow_untested_optimizer", True)  # torch AdamW under ZeRO
-    zero = cfg.setdefault("zero_optimization", {})
-    zero["stage"] = t.zero_stage
-    cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": bool(t.bf16)}
-    fp16 = {**cfg.get("fp16", {}), "enabled": bool(t.fp16)}
-    if t.fp16:
-        fp16.setdefault("loss_scale", 0 if t.loss_scale is None else t.loss_scale)  # 0 = dynamic
-        fp16.setdefault("initial_scale_power", int(round(math.log2(t.initial_loss_scale))))
-        fp16.setdefault("loss_scale_window", t.loss_scale_window)
-        fp16.setdefault("hysteresis", t.hysteresis)
-        fp16.setdefault("min_loss_scale", t.min_loss_scale)
-    cfg["fp16"] = fp16
-    if args.parallel.sequence_parallel:
-        # DeepSpeed's pipeline splits activations/gradients sent between stages across the TP
-        # ranks, assuming every TP rank holds the same tensor; with sequence parallelism each holds
-        # its own shard, so each rank must send its whole tensor
-        cfg["pipeline"] = {**cfg.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
-    if t.bf16:
-        # accumulate and reduce gradients in fp32: bf16 sums over micro batches lose digits
-        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-    return cfg
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -3,20 +3,11 @@
 The scalars of a logged iteration or evaluation are computed once (:func:`train_scalars`,
 :func:`eval_scalars`) and handed to every sink (TensorBoard, W&B), so the two cannot drift apart.
 
-TFLOP/s per device counts the matrix multiplications of one training iteration (``2·m·n·k``
-FLOPs per ``m×k @ k×n``), forward + backward (backward = 2 × forward), divided by the
-iteration time and the number of devices. Per token, per transformer layer, forward:
-
-* attention projections ``2·h·(h + 2·kv)`` (Q, K, V; ``kv = h·kv_heads/heads``) + ``2·h·h`` (out),
-* attention itself ``2·s·h`` (Q·Kᵀ) + ``2·s·h`` (scores·V) — the full s×s square, like Megatron,
-* MLP ``2·h·f·3`` for a gated (SwiGLU) MLP, ``2·h·f·2`` otherwise,
-
-and the output layer ``2·h·V``. Training is 3 × forward; ``--recompute-granularity full`` adds one
-more forward of the transformer layers (not of the output layer). For a GPT with ``f = 4h``
-and no GQA this is Megatron's ``72·B·s·L·h²·(1 + s/(6h)) + 6·B·s·h·V``.
+TFLOP/s per device: the model FLOPs of :mod:`megatron_ru.model.flops` per iteration, divided by the
+iteration time and the number of devices.
 
 MFU = achieved TFLOP/s per device / peak dense TFLOP/s of the device in the training precision
-(built-in table below, or ``--peak-tflops``).
+(:data:`megatron_ru.plan.hardware.PEAK_TFLOPS`, or ``--peak-tflops``).
 """
 from __future__ import annotations
 
@@ -36,66 +27,6 @@ if TYPE_CHECKING:
     from megatron_ru.config.model import ModelConfig
 
 log = get_logger(__name__)
-
-#: dense peak TFLOP/s per device by (name fragment, precision); SXM parts, no sparsity
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "V100": {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7},
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    seq_length: int
-    vocab_size: int
-    gated_mlp: bool
-
-    @classmethod
-    def of(cls, cfg: "ModelConfig", vocab_size: int, seq_length: int,
-           num_layers: Optional[int] = None) -> "ModelShape":
-        """The shape of model ``cfg`` (or of ``num_layers`` of its layers) at ``seq_length``."""
-        return cls(num_layers=cfg.num_layers if num_layers is None else num_layers, hidden_size=cfg.hidden_size,
-                   ffn_hidden_size=cfg.resolved_ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
-                   num_query_groups=cfg.query_groups, seq_length=seq_length, vocab_size=vocab_size,
-                   gated_mlp=cfg.swiglu)
-
-
-def flops_per_token(shape: ModelShape, recompute: bool = False) -> float:
-    """Training FLOPs per token (forward + backward [+ recompute]) of one iteration."""
-    h, s, f = shape.hidden_size, shape.seq_length, shape.ffn_hidden_size
-    kv = h * shape.num_query_groups / shape.num_attention_heads
-    attn_proj = 2 * h * (h + 2 * kv) + 2 * h * h
-    attn_core = 4 * s * h
-    mlp = 2 * h * f * (3 if shape.gated_mlp else 2)
-    layer_fwd = attn_proj + attn_core + mlp
-    logits_fwd = 2 * h * shape.vocab_size
-    layers_factor = 4 if recompute else 3
-    return shape.num_layers * layer_fwd * layers_factor + 3 * logits_fwd
-
-
-def peak_tflops_for(device_name: str, precision: str) -> Optional[float]:
-    """Peak dense TFLOP/s for a device name (``torch.cuda.get_device_name``) or None if unknown."""
-    for key, table in PEAK_TFLOPS.items():
-        if key in device_name.upper():
-            value = table.get(precision, 0.0)
-            return value or None
-    return None
-
-
-def device_peak_tflops(precision: str, override: Optional[float]) -> Optional[float]:
-    if override is not None:
-        return override
-    if torch.cuda.is_available():
-        return peak_tflops_for(torch.cuda.get_device_name(), precision)
-    return None
-
 
 def peak_memory_mib() -> tuple[str, float]:
     """(label, MiB): peak allocated accelerator memory, or this process's peak RSS on CPU."""

@@ -15,7 +15,9 @@ from megatron_ru.config.arguments import Arguments, parse_arguments
 from megatron_ru.parallel.state import ParallelState
 from megatron_ru.parallel.failure import parse_on_rank0, report_failure, watch_for_stops
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
-from megatron_ru.training.metrics import MetricsWriter, ModelShape, device_peak_tflops, flops_per_token
+from megatron_ru.model.flops import ModelShape, flops_per_token
+from megatron_ru.plan.hardware import device_peak_tflops
+from megatron_ru.training.metrics import MetricsWriter
 from megatron_ru.training.signals import ExitSignal, install_if_requested
 from megatron_ru.utils.logging import get_logger, log_rank0, route_warnings
 
@@ -182,7 +184,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     from megatron_ru.model.lora import init_dora_magnitudes
     from megatron_ru.training.freeze import apply_freezing, apply_lora_freezing
     from megatron_ru.training.banner import log_banner
-    from megatron_ru.training.lr import schedule_from_config
+    from megatron_ru.config.lr_schedule import schedule_from_config
 
     p = args.parallel
     init_distributed(p.backend, p.distributed_timeout_minutes)

@@ -176,7 +176,8 @@ def _engine(zero_stage):
     import torch.distributed as dist
 
     from megatron_ru.deepspeed_bridge.compat import disable_cpu_shm_comm
-    from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler
+    from megatron_ru.config.lr_schedule import LRSchedule
+    from megatron_ru.training.lr import MegatronLRScheduler
     disable_cpu_shm_comm()
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -4,7 +4,8 @@ import json
 
 from megatron_ru.config.arguments import parse_arguments
 from tests.fixtures.datasets import write_dataset
-from megatron_ru.training.engine import build_ds_config, optimizer_param_groups
+from megatron_ru.config.deepspeed import build_ds_config
+from megatron_ru.training.engine import optimizer_param_groups
 
 
 def _args(tmp_path, *extra, world_size=4, device_type="cuda"):

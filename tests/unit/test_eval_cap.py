@@ -6,7 +6,8 @@ import numpy as np
 
 from megatron_ru.config.arguments import parse_arguments
 from megatron_ru.data.indexed_dataset import IndexedDatasetBuilder
-from megatron_ru.training.data import cap_eval_iters, dataset_sizes, validation_pass_samples
+from megatron_ru.data.builder import dataset_sizes
+from megatron_ru.training.data import cap_eval_iters, validation_pass_samples
 
 
 def _corpus(tmp_path, docs=100, length=33):

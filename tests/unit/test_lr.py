@@ -4,7 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ru.training.lr import LRSchedule, MegatronLRScheduler, schedule_from_config
+from megatron_ru.config.lr_schedule import LRSchedule, schedule_from_config
+from megatron_ru.training.lr import MegatronLRScheduler
 
 
 def _opt_cfg(**kw):

@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ru.training.metrics import (MetricsWriter, ModelShape, flops_per_token, format_train_line,
-                                          peak_tflops_for)
+from megatron_ru.model.flops import ModelShape, flops_per_token
+from megatron_ru.plan.hardware import peak_tflops_for
+from megatron_ru.training.metrics import MetricsWriter, format_train_line
 
 
 def _gpt(**kw):
