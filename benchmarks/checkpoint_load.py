@@ -9,15 +9,15 @@ launches them (one ``pretrain_gpt.py`` process per rank, RANK/WORLD_SIZE/MASTER_
 on seq 64, one micro batch. Runs, each timed from start to exit with every rank's peak RSS
 (``ru_maxrss`` from ``wait4``):
 
-1. ``train``: one iteration at TP 1 x PP 2, no checkpoint: what a rank holds to train (weights, gradients,
-   Adam moments, activations, the libraries);
+1. ``train``: one iteration at TP 1 x PP 2, and at TP 2 x PP 1, no checkpoint: what a rank holds to train
+   (weights, gradients, Adam moments, activations, the libraries);
 2. ``train+save``: the same with ``--save`` (DeepSpeed's files): the save's cost is the difference;
 3. ``load, same layout``: ``--load`` of that checkpoint at TP 1 x PP 2 (DeepSpeed's own loading);
 4. ``load, TP 2 x PP 1``: ``--load`` of it at TP 2 x PP 1 (read by canonical names, no conversion step).
 
 The loads run no iteration (``--train-iters`` = the saved iteration). A rank's share of the model and
-optimizer state is 16 bytes per parameter it holds (fp32 weight, gradient, two Adam moments); the
-table gives each peak RSS against it. The checkpoint (~14 GB) is written under ``--workdir`` (default: a
+optimizer state is 12 bytes per parameter it holds (fp32 weight and two Adam moments; training adds a 4-byte
+gradient); the table gives each peak RSS against it. The checkpoint (~14 GB) is written under ``--workdir`` (default: a
 temporary directory on the same disk as /tmp) and removed at the end.
 """
 from __future__ import annotations
@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=5504)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--json", default=None, help="write the figures here too")
+    ap.add_argument("--keep", action="store_true", help="keep the working directory (checkpoint, logs)")
     opts = ap.parse_args()
     p = dict(layers=opts.layers, hidden=opts.hidden, heads=opts.heads, groups=opts.groups, ffn=opts.ffn,
              vocab=opts.vocab, seq=64, batch=1)
@@ -112,18 +113,20 @@ def main() -> None:
             return ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
 
         runs = [("train", at("TP 1 x PP 2"), "TP 1 x PP 2"),
+                ("train", at("TP 2 x PP 1"), "TP 2 x PP 1"),
                 ("train+save", at("TP 1 x PP 2") + ["--save", save, "--save-interval", "1"], "TP 1 x PP 2"),
                 ("load, same layout", at("TP 1 x PP 2") + ["--load", save], "TP 1 x PP 2"),
                 ("load, TP 2 x PP 1", at("TP 2 x PP 1") + ["--load", save], "TP 2 x PP 1")]
         results = []
         for name, extra, layout in runs:
             subprocess.run(["sync"], check=False)
-            r = launch(base + extra, 2, os.path.join(work, name.replace(" ", "_").replace(",", "") + ".log"))
+            log_path = os.path.join(work, f"{name}-{layout}".replace(" ", "_").replace(",", "") + ".log")
+            r = launch(base + extra, 2, log_path)
             tp, pp = (int(x) for x in layouts[layout])
-            shares = [16 * n / 2 ** 30 for n in params_per_rank(p, tp, pp)]
+            shares = [12 * n / 2 ** 30 for n in params_per_rank(p, tp, pp)]
             r.update(name=name, layout=layout, share_gib=shares,
                      rss_over_share=[rss / s for rss, s in zip(r["peak_rss_gib"], shares)])
-            with open(os.path.join(work, name.replace(" ", "_").replace(",", "") + ".log")) as f:
+            with open(log_path) as f:
                 text = f.read()
             if any(r["exit"]):
                 r["log_tail"] = text[-3000:]
@@ -134,7 +137,8 @@ def main() -> None:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(save) for f in fs)
         total = sum(params_per_rank(p, 1, 1))
         print(f"\nmodel: {total / 1e9:.2f} B parameters; checkpoint {size / 2 ** 30:.1f} GiB on disk\n")
-        print("| run | layout | wall s | peak RSS per rank (GiB) | share per rank (GiB) | peak RSS / share |")
+        print("| run | layout | wall s | peak RSS per rank (GiB) | model + optimizer state per rank (GiB) | "
+              "peak RSS / that |")
         print("|---|---|---|---|---|---|")
         for r in results:
             print(f"| {r['name']} | {r['layout']} | {r['wall_s']:.1f} | "
@@ -146,7 +150,10 @@ def main() -> None:
             with open(opts.json, "w") as f:
                 json.dump({"params": total, "checkpoint_bytes": size, "runs": results}, f, indent=1)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if opts.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from megatron_ru.deepspeed_bridge.masters import (has_fp32_masters, restore_engi
                                                   set_optimizer_state)
 from megatron_ru.model.spec import canonical_named_parameters, model_config_from_dict
 from megatron_ru.utils.logging import get_logger, log_rank0
+from megatron_ru.utils.memory import release_freed_memory
 
 log = get_logger(__name__)
 
@@ -186,10 +187,14 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
         opt = engine.optimizer
         if hp:
             create_flat_optimizer_state(opt, step)
+        layer = None
         for name, p in params:
             if not p.requires_grad:
                 continue
             spec = specs[name]
+            if spec.layer_index != layer:  # the previous layer's temporaries leave the resident set
+                layer = spec.layer_index
+                release_freed_memory()
             state, where = source.optim(spec)
             for k in OPTIM_KEYS:
                 if tuple(state[k].shape) != tuple(p.shape):

@@ -108,6 +108,7 @@ class CheckpointReader:
         self._optim_layer: Optional[tuple[int, list[dict[str, Any]]]] = None
         self._mp_files: dict[int, dict[str, Any]] = {}
         self._mp_layer: Optional[int] = None
+        self._optim_map_layer: Optional[int] = None
         self._flat: dict[int, dict[str, Any]] = {}
         self._zero0: dict[int, dict[str, int]] = {}
         self._optim_checked = False
@@ -239,13 +240,17 @@ class CheckpointReader:
             self._base = reader
         return layout_shard(spec, self._base.get(spec.name), self.rows, self.tp, t)
 
-    def _join(self, spec: ParamSpec, shards: list[torch.Tensor]) -> torch.Tensor:
+    def _join(self, spec: ParamSpec, shards: list[torch.Tensor], copy: bool = True) -> torch.Tensor:
+        """The canonical tensor from the TP shards, vocabulary padding cut. ``copy=False``: a single shard is
+        returned as a view (of a memory-mapped file's tensor or of the reader's cache: not to be modified)."""
         shards = [s.detach() for s in shards]
-        if spec.partition_dim is None:
+        if len(shards) == 1 and not copy:
+            full = shards[0]
+        elif spec.partition_dim is None:
             full = shards[0].clone()
         else:
             full = unshard_tensors(shards, spec.partition_dim, spec.partition_stride)
-        if spec.vocab:  # the padding rows are cut (unshard_tensors' result is a new tensor: no copy needed)
+        if spec.vocab:  # the padding rows are cut (a view)
             full = full[: self.vocab_size]
         return full
 
@@ -299,11 +304,12 @@ class CheckpointReader:
         return mp_rank_of(stage, t, self.tp)
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor]:
-        """``{"fp32", "exp_avg", "exp_avg_sq"}``: full canonical fp32 tensors of parameter ``name``."""
+        """``{"fp32", "exp_avg", "exp_avg_sq"}``: full canonical fp32 tensors of parameter ``name`` (read-only:
+        from a checkpoint at TP 1 they are views of the file's tensors, not copies)."""
         spec = self.spec(name)
         self._require_optimizer()
         per_rank = [self._optim_shard(spec, t) for t in range(self.tp)]
-        return {k: self._join(spec, [s[k] for s in per_rank]).float() for k in OPTIM_KEYS}
+        return {k: self._join(spec, [s[k] for s in per_rank], copy=False).float() for k in OPTIM_KEYS}
 
     def optimizer_shard(self, name: str, tp_rank: int) -> dict[str, torch.Tensor]:
         """Like :meth:`optimizer_state`, TP shard ``tp_rank`` at the checkpoint's own TP (padding kept)."""
@@ -360,6 +366,10 @@ class CheckpointReader:
         return index
 
     def _zero0_shard(self, spec: ParamSpec, t: int, mp: int) -> dict[str, torch.Tensor]:
+        if self._optim_map_layer != spec.layer_index:
+            # re-map per layer: the pages of earlier layers' moments leave this process's memory
+            self._mp_files.clear()
+            self._optim_map_layer = spec.layer_index
         where = mp_model_file(mp)
         optim = self._mp_file(mp).get("optimizer")
         if not isinstance(optim, dict) or "state" not in optim:

@@ -128,6 +128,14 @@ def layout_shard(spec: "ParamSpec", full: torch.Tensor, rows: int, tp: int, tp_r
     vocabulary matrices padded with zero rows to ``rows`` (:func:`padded_vocab_rows`), then split by
     the parameter's dim and stride (replicated parameters: ``full`` itself)."""
     from megatron_ru.parallel.utils import shard_tensor
+    if spec.vocab and rows > full.shape[0] and spec.partition_dim == 0 and spec.partition_stride == 1:
+        # cut this rank's rows first, pad only them: no padded copy of the whole matrix
+        per = rows // tp
+        lo, hi, have = tp_rank * per, (tp_rank + 1) * per, full.shape[0]
+        part = full[min(lo, have): min(hi, have)]
+        if hi > have:
+            part = torch.cat([part, full.new_zeros((hi - max(lo, have), *full.shape[1:]))], dim=0)
+        return part
     if spec.vocab and rows > full.shape[0]:
         full = torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))], dim=0)
     if spec.partition_dim is None or tp == 1:
