@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -55,6 +55,15 @@ class Arguments:
     """``--split`` as normalised train/valid/test shares of each dataset's documents."""
     model_vocab_size: Optional[int] = None
     """The model's vocabulary rows from the checkpoint (``--use-checkpoint-args``); None: the tokenizer's size."""
+    _tokenizer: Any = field(default=None, repr=False, compare=False)
+
+    def built_tokenizer(self) -> Any:
+        """The tokenizer of ``--tokenizer-type`` & co., loaded once per process (validation loads it to learn its
+        vocabulary size; training, the banner's memory prediction and the planner reuse it)."""
+        if self._tokenizer is None:
+            from megatron_ru.data.tokenizer import build_tokenizer
+            self._tokenizer = build_tokenizer(self.tokenizer)
+        return self._tokenizer
 
     @property
     def tp(self) -> int:
@@ -181,11 +190,10 @@ def _sequence_rule(a: Arguments) -> list[str]:
 def _tokenizer_vocab_size(a: Arguments) -> tuple[Optional[int], list[str]]:
     """Load the tokenizer (a few milliseconds for SentencePiece) to learn its vocabulary size; a
     file that is not a tokenizer of the given type is a configuration problem like any other."""
-    from megatron_ru.data.tokenizer import build_tokenizer
     if a.tokenizer.problems():
         return None, []  # reported by TokenizerConfig.problems
     try:
-        return build_tokenizer(a.tokenizer).vocab_size, []
+        return a.built_tokenizer().vocab_size, []
     except (ValueError, OSError, RuntimeError) as e:
         return None, [str(e)]
 

@@ -51,7 +51,7 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, blend: DataBlend, spli
     ``blend`` and ``split`` are resolved and checked once, before this is called (by
     ``parse_arguments``, or :func:`resolve_data` for direct use): nothing is re-validated here."""
     prefixes, weights = list(blend.prefixes), (None if blend.weights is None else list(blend.weights))
-    indexed = [IndexedDataset(p) for p in prefixes]
+    indexed = [IndexedDataset.open(p) for p in prefixes]
     if data_cfg.mmap_warmup:
         for ds in indexed:  # touch every page of the index arrays once
             _ = (int(ds.sequence_lengths.sum(dtype=np.int64)), int(ds.sequence_pointers.sum()),

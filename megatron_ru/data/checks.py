@@ -67,7 +67,7 @@ def data_problems(blend: DataBlend, proportions: Sequence[float], split_flag: st
     weights = blend.weights or (1.0,) * len(blend.prefixes)
     for prefix, weight in zip(blend.prefixes, weights):
         try:
-            ds = IndexedDataset(prefix)
+            ds = IndexedDataset.open(prefix)
         except (ValueError, OSError) as e:
             out.append(f"--data-path {prefix}: {e}")
             continue

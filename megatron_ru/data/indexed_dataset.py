@@ -240,6 +240,25 @@ class IndexedDataset:
     entries: document ``d`` is sequences ``document_indices[d]:document_indices[d+1]``.
     """
 
+    #: :meth:`open`'s datasets by (prefix, the files' identity)
+    _opened: dict[tuple, "IndexedDataset"] = {}
+
+    @classmethod
+    def open(cls, prefix: str) -> "IndexedDataset":
+        """The dataset at ``prefix``, opened (its index parsed, both files mapped) once per process and file
+        version: the flag checks, the validation-pass count and the dataset builder share it."""
+        try:
+            stats = tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in
+                          (os.stat(index_file_path(prefix)), os.stat(data_file_path(prefix))))
+        except OSError:
+            return cls(prefix)  # the constructor says which file is missing
+        key = (os.path.abspath(prefix), stats)
+        if key not in cls._opened:
+            if len(cls._opened) >= 64:  # each holds two mapped files (and their descriptors)
+                cls._opened.pop(next(iter(cls._opened)))
+            cls._opened[key] = cls(prefix)
+        return cls._opened[key]
+
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)

@@ -30,8 +30,7 @@ def vocab_size_for_arguments(args: "Arguments") -> int:
     """The model's vocabulary rows: the checkpoint's (``--use-checkpoint-args``) or the tokenizer's."""
     if args.model_vocab_size is not None:
         return args.model_vocab_size
-    from megatron_ru.data.tokenizer import build_tokenizer
-    return build_tokenizer(args.tokenizer).vocab_size
+    return args.built_tokenizer().vocab_size
 
 
 def buckets_for_arguments(args: "Arguments") -> BucketSizes:

@@ -53,7 +53,7 @@ def validation_pass_samples(prefixes: Sequence[str], split: Sequence[float], seq
     from megatron_ru.data.indexed_dataset import IndexedDataset
     total = 0
     for prefix in prefixes:
-        ds = IndexedDataset(prefix)
+        ds = IndexedDataset.open(prefix)
         start, end = split_document_ranges(ds.num_documents, split)[1]
         if end <= start:
             continue

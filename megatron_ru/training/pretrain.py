@@ -175,7 +175,6 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     """Everything before the first iteration: groups, seeds, tokenizer, data, model, engine, resume.
     ``exit_signal``: a handler installed earlier (by ``pretrain_gpt.py``, before its imports), else
     one is installed here when --exit-signal-handler is given."""
-    from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.random import model_parallel_seed, set_keyed_dropout_data_parallel
     from megatron_ru.training.data import build_datasets
@@ -194,7 +193,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     # Megatron: a different dropout stream per pipeline stage, the TP stream inside the tracker
     model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
     set_keyed_dropout_data_parallel(state.dp_size, state.dp_rank)
-    tokenizer = build_tokenizer(args.tokenizer)
+    tokenizer = args.built_tokenizer()
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     if args.checkpoint.load:  # another model shape: one error naming the flags, before the model is built
         from megatron_ru.training.model_match import check_model_matches
