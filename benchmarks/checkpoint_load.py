@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/checkpoint_load.py [--workdir DIR] [--layers 16 --hidden 2048 ...]
 
 A LLaMA-shaped model (default: 16 layers, hidden 2048, 16 heads / 8 KV groups, FFN 5504, vocabulary
-32,000, untied: 0.87 B parameters) trains in fp32 with AdamW (ZeRO 0) on 2 ranks launched as torchrun
+32,000, untied: 0.87 B parameters) trains in fp32 with AdamW at ZeRO 0 (``--bf16``: bf16 at ZeRO 1, DeepSpeed's
+bf16 optimizer with fp32 masters) on 2 ranks launched as torchrun
 launches them (one ``pretrain_gpt.py`` process per rank, RANK/WORLD_SIZE/MASTER_* in the environment),
 on seq 64, one micro batch. Runs, each timed from start to exit with every rank's peak RSS
 (``ru_maxrss`` from ``wait4``):
@@ -16,8 +17,9 @@ on seq 64, one micro batch. Runs, each timed from start to exit with every rank'
 4. ``load, TP 2 x PP 1``: ``--load`` of it at TP 2 x PP 1 (read by canonical names, no conversion step).
 
 The loads run no iteration (``--train-iters`` = the saved iteration). A rank's share of the model and
-optimizer state is 12 bytes per parameter it holds (fp32 weight and two Adam moments; training adds a 4-byte
-gradient); the table gives each peak RSS against it. The checkpoint (~14 GB) is written under ``--workdir`` (default: a
+optimizer state is 12 bytes per parameter it holds in fp32 (weight and two Adam moments; training adds a 4-byte
+gradient), 14 in bf16 (bf16 weight, fp32 master and moments; training adds a 4-byte fp32 gradient); the table
+gives each peak RSS against it. The checkpoint (~14 GB) is written under ``--workdir`` (default: a
 temporary directory on the same disk as /tmp) and removed at the end.
 """
 from __future__ import annotations
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--json", default=None, help="write the figures here too")
     ap.add_argument("--keep", action="store_true", help="keep the working directory (checkpoint, logs)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 at ZeRO 1 instead of fp32 at ZeRO 0")
     opts = ap.parse_args()
     p = dict(layers=opts.layers, hidden=opts.hidden, heads=opts.heads, groups=opts.groups, ffn=opts.ffn,
              vocab=opts.vocab, seq=64, batch=1)
@@ -105,7 +108,8 @@ def main() -> None:
     try:
         prefix = make_corpus(work, p["vocab"], 200_000)
         cache, save = os.path.join(work, "cache"), os.path.join(work, "ckpt")
-        base = pretrain_argv(p, prefix, cache, 1, "fp32", zero_stage=0)
+        precision, zero, state_bytes = ("bf16", 1, 14) if opts.bf16 else ("fp32", 0, 12)
+        base = pretrain_argv(p, prefix, cache, 1, precision, zero_stage=zero)
         layouts = {"TP 1 x PP 2": ("1", "2"), "TP 2 x PP 1": ("2", "1")}
 
         def at(layout: str) -> list[str]:
@@ -123,7 +127,7 @@ def main() -> None:
             log_path = os.path.join(work, f"{name}-{layout}".replace(" ", "_").replace(",", "") + ".log")
             r = launch(base + extra, 2, log_path)
             tp, pp = (int(x) for x in layouts[layout])
-            shares = [12 * n / 2 ** 30 for n in params_per_rank(p, tp, pp)]
+            shares = [state_bytes * n / 2 ** 30 for n in params_per_rank(p, tp, pp)]
             r.update(name=name, layout=layout, share_gib=shares,
                      rss_over_share=[rss / s for rss, s in zip(r["peak_rss_gib"], shares)])
             with open(log_path) as f:
@@ -136,7 +140,8 @@ def main() -> None:
             print(json.dumps(r), flush=True)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(save) for f in fs)
         total = sum(params_per_rank(p, 1, 1))
-        print(f"\nmodel: {total / 1e9:.2f} B parameters; checkpoint {size / 2 ** 30:.1f} GiB on disk\n")
+        print(f"\nmodel: {total / 1e9:.2f} B parameters, {precision}, ZeRO {zero}; checkpoint {size / 2 ** 30:.1f} GiB "
+              f"on disk\n")
         print("| run | layout | wall s | peak RSS per rank (GiB) | model + optimizer state per rank (GiB) | "
               "peak RSS / that |")
         print("|---|---|---|---|---|---|")

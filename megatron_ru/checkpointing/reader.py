@@ -443,6 +443,11 @@ class CheckpointReader:
         return {"fp32": weight, "exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight)}
 
     def _zero1_shard(self, spec: ParamSpec, mp: int, t: int) -> dict[str, torch.Tensor]:
+        if self._optim_map_layer != spec.layer_index:
+            # re-map the flat partitions per layer: the pages read for earlier layers leave this process's memory
+            self._flat.clear()
+            self._mp_files.clear()
+            self._optim_map_layer = spec.layer_index
         flat = self._flat_index(mp)
         if spec.name not in flat["index"]:
             return self._untrained(spec, t)
@@ -466,7 +471,7 @@ class CheckpointReader:
                 if lo < hi:
                     pieces.append(vec[lo - start: hi - start])
                 start = stop
-            value = torch.cat(pieces).float().view(shape)
+            value = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).float().view(shape)
             out[key] = self._checked(spec, value, f"*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt", spec.name)
         return out
 
