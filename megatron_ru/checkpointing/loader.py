@@ -98,9 +98,10 @@ class _ReaderSource:
 
 
 class _ResliceSource:
-    """This rank's shards of a checkpoint saved at another TP/PP: each canonical tensor read through the
-    offline reader (memory-mapped, one layer's files at a time), its vocabulary rows padded for this run's
-    TP size, then cut to this rank's TP shard."""
+    """This rank's shards of a checkpoint saved at another TP size, through the offline reader (memory-mapped,
+    one layer's files at a time): where one TP size divides the other, from the saved shards the rank's shard
+    overlaps (a part of one, or the join of a few); otherwise each canonical tensor whole, its vocabulary rows
+    padded for this run's TP size, then cut to this rank's shard."""
 
     def __init__(self, reader: Any, tp: int, tp_rank: int) -> None:
         from megatron_ru.model.spec import padded_vocab_rows
@@ -112,11 +113,16 @@ class _ResliceSource:
         return layout_shard(spec, full, self.rows, self.tp, self.tp_rank)
 
     def weight(self, spec: Any) -> tuple[Any, str]:
-        return self._shard(spec, self.reader.get(spec.name)), self.reader.dir
+        part = self.reader.shard_at(spec.name, self.tp, self.tp_rank)  # from the saved shards it overlaps
+        if part is None:
+            part = self._shard(spec, self.reader.get(spec.name))
+        return part, self.reader.dir
 
     def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
-        state = self.reader.optimizer_state(spec.name)
-        return {k: self._shard(spec, v) for k, v in state.items()}, self.reader.dir
+        part = self.reader.optimizer_shard_at(spec.name, self.tp, self.tp_rank)
+        if part is None:
+            part = {k: self._shard(spec, v) for k, v in self.reader.optimizer_state(spec.name).items()}
+        return part, self.reader.dir
 
 
 def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int, pp: int,

@@ -61,3 +61,22 @@ def test_freed_memory_goes_back_to_the_system():
     after = rss_mib()
     assert before - after > 300, (before, after)
     del keep
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+@pytest.mark.parametrize("saved_tp,tp", [(1, 2), (2, 4), (1, 4), (2, 1), (4, 2), (4, 1), (2, 2)])
+def test_a_shard_from_the_saved_shards_it_overlaps_equals_the_cut_of_the_whole(stride, saved_tp, tp):
+    """What the reader's ``_reslice`` relies on: a part of one saved shard (TP a multiple of the saved one) or
+    the join of consecutive saved shards (a divisor) is the cut of the whole tensor, for any partition stride."""
+    from megatron_ru.parallel.utils import unshard_tensors
+    full = torch.randn(stride * 8 * 3, 5)
+    saved = [shard_tensor(full, 0, t, saved_tp, stride) for t in range(saved_tp)]
+    for rank in range(tp):
+        want = shard_tensor(full, 0, rank, tp, stride)
+        if tp % saved_tp == 0:
+            k = tp // saved_tp
+            got = shard_tensor(saved[rank // k], 0, rank % k, k, stride)
+        else:
+            k = saved_tp // tp
+            got = unshard_tensors(saved[rank * k: rank * k + k], 0, stride)
+        assert torch.equal(got, want), (rank, stride, saved_tp, tp)
