@@ -84,8 +84,8 @@ class _LayerSource:
 
 
 class _ReaderSource:
-    """This rank's shards of a checkpoint at the run's TP size (another PP or DP size, or ZeRO stage), through
-    the offline reader (memory-mapped: only this rank's slices are read)."""
+    """This rank's shards of a DeepSpeed checkpoint at the run's TP/PP (another DP size or ZeRO stage),
+    through the offline reader (memory-mapped: only this rank's slices are read)."""
 
     def __init__(self, reader: Any, tp_rank: int) -> None:
         self.reader, self.tp_rank = reader, tp_rank
@@ -98,9 +98,10 @@ class _ReaderSource:
 
 
 class _ResliceSource:
-    """This rank's shards of a checkpoint saved at another TP size, through the offline reader (memory-mapped,
-    one layer's files at a time): where one TP size divides the other, from the saved shards the rank's shard
-    overlaps (a part of one, or the join of a few); otherwise each canonical tensor whole, its vocabulary rows
+    """This rank's shards of a checkpoint saved at another TP and/or PP size, through the offline reader
+    (memory-mapped, one layer's files at a time): at the saved TP size the saved shard itself; where one TP
+    size divides the other, from the saved shards the rank's shard overlaps (a part of one, or the join of a
+    few); otherwise each canonical tensor whole, its vocabulary rows
     padded for this run's TP size, then cut to this rank's shard."""
 
     def __init__(self, reader: Any, tp: int, tp_rank: int) -> None:
@@ -136,9 +137,7 @@ def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
         if problem:
             raise CheckpointError(f"cannot load the optimizer state of {ckpt_dir} at another layout: {problem}")
     common = reader.common_state() if load_optim else {}
-    # at the checkpoint's own TP size (another PP size) a rank's shards are the saved ones: no join, no cut
-    source = _ReaderSource(reader, rank % tp) if tp == reader.tp else _ResliceSource(reader, tp, rank % tp)
-    _load_by_name(engine, source, meta, common, load_optim)
+    _load_by_name(engine, _ResliceSource(reader, tp, rank % tp), meta, common, load_optim)
     log_rank0(log, f"loaded {ckpt_dir} (saved at TP {meta.tensor_model_parallel_size} x PP "
                    f"{meta.pipeline_model_parallel_size}) at TP {tp} x PP {pp} by canonical names "
                    f"({'weights and optimizer state' if load_optim else 'weights only'})")

@@ -107,8 +107,7 @@ class CheckpointReader:
         self._pool: Any = None
         self._optim_layer: Optional[tuple[int, list[dict[str, Any]]]] = None
         self._mp_files: dict[int, dict[str, Any]] = {}
-        self._mp_layer: Optional[int] = None
-        self._optim_map_layer: Optional[int] = None
+        self._mapped_layer: Optional[int] = None
         self._flat: dict[int, dict[str, Any]] = {}
         self._zero0: dict[int, dict[str, int]] = {}
         self._optim_checked = False
@@ -125,6 +124,15 @@ class CheckpointReader:
         """``mmap``: for files that hold more than one layer (tensors read when touched); a file of one
         layer is read whole, in large sequential reads (mapping it page by page is ~2x slower)."""
         return safe_load(os.path.join(self.dir, name), mmap=mmap)
+
+    def _map_layer(self, layer: int) -> None:
+        """Readers go through the layers in order: on a new layer, drop the memory-mapped DeepSpeed files (model
+        states, ZeRO partitions); they are mapped again when read, so the pages touched for earlier layers leave
+        this process's memory."""
+        if self._mapped_layer != layer:
+            self._mp_files.clear()
+            self._flat.clear()
+            self._mapped_layer = layer
 
     def _mp_file(self, mp_rank: int) -> dict[str, Any]:
         """The memory-mapped ``mp_rank_XX_model_states.pt`` of model-parallel rank ``mp_rank`` (ZeRO 0: with the
@@ -203,10 +211,7 @@ class CheckpointReader:
 
     def _weight_shard(self, spec: ParamSpec, t: int) -> torch.Tensor:
         if self.kind == "ds_mp":
-            if self._mp_layer != spec.layer_index:
-                # re-map the files per layer: pages read for earlier layers leave this process's RSS
-                self._mp_files.clear()
-                self._mp_layer = spec.layer_index
+            self._map_layer(spec.layer_index)
             module = self._mp_file(t).get("module") or {}
             where, key = mp_model_file(t), spec.name
             if key not in module and self.meta.lora_base is not None:
@@ -266,6 +271,8 @@ class CheckpointReader:
         from megatron_ru.model.spec import padded_vocab_rows
         if spec.partition_dim is None:
             return read(0)
+        if tp == self.tp:  # the saved shard itself
+            return read(rank)
         if spec.vocab and padded_vocab_rows(self.cfg, self.vocab_size, tp) != self.rows:
             return None
         dim, stride = spec.partition_dim, spec.partition_stride
@@ -410,10 +417,7 @@ class CheckpointReader:
         return index
 
     def _zero0_shard(self, spec: ParamSpec, t: int, mp: int) -> dict[str, torch.Tensor]:
-        if self._optim_map_layer != spec.layer_index:
-            # re-map per layer: the pages of earlier layers' moments leave this process's memory
-            self._mp_files.clear()
-            self._optim_map_layer = spec.layer_index
+        self._map_layer(spec.layer_index)
         where = mp_model_file(mp)
         optim = self._mp_file(mp).get("optimizer")
         if not isinstance(optim, dict) or "state" not in optim:
@@ -487,11 +491,7 @@ class CheckpointReader:
         return {"fp32": weight, "exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight)}
 
     def _zero1_shard(self, spec: ParamSpec, mp: int, t: int) -> dict[str, torch.Tensor]:
-        if self._optim_map_layer != spec.layer_index:
-            # re-map the flat partitions per layer: the pages read for earlier layers leave this process's memory
-            self._flat.clear()
-            self._mp_files.clear()
-            self._optim_map_layer = spec.layer_index
+        self._map_layer(spec.layer_index)
         flat = self._flat_index(mp)
         if spec.name not in flat["index"]:
             return self._untrained(spec, t)
