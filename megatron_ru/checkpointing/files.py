@@ -38,6 +38,8 @@ LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIM_RE = re.compile(r"^(.*)zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 #: optimizer files of the layer format (megatron_ru.checkpointing): per pipeline layer and TP rank
 LAYER_OPTIM_RE = re.compile(r"^layer_(\d+)-model_(\d+)-optim_states\.pt$")
+#: a training run's optimizer files in the layer format: each rank's fragments
+FRAGMENT_RE = re.compile(r"^optim_states-pp(\d+)-tp(\d+)-dp(\d+)\.pt$")
 
 
 def rng_file_name(rank: int) -> str:
@@ -49,7 +51,7 @@ def file_kind(name: str) -> str:
     files, which also hold the optimizer without ZeRO, and the per-layer files of a pipeline)."""
     if RNG_RE.match(name):
         return "rng"
-    if OPTIM_RE.match(name) or LAYER_OPTIM_RE.match(name):
+    if OPTIM_RE.match(name) or LAYER_OPTIM_RE.match(name) or FRAGMENT_RE.match(name):
         return "optim"
     return "model"
 

@@ -6,6 +6,9 @@ The layer format (``metadata.json`` ``"format": "megatron_ru.layers"``), written
     iter_XXXXXXX/metadata.json                         CheckpointMeta + format + optimizer (common state)
     iter_XXXXXXX/layer_{j:02d}-model_{t:02d}-model_states.pt   {local name: TP shard t} of pipeline layer j
     iter_XXXXXXX/layer_{j:02d}-model_{t:02d}-optim_states.pt   {local name: {fp32, exp_avg, exp_avg_sq}}
+                                                        (written by the tools), or, from a training run
+    iter_XXXXXXX/optim_states-pp{p:02d}-tp{t:02d}-dp{d:03d}.pt  each rank's fragments: {canonical name:
+                                                        {offset, fp32, exp_avg, exp_avg_sq}}
 
 Layer ``j`` is the model description's entry ``j`` (0 = embedding, 1..N decoder layers, N + 1 final
 norm, N + 2 output head; a tied head has no file). The files do not depend on PP or DP: a run at any
@@ -30,6 +33,11 @@ def layer_file(layer: int, tp_rank: int) -> str:
 
 def layer_optim_file(layer: int, tp_rank: int) -> str:
     return f"layer_{layer:02d}-model_{tp_rank:02d}-optim_states.pt"
+
+
+def optim_fragment_file(pp_rank: int, tp_rank: int, dp_rank: int) -> str:
+    """The optimizer state one rank of a training run holds (written by :mod:`megatron_ru.checkpointing.saver`)."""
+    return f"optim_states-pp{pp_rank:02d}-tp{tp_rank:02d}-dp{dp_rank:03d}.pt"
 
 
 def mp_model_file(mp_rank: int) -> str:

@@ -1,32 +1,28 @@
-"""Load a checkpoint into a running DeepSpeed engine by canonical parameter names.
+"""Load a checkpoint into a running DeepSpeed engine by canonical parameter names, at any layout.
 
-Two sources: a layer-format checkpoint (written by :func:`write_checkpoint`), and a DeepSpeed
-checkpoint of the run's TP/PP saved over another DP size or ZeRO stage (read through the offline
-:class:`CheckpointReader`, memory-mapped). The checkpoint's TP and PP must be the run's; the DP size
-and ZeRO stage (0, 1 or 2) are free. Every parameter of this rank is copied from its TP shard by
-canonical name (DeepSpeed's own loading is not involved). With optimizer state:
+Sources, read through the offline :class:`~megatron_ru.checkpointing.reader.CheckpointReader` (memory-mapped,
+one layer's files at a time): the layer format (written by training, ``reshard`` and ``import-hf``) at any
+TP/PP/DP and ZeRO stage 0-2, and DeepSpeed's files saved at another TP/PP, DP size or ZeRO stage. Each rank
+takes its TP shards from the saved shards they overlap. With optimizer state:
 
-* ZeRO 1/2 and bf16/fp16 (DeepSpeed keeps fp32 master partitions): the torch optimizer's state of each
-  flat partition is created, linked to the parameters, and every parameter's fp32 master weight and
-  Adam moments are set through DeepSpeed's ``safe_set_full_fp32_param`` /
-  ``safe_set_full_optimizer_state`` (each DP rank keeps its own slice: any DP size works);
+* ZeRO 1/2 and bf16 (DeepSpeed keeps fp32 master partitions): the torch optimizer's state of each flat
+  partition is created, linked to the parameters, and every parameter's fp32 master weight and Adam moments
+  are set through DeepSpeed's ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (each DP rank
+  keeps its own slice: any DP size works);
 * ZeRO 0, fp32: the torch optimizer's state per parameter.
 
-Then the step count, the LR scheduler, the loss scaler and DeepSpeed's step counters. Without
-optimizer state (--finetune / --no-load-optim) the fp32 master weights are set from the loaded
-weights. RNG states are not carried by the layer format (nor across DP sizes): the run keeps the
-fresh states it seeded from --seed (identical for every resume of the same checkpoint; dropout
-streams differ from an uninterrupted run).
+Then the step count, the LR scheduler, the loss scaler and DeepSpeed's step counters. Without optimizer
+state (--finetune / --no-load-optim) the fp32 master weights are set from the loaded weights. RNG states are
+the caller's (training/checkpoint.py: restored at the saved layout only).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 
-from megatron_ru.checkpointing.files import CheckpointError, safe_load
-from megatron_ru.checkpointing.layout import OPTIM_KEYS, layer_file, layer_optim_file, specs_by_name
+from megatron_ru.checkpointing.files import CheckpointError
+from megatron_ru.checkpointing.layout import OPTIM_KEYS, specs_by_name
 from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.deepspeed_bridge.compat import create_flat_optimizer_state
 from megatron_ru.deepspeed_bridge.masters import (has_fp32_masters, restore_engine_state, set_fp32_master,
@@ -38,63 +34,10 @@ from megatron_ru.utils.memory import release_freed_memory
 log = get_logger(__name__)
 
 
-class _LayerFiles:
-    """This rank's layer files, one layer (model and optimizer file) in memory at a time."""
-
-    def __init__(self, ckpt_dir: str, tp_rank: int) -> None:
-        self.dir, self.tp_rank = ckpt_dir, tp_rank
-        self._cache: dict[str, Any] = {}
-
-    def get(self, name: str) -> Any:
-        if name not in self._cache:
-            self._cache.clear()
-            self._cache[name] = safe_load(os.path.join(self.dir, name))
-        return self._cache[name]
-
-
 def _shape_error(path: str, key: str, got: Any, want: Any) -> CheckpointError:
     return CheckpointError(f"{path}: {key!r} has shape {list(got)}, this run's parameter has {list(want)}: the "
                            f"checkpoint was written for another model; check the model flags (or use "
                            f"--use-checkpoint-args)")
-
-
-class _LayerSource:
-    """This rank's shards from the layer format's files."""
-
-    def __init__(self, ckpt_dir: str, tp_rank: int) -> None:
-        self.dir, self.tp_rank = ckpt_dir, tp_rank
-        self.files = _LayerFiles(ckpt_dir, tp_rank)
-
-    def weight(self, spec: Any) -> tuple[Any, str]:
-        fname = layer_file(spec.layer_index, self.tp_rank)
-        shard = self.files.get(fname).get(spec.local_name)
-        if shard is None:
-            raise CheckpointError(f"{os.path.join(self.dir, fname)} has no {spec.local_name!r}: the file is "
-                                  f"damaged; restore it or write the checkpoint again")
-        return shard, os.path.join(self.dir, fname)
-
-    def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
-        fname = layer_optim_file(spec.layer_index, self.tp_rank)
-        state = self.files.get(fname).get(spec.local_name)
-        if not isinstance(state, dict) or any(k not in state for k in OPTIM_KEYS):
-            raise CheckpointError(f"{os.path.join(self.dir, fname)} has no optimizer state for "
-                                  f"{spec.local_name!r}: the file is damaged; restore it, or load the "
-                                  f"weights only with --no-load-optim")
-        return state, os.path.join(self.dir, fname)
-
-
-class _ReaderSource:
-    """This rank's shards of a DeepSpeed checkpoint at the run's TP/PP (another DP size or ZeRO stage),
-    through the offline reader (memory-mapped: only this rank's slices are read)."""
-
-    def __init__(self, reader: Any, tp_rank: int) -> None:
-        self.reader, self.tp_rank = reader, tp_rank
-
-    def weight(self, spec: Any) -> tuple[Any, str]:
-        return self.reader.shard(spec.name, self.tp_rank), self.reader.dir
-
-    def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
-        return self.reader.optimizer_shard(spec.name, self.tp_rank), self.reader.dir
 
 
 class _ResliceSource:
@@ -143,29 +86,6 @@ def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
                    f"({'weights and optimizer state' if load_optim else 'weights only'})")
 
 
-def load_layers_checkpoint(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int,
-                           load_optim: bool) -> None:
-    """Copy this rank's weights (and, with ``load_optim``, optimizer state) from a layer-format
-    checkpoint ``ckpt_dir``."""
-    _load_by_name(engine, _LayerSource(ckpt_dir, rank % tp), meta, meta.optimizer or {}, load_optim)
-    log_rank0(log, f"loaded {ckpt_dir} by canonical names (TP {tp}; "
-                   f"{'weights and optimizer state' if load_optim else 'weights only'})")
-
-
-def load_deepspeed_by_name(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int) -> None:
-    """Weights and optimizer state of a DeepSpeed checkpoint (ZeRO 0 fp32 or ZeRO 1) saved at this
-    run's TP/PP but another data-parallel size or ZeRO stage (0/1): each parameter's full TP shard is
-    read offline and set through DeepSpeed's fragment mapping, so any DP size works."""
-    from megatron_ru.checkpointing.reader import CheckpointReader
-    reader = CheckpointReader(ckpt_dir, meta)
-    problem = reader.optimizer_problem()
-    if problem:
-        raise CheckpointError(f"cannot load {ckpt_dir} at another data-parallel size or ZeRO stage: {problem}")
-    _load_by_name(engine, _ReaderSource(reader, rank % tp), meta, reader.common_state(), True)
-    log_rank0(log, f"loaded {ckpt_dir} by canonical names (saved over {meta.data_parallel_size} data-parallel "
-                   f"ranks with ZeRO stage {meta.zero_stage}; weights and optimizer state)")
-
-
 def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], load_optim: bool) -> None:
     from megatron_ru.utils.optim import adam_step_tensor
     cfg = model_config_from_dict(meta.model_args)
@@ -175,6 +95,8 @@ def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], l
     step = int(common.get("step", 0))
     if cfg.lora is None:  # a base checkpoint under a run with adapters: the adapters start fresh
         params = [(n, p) for n, p in params if not is_adapter_parameter(n)]
+    if meta.lora_base is not None:  # the frozen weights were loaded from the base checkpoint already
+        params = [(n, p) for n, p in params if p.requires_grad]
     with torch.no_grad():
         for name, p in params:  # weights
             spec = specs.get(name)

@@ -102,6 +102,9 @@ class CheckpointMeta:
     format: Optional[str] = None
     #: layer format: the state all parameters share (step, lr_scheduler, loss_scaler, ...); None: no optimizer
     optimizer: Optional[dict[str, Any]] = None
+    #: layer format written by a training run: how many data-parallel ranks' ``optim_states-pp*-tp*-dp*.pt``
+    #: files hold the optimizer state (each rank's fragments); None: per-layer optimizer files (the tools)
+    optimizer_fragments: Optional[int] = None
     #: DeepSpeed files: per model-parallel rank {"pp_rank", "tp_rank", "groups": [[canonical names of
     #: each optimizer group, in order]]} — how the flat optimizer state maps to parameters
     optimizer_groups: Optional[dict[str, Any]] = None

@@ -34,7 +34,8 @@ import torch
 
 from megatron_ru.checkpointing.files import CheckpointError, check_files, list_files, safe_load
 from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
-                                              mp_model_file, mp_rank_of, padded_rows, specs_by_name, stage_of)
+                                              mp_model_file, mp_rank_of, optim_fragment_file, padded_rows,
+                                              specs_by_name, stage_of)
 from megatron_ru.checkpointing.meta import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
                                             read_latest_iteration)
 from megatron_ru.model.spec import ParamSpec, canonical_name, model_config_from_dict, stage_bounds
@@ -107,6 +108,7 @@ class CheckpointReader:
         self._pool: Any = None
         self._optim_layer: Optional[tuple[int, list[dict[str, Any]]]] = None
         self._mp_files: dict[int, dict[str, Any]] = {}
+        self._layer_mapped: dict[str, dict[str, Any]] = {}
         self._mapped_layer: Optional[int] = None
         self._flat: dict[int, dict[str, Any]] = {}
         self._zero0: dict[int, dict[str, int]] = {}
@@ -132,6 +134,7 @@ class CheckpointReader:
         if self._mapped_layer != layer:
             self._mp_files.clear()
             self._flat.clear()
+            self._layer_mapped.clear()
             self._mapped_layer = layer
 
     def _mp_file(self, mp_rank: int) -> dict[str, Any]:
@@ -174,21 +177,38 @@ class CheckpointReader:
             self._ahead = (nxt, self._pool.submit(self._read_layer_files, nxt))
         return files
 
+    def _check_layer_file(self, layer: int, t: int, f: dict[str, Any]) -> None:
+        if self.kind == "layers":  # our own files hold exactly the layer's parameters
+            expected = {s.local_name for s in self.specs.values() if s.layer_index == layer}
+            unexpected = sorted(set(f) - expected)
+            if unexpected:
+                raise CheckpointError(
+                    f"{os.path.join(self.dir, layer_file(layer, t))} holds {', '.join(unexpected)}, which "
+                    f"layer {layer} of the model in metadata.json does not have: the file is from another "
+                    f"model or metadata.json was altered")
+
     def _layer_shards(self, layer: int) -> list[dict[str, Any]]:
+        """Every TP rank's file of layer ``layer`` (full tensors are joined from them)."""
         if self._layer is None or self._layer[0] != layer:
             self._layer = None  # drop the previous layer's files before reading the next
             files = self._layer_files(layer)
-            if self.kind == "layers":  # our own files hold exactly the layer's parameters
-                expected = {s.local_name for s in self.specs.values() if s.layer_index == layer}
-                for t, f in enumerate(files):
-                    unexpected = sorted(set(f) - expected)
-                    if unexpected:
-                        raise CheckpointError(
-                            f"{os.path.join(self.dir, layer_file(layer, t))} holds {', '.join(unexpected)}, which "
-                            f"layer {layer} of the model in metadata.json does not have: the file is from another "
-                            f"model or metadata.json was altered")
+            for t, f in enumerate(files):
+                self._check_layer_file(layer, t, f)
             self._layer = (layer, files)
         return self._layer[1]
+
+    def _layer_shard_file(self, layer: int, t: int) -> dict[str, Any]:
+        """TP rank ``t``'s file of layer ``layer`` alone (memory-mapped: a loading rank reads only the shards,
+        or the parts of them, it keeps), unless every TP rank's file of the layer is already in memory."""
+        if self._layer is not None and self._layer[0] == layer:
+            return self._layer[1][t]
+        self._map_layer(layer)
+        name = layer_file(layer, t)
+        if name not in self._layer_mapped:
+            f = self._load(name)
+            self._check_layer_file(layer, t, f)
+            self._layer_mapped[name] = f
+        return self._layer_mapped[name]
 
     def _expected_shard_shape(self, spec: ParamSpec) -> tuple[int, ...]:
         shape = list(spec.shape)
@@ -220,14 +240,14 @@ class CheckpointReader:
                 raise CheckpointError(f"{os.path.join(self.dir, where)} has no {key!r}: the file is damaged or "
                                       f"from another model")
             return self._checked(spec, module[key], where, key)
-        shards = self._layer_shards(spec.layer_index)
+        shard = self._layer_shard_file(spec.layer_index, t)
         where, key = layer_file(spec.layer_index, t), spec.local_name
-        if key not in shards[t] and self.meta.lora_base is not None:
+        if key not in shard and self.meta.lora_base is not None:
             return self._from_base(spec, t)
-        if key not in shards[t]:
+        if key not in shard:
             raise CheckpointError(f"{os.path.join(self.dir, where)} has no {key!r} (it holds "
-                                  f"{', '.join(sorted(shards[t]))}): the file is damaged or from another model")
-        return self._checked(spec, shards[t][key], where, key)
+                                  f"{', '.join(sorted(shard))}): the file is damaged or from another model")
+        return self._checked(spec, shard[key], where, key)
 
     def _from_base(self, spec: ParamSpec, t: int) -> torch.Tensor:
         """A frozen tensor of a LoRA checkpoint: read from its base checkpoint (any layout), as TP shard ``t``."""
@@ -312,6 +332,8 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         """The full canonical tensor (``V`` rows for the vocabulary matrices), in the file's dtype."""
         spec = self.spec(name)
+        if self.kind != "ds_mp" and spec.partition_dim is not None:
+            self._layer_shards(spec.layer_index)  # every TP rank's file of the layer, the next read meanwhile
         return self._join(spec, [self._weight_shard(spec, t) for t in range(self.tp)])
 
     # ---- optimizer state -------------------------------------------------------------------------
@@ -367,7 +389,51 @@ class CheckpointReader:
         self._require_optimizer()
         return {k: v.detach().float() for k, v in self._optim_shard(self.spec(name), tp_rank).items()}
 
+    def _fragment_file(self, stage: int, t: int, d: int) -> dict[str, Any]:
+        """A training rank's optimizer fragments (memory-mapped; dropped on the next layer, see _map_layer)."""
+        name = optim_fragment_file(stage, t, d)
+        if name not in self._layer_mapped:
+            self._layer_mapped[name] = self._load(name)
+        return self._layer_mapped[name]
+
+    def _fragment_shard(self, spec: ParamSpec, t: int) -> dict[str, torch.Tensor]:
+        """TP shard ``t``'s optimizer state, joined from the fragments the data-parallel ranks saved."""
+        self._map_layer(spec.layer_index)
+        stage = stage_of(spec.layer_index, stage_bounds(self.cfg, self.pp))
+        shape = self._expected_shard_shape(spec)
+        numel = int(torch.Size(shape).numel())
+        pieces = []
+        for d in range(int(self.meta.optimizer_fragments or 1)):
+            frag = self._fragment_file(stage, t, d).get(spec.name)
+            if frag is not None:
+                pieces.append((int(frag["offset"]), d, frag))
+        if not pieces:
+            return self._untrained(spec, t)
+        pieces.sort(key=lambda x: x[0])
+        out = {}
+        for key in OPTIM_KEYS:
+            parts, at = [], 0
+            for offset, d, frag in pieces:
+                where = optim_fragment_file(stage, t, d)
+                value = frag.get(key)
+                if value is None and key == "fp32":  # ZeRO 0 in fp32: the weight is the master
+                    value = self._weight_shard(spec, t).detach().reshape(-1)[offset:]
+                if not torch.is_tensor(value) or offset != at:
+                    raise CheckpointError(f"{os.path.join(self.dir, where)}: the {key} fragment of {spec.name} "
+                                          f"{'is not a tensor' if not torch.is_tensor(value) else f'starts at element {offset}, expected {at}'}: "
+                                          f"the optimizer files are damaged or from another run")
+                parts.append(value.reshape(-1))
+                at += value.numel()
+            if at != numel:
+                raise CheckpointError(f"{self.dir}: the saved {key} fragments of {spec.name} hold {at} values, its TP "
+                                      f"shard has {numel}: an optimizer file is missing or from another run")
+            full = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out[key] = full.view(shape).float()
+        return out
+
     def _optim_shard(self, spec: ParamSpec, t: int) -> dict[str, torch.Tensor]:
+        if self.kind == "layers" and self.meta.optimizer_fragments:
+            return self._fragment_shard(spec, t)
         if self.kind == "layers":
             layer = spec.layer_index
             if self._optim_layer is None or self._optim_layer[0] != layer:

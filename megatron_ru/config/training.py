@@ -162,6 +162,12 @@ class CheckpointConfig:
     finetune: bool = arg(False, "Load weights only and start at iteration 0 with fresh optimizer, "
                                 "scheduler, RNG and data position.")
     keep_last: Optional[int] = arg(None, "Keep only the newest N checkpoints in --save.")
+    ckpt_format: str = arg(
+        "auto", "How --save writes checkpoints. 'megatron_ru': every tensor and its optimizer state by canonical "
+                "name, each rank writing its own slices; --load reads it at any TP x PP x DP and ZeRO stage 0-2. "
+                "'deepspeed': DeepSpeed's own files (for DeepSpeed's tools; loaded at another layout by name as "
+                "well). 'auto': megatron_ru, except with ZeRO stage 3 or fp16 without ZeRO, whose optimizer "
+                "state only DeepSpeed's files hold.", choices=("auto", "megatron_ru", "deepspeed"))
     use_checkpoint_args: bool = arg(False, "Take the model's shape flags (and the tokenizer recorded with it, "
                                            "when no tokenizer flag is given) from the checkpoint in --load; a "
                                            "given flag that contradicts the checkpoint is an error. Dropout "

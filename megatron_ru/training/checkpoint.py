@@ -49,6 +49,7 @@ from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, Checkpo
                                             read_latest_iteration, write_text_atomic)
 from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.deepspeed_bridge import compat as dsc
+from megatron_ru.deepspeed_bridge import masters as dsm
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointMeta", "load_checkpoint", "save_checkpoint",
@@ -111,15 +112,57 @@ def optimizer_groups_record(engine: Any, meta: CheckpointMeta) -> Optional[tuple
         return None
 
 
+def resolve_format(engine: Any, requested: str) -> str:
+    """``megatron_ru`` or ``deepspeed``: the format ``--ckpt-format`` asks for (``auto``: megatron_ru unless the
+    engine's optimizer state exists only in DeepSpeed's files). An explicit ``megatron_ru`` that cannot hold
+    this run's optimizer state is a ValueError naming the flag."""
+    problem = dsm.by_name_problem(engine)
+    if requested == "deepspeed" or (requested == "auto" and problem):
+        return "deepspeed"
+    if problem:
+        raise ValueError(f"--ckpt-format megatron_ru cannot hold this run's optimizer state ({problem}): use "
+                         f"--ckpt-format deepspeed (or auto)")
+    return "megatron_ru"
+
+
+def _write_by_name(engine: Any, ckpt_dir: str, meta: CheckpointMeta, state: Any, recorder: dsc.SaveRecorder) -> None:
+    """This rank's files in the layer format (megatron_ru/checkpointing/saver.py); the metadata says so."""
+    from megatron_ru.checkpointing.layout import LAYERS_FORMAT
+    from megatron_ru.checkpointing.saver import write_rank_files
+    from megatron_ru.model.spec import model_config_from_dict
+    cfg = model_config_from_dict(meta.model_args)
+    pp_size, pp_rank, tp_rank, dp_rank = ((state.pp_size, state.pp_rank, state.tp_rank, state.dp_rank)
+                                          if state is not None else (1, 0, 0, 0))
+    write_rank_files(engine, ckpt_dir, cfg, int(meta.vocab_size), pp_size=pp_size, pp_rank=pp_rank, tp_rank=tp_rank,
+                     dp_rank=dp_rank, zero_stage=meta.zero_stage, exclude_frozen=meta.lora_base is not None,
+                     run=recorder.run)
+    meta.format = LAYERS_FORMAT
+    meta.optimizer_fragments = meta.data_parallel_size if meta.zero_stage > 0 else 1
+    meta.optimizer = _jsonable(dsm.engine_common_state(engine)) if getattr(engine, "optimizer", None) else None
+
+
+def _jsonable(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
 def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: CheckpointMeta,
                     rank: int, rng_state: dict[str, Any], keep_last: Optional[int] = None,
-                    before_commit: Optional[Callable[[], None]] = None) -> str:
+                    before_commit: Optional[Callable[[], None]] = None, *, state: Any = None,
+                    ckpt_format: str = "auto") -> str:
     """Write ``iter_XXXXXXX/`` on every rank, then (rank 0, once every rank reported success) the
-    pointer. Collective: every rank calls it. Raises :class:`CheckpointSaveError` on every rank
-    when a write failed on any."""
+    pointer. Collective: every rank calls it. ``state``: this rank's ParallelState (None: one process).
+    ``ckpt_format``: ``--ckpt-format``. Raises :class:`CheckpointSaveError` on every rank when a write
+    failed on any."""
     ckpt_dir = os.path.join(save_dir, iteration_dir_name(iteration))
     if read_latest_iteration(save_dir) == iteration:
         return ckpt_dir  # already saved (e.g. interval save followed by the save on exit)
+    fmt = resolve_format(engine, ckpt_format)
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         # a directory of this iteration left by a crashed save is not current: start clean
@@ -129,13 +172,16 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     # a failed write is recorded, not raised: raising half-way would leave the other ranks waiting
     # in DeepSpeed's collectives; all ranks learn of it below and give up together
     recorder = dsc.SaveRecorder()
-    dsc.install_checkpoint_io(engine, safe_load, recorder)
-    try:
-        recorder.run(ckpt_dir, lambda: engine.save_checkpoint(save_dir, tag=iteration_dir_name(iteration),
-                                                              save_latest=False,
-                                                              exclude_frozen_parameters=meta.lora_base is not None))
-    finally:
-        dsc.install_checkpoint_io(engine, safe_load)
+    if fmt == "megatron_ru":
+        _write_by_name(engine, ckpt_dir, meta, state, recorder)
+    else:
+        dsc.install_checkpoint_io(engine, safe_load, recorder)
+        try:
+            recorder.run(ckpt_dir, lambda: engine.save_checkpoint(
+                save_dir, tag=iteration_dir_name(iteration), save_latest=False,
+                exclude_frozen_parameters=meta.lora_base is not None))
+        finally:
+            dsc.install_checkpoint_io(engine, safe_load)
     rng_path = os.path.join(ckpt_dir, rng_file_name(rank))
 
     def write_rng() -> None:
@@ -146,7 +192,7 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
         before_commit()
     _barrier()  # every rank has finished its files: each lists what it sees (node-local disks too)
     gathered = _all_gather((_save_error(recorder), list_files(ckpt_dir) if recorder.failure is None else {},
-                            optimizer_groups_record(engine, meta)))
+                            optimizer_groups_record(engine, meta) if fmt == "deepspeed" else None))
     errors = [e for e, _, _ in gathered if e]
     if not errors and rank == 0:
         files: dict[str, int] = {}
@@ -215,17 +261,12 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     weights_only = finetune or not load_optim
     if meta.lora_base is not None:  # the frozen weights first, from the checkpoint the adapters were trained on
         _load_lora_base(engine, ckpt_dir, meta.lora_base, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage)
-    if (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size) != (tp, pp):
-        return _load_other_layout(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, zero_stage=zero_stage,
-                                  weights_only=weights_only, finetune=finetune, load_rng=load_rng, pointer=pointer)
-    if meta.format is not None:
-        return _load_layers(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, zero_stage=zero_stage,
-                            weights_only=weights_only, finetune=finetune, pointer=pointer)
-    if not weights_only and meta.tensor_model_parallel_size == tp and meta.pipeline_model_parallel_size == pp \
-            and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and meta.model_args is not None \
-            and meta.zero_stage <= 1 and zero_stage <= 2 and max(meta.zero_stage, zero_stage) >= 1:
-        return _load_other_dp(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, dp=dp, load_rng=load_rng,
-                              pointer=pointer)
+    other_dp = not weights_only and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and \
+        meta.model_args is not None and meta.zero_stage <= 1 and zero_stage <= 2 and max(meta.zero_stage, zero_stage) >= 1
+    if meta.format is not None or other_dp or \
+            (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size) != (tp, pp):
+        return _load_by_name(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage,
+                             weights_only=weights_only, finetune=finetune, load_rng=load_rng, pointer=pointer)
     problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only, load_dir=load_dir)
     if weights_only and 3 in (meta.zero_stage, zero_stage):
         problems.append(
@@ -287,70 +328,39 @@ def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: i
         raise CheckpointError(f"{where}, which cannot be loaded: {e}") from None
 
 
-def _load_layers(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,
-                 zero_stage: int, weights_only: bool, finetune: bool, pointer: str
-                 ) -> tuple[CheckpointMeta, Optional[dict]]:
-    """A checkpoint written by megatron_ru.checkpointing (reshard, import-hf): loaded by canonical
-    names at the run's TP/PP, any DP size (megatron_ru/checkpointing/loader.py)."""
-    from megatron_ru.checkpointing.layout import LAYERS_FORMAT
-    from megatron_ru.checkpointing.loader import layers_layout_problem, load_layers_checkpoint
-    if meta.format != LAYERS_FORMAT:
-        raise CheckpointError(f"{ckpt_dir}: unknown checkpoint format {meta.format!r} in metadata.json (this "
-                              f"megatron_ru reads {LAYERS_FORMAT!r} and DeepSpeed's files): a newer megatron_ru "
-                              f"wrote it, or the file is damaged")
-    problem = layers_layout_problem(meta, zero_stage)
-    if problem:
-        raise CheckpointError(f"cannot load {ckpt_dir}: {problem}")
-    load_optim = not weights_only and meta.optimizer is not None
-    if not weights_only and meta.optimizer is None and not finetune:
-        log_rank0(log, f"{ckpt_dir} holds weights only (no optimizer state): the optimizer starts fresh", level=30)
-    present = sorted(list_files(ckpt_dir))
-    check_files(ckpt_dir, meta.expected_files(present), kinds={"model"} | ({"optim"} if load_optim else set()),
-                pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
-    load_layers_checkpoint(engine, ckpt_dir, meta, rank=rank, tp=tp, load_optim=load_optim)
-    return meta, None
-
-
-def _load_other_layout(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,
-                       zero_stage: int, weights_only: bool, finetune: bool, load_rng: bool, pointer: str
-                       ) -> tuple[CheckpointMeta, Optional[dict]]:
-    """A checkpoint saved at another TP and/or PP size (either format): no conversion step; every rank reads
-    the canonical tensors of its own layers and keeps its TP shard (megatron_ru/checkpointing/loader.py). The
-    random states were saved per rank of the old layout: the run re-seeds from --seed and says so."""
+def _load_by_name(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,
+                  dp: int, zero_stage: int, weights_only: bool, finetune: bool, load_rng: bool, pointer: str
+                  ) -> tuple[CheckpointMeta, Optional[dict]]:
+    """Every checkpoint in the layer format (training's own, reshard's, import-hf's), and DeepSpeed's files saved
+    at another layout (TP, PP, or DP size and ZeRO stage): each rank reads its own tensors by canonical name
+    and keeps its slices for this run's TP/PP/DP and ZeRO stage (megatron_ru/checkpointing/loader.py). RNG
+    states continue exactly at the layout they were saved at (one file per rank); at another, the run keeps
+    the states it seeded from --seed and says so."""
+    from megatron_ru.checkpointing.files import file_kind
     from megatron_ru.checkpointing.loader import layers_layout_problem, load_at_another_layout
+    saved = (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size, meta.data_parallel_size)
     problem = layers_layout_problem(meta, zero_stage)
     if problem:
-        raise CheckpointError(f"cannot load {ckpt_dir} (saved at TP {meta.tensor_model_parallel_size} x PP "
-                              f"{meta.pipeline_model_parallel_size}) at TP {tp} x PP {pp}: {problem}")
+        raise CheckpointError(f"cannot load {ckpt_dir} (saved at TP {saved[0]} x PP {saved[1]}) at TP {tp} x PP "
+                              f"{pp}: {problem}")
     load_optim = not weights_only and (meta.format is None or meta.optimizer is not None)
     if not weights_only and not load_optim and not finetune:
         log_rank0(log, f"{ckpt_dir} holds weights only (no optimizer state): the optimizer starts fresh", level=30)
     present = sorted(list_files(ckpt_dir))
-    check_files(ckpt_dir, meta.expected_files(present), kinds={"model"} | ({"optim"} if load_optim else set()),
+    expected = meta.expected_files(present)
+    has_rng = any(file_kind(n) == "rng" for n in expected)
+    same_ranks = saved == (tp, pp, dp)
+    want_rng = load_rng and not finetune and has_rng and same_ranks
+    check_files(ckpt_dir, expected, kinds={"model"} | ({"optim"} if load_optim else set()) |
+                ({"rng"} if want_rng else set()),
                 pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
     load_at_another_layout(engine, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, load_optim=load_optim)
-    if load_rng and not finetune and meta.format is None:
-        log_rank0(log, f"{ckpt_dir} was saved at TP {meta.tensor_model_parallel_size} x PP "
-                       f"{meta.pipeline_model_parallel_size}: random states start fresh from --seed at this layout "
-                       f"(with dropout on, the continuation is not exact)", level=30)
-    return meta, None
-
-
-def _load_other_dp(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, dp: int,
-                   load_rng: bool, pointer: str) -> tuple[CheckpointMeta, Optional[dict]]:
-    """A DeepSpeed checkpoint of this run's TP/PP saved over another DP size or with another ZeRO stage
-    (from 0 or 1, to 0, 1 or 2): the optimizer state is read by canonical names and re-partitioned for this run
-    (megatron_ru/checkpointing/loader.py). RNG states are restored only when the DP size is the same
-    (one file per rank); otherwise the run keeps the fresh ones seeded from --seed."""
-    from megatron_ru.checkpointing.loader import load_deepspeed_by_name
-    same_ranks = meta.data_parallel_size == dp
-    want_rng = load_rng and same_ranks
-    present = sorted(list_files(ckpt_dir))
-    check_files(ckpt_dir, meta.expected_files(present), kinds={"model", "optim"} | ({"rng"} if want_rng else set()),
-                pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
-    load_deepspeed_by_name(engine, ckpt_dir, meta, rank=rank, tp=tp)
-    if not same_ranks:
-        log_rank0(log, f"{ckpt_dir} was saved over {meta.data_parallel_size} data-parallel ranks, this run has {dp}: "
-                       f"random states start fresh from --seed (with dropout on, the resume is not exact)", level=30)
+    if has_rng and not finetune and load_rng and not same_ranks:
+        log_rank0(log, f"{ckpt_dir} was saved at TP {saved[0]} x PP {saved[1]} x DP {saved[2]}, this run is TP {tp} x "
+                       f"PP {pp} x DP {dp}: random states start fresh from --seed (with dropout on, the "
+                       f"continuation is not exact)", level=30)
+    elif has_rng and not finetune and not load_rng:
+        log_rank0(log, "--no-load-rng: resuming with fresh random states; dropout and other random streams differ "
+                       "from an uninterrupted run, so this resume is not exact", level=30)
     rng = safe_load(os.path.join(ckpt_dir, rng_file_name(rank))) if want_rng else None
     return meta, rng
