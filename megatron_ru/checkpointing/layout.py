@@ -63,6 +63,24 @@ def layout_problems(cfg: ModelConfig, tp: int, pp: int, tp_flag: str = "--target
 padded_rows = padded_vocab_rows  # the model description's padding rule
 
 
+def derive_layers_expected(cfg: ModelConfig, vocab_size: int, tp: int, pp: int, dp: int,
+                           optimizer_fragments: Optional[int], has_optimizer: bool,
+                           present: list[str]) -> dict[str, Optional[int]]:
+    """The files of a layer-format checkpoint whose metadata.json lost its file list (sizes unknown: None):
+    every layer's file per TP rank; the optimizer's (per rank fragments, or per layer files) when it has
+    optimizer state; the RNG files of every rank when any is present (training writes them, the tools not)."""
+    layers = sorted({s.layer_index for s in parameter_specs(cfg, vocab_size)})
+    out: dict[str, Optional[int]] = {layer_file(j, t): None for j in layers for t in range(tp)}
+    if has_optimizer and optimizer_fragments:
+        out.update({optim_fragment_file(p, t, d): None for p in range(pp) for t in range(tp)
+                    for d in range(optimizer_fragments)})
+    elif has_optimizer:
+        out.update({layer_optim_file(j, t): None for j in layers for t in range(tp)})
+    if any(n.startswith("rng_rank_") for n in present):
+        out.update({f"rng_rank_{r:05d}.pt": None for r in range(tp * pp * dp)})
+    return out
+
+
 def mp_rank_of(pp_rank: int, tp_rank: int, tp: int) -> int:
     """DeepSpeed's model-parallel rank of a (stage, TP rank): TP varies fastest."""
     return pp_rank * tp + tp_rank

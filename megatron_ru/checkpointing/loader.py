@@ -60,7 +60,7 @@ class _ResliceSource:
         part = self.reader.shard_at(spec.name, self.tp, self.tp_rank)  # from the saved shards it overlaps
         if part is None:
             part = self._shard(spec, self.reader.get(spec.name))
-        return part, self.reader.dir
+        return part, self.reader.weight_file(spec.name, self.tp_rank if self.tp == self.reader.tp else None)
 
     def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
         part = self.reader.optimizer_shard_at(spec.name, self.tp, self.tp_rank)

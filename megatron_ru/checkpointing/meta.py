@@ -144,6 +144,13 @@ class CheckpointMeta:
         """Every ``*.pt`` file of the checkpoint (and its size, when the save recorded it)."""
         if self.files is not None:
             return dict(self.files)
+        if self.format is not None and self.model_args is not None and self.vocab_size is not None:
+            from megatron_ru.checkpointing.layout import derive_layers_expected
+            from megatron_ru.model.spec import model_config_from_dict
+            return derive_layers_expected(model_config_from_dict(self.model_args), int(self.vocab_size),
+                                          self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                                          self.data_parallel_size, self.optimizer_fragments,
+                                          self.optimizer is not None, present)
         return derive_expected(self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                                self.data_parallel_size, self.zero_stage, present)
 

@@ -279,6 +279,14 @@ class CheckpointReader:
             full = full[: self.vocab_size]
         return full
 
+    def weight_file(self, name: str, tp_rank: Optional[int] = None) -> str:
+        """The path of the file holding TP shard ``tp_rank`` of ``name`` (None: every TP rank's, as a pattern)."""
+        spec = self.spec(name)
+        t = "*" if tp_rank is None else f"{tp_rank:02d}"
+        if self.kind == "ds_mp":
+            return os.path.join(self.dir, f"mp_rank_{t}_model_states.pt")
+        return os.path.join(self.dir, f"layer_{spec.layer_index:02d}-model_{t}-model_states.pt")
+
     def shard(self, name: str, tp_rank: int) -> torch.Tensor:
         """TP shard ``tp_rank`` of parameter ``name`` at the checkpoint's own TP (vocabulary padding kept)."""
         return self._weight_shard(self.spec(name), tp_rank).detach()

@@ -53,7 +53,9 @@ def write_rank_files(engine: Any, ckpt_dir: str, cfg: Any, vocab_size: int, *, p
     performs a write (the caller records a failure instead of raising mid-save)."""
     specs: dict[str, ParamSpec] = {s.name: s for s in parameter_specs(cfg, vocab_size)}
     start, stop = stage_bounds(cfg, pp_size)[pp_rank]
-    layers: dict[int, dict[str, torch.Tensor]] = {}
+    # every layer of the stage has its file (empty when all its tensors stay in a LoRA run's base)
+    layers: dict[int, dict[str, torch.Tensor]] = {s.layer_index: {} for s in specs.values()
+                                                  if start <= s.layer_index < stop} if dp_rank == 0 else {}
     fragments: dict[str, dict[str, Any]] = {}
     partitions = flat_partitions(engine)
     for name, p in canonical_named_parameters(engine.module, cfg):

@@ -112,11 +112,13 @@ def optimizer_groups_record(engine: Any, meta: CheckpointMeta) -> Optional[tuple
         return None
 
 
-def resolve_format(engine: Any, requested: str) -> str:
+def resolve_format(engine: Any, requested: str, meta: CheckpointMeta) -> str:
     """``megatron_ru`` or ``deepspeed``: the format ``--ckpt-format`` asks for (``auto``: megatron_ru unless the
-    engine's optimizer state exists only in DeepSpeed's files). An explicit ``megatron_ru`` that cannot hold
-    this run's optimizer state is a ValueError naming the flag."""
+    engine's optimizer state exists only in DeepSpeed's files, or the model is not described by ``model_args``).
+    An explicit ``megatron_ru`` that cannot hold this run's state is a ValueError naming the flag."""
     problem = dsm.by_name_problem(engine)
+    if meta.model_args is None or meta.vocab_size is None:
+        problem = "the checkpoint does not record the model's arguments"
     if requested == "deepspeed" or (requested == "auto" and problem):
         return "deepspeed"
     if problem:
@@ -162,7 +164,7 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     ckpt_dir = os.path.join(save_dir, iteration_dir_name(iteration))
     if read_latest_iteration(save_dir) == iteration:
         return ckpt_dir  # already saved (e.g. interval save followed by the save on exit)
-    fmt = resolve_format(engine, ckpt_format)
+    fmt = resolve_format(engine, ckpt_format, meta)
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         # a directory of this iteration left by a crashed save is not current: start clean

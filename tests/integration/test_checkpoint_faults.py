@@ -44,86 +44,107 @@ def _old_metadata(ckpt_dir):
     json.dump(meta, open(path, "w"))
 
 
-def _faults(ckpt):
-    """name -> (damage function, extra flags of the resume)."""
+def _faults(ckpt, fmt):
+    """name -> (damage function, extra flags of the resume), for a checkpoint in ``fmt``."""
     def rm(name):
         return lambda: os.remove(os.path.join(ckpt, name))
+    # training's own format (by canonical name) / DeepSpeed's files (--ckpt-format deepspeed)
+    optim, weights = (("optim_states-pp01-tp01-dp000.pt", "layer_01-model_01-model_states.pt") if fmt == "megatron_ru"
+                      else ("mp_rank_03_model_states.pt", "mp_rank_01_model_states.pt"))
     return {
         "tp_shard_deleted": (rm("layer_04-model_01-model_states.pt"), []),
         "tp_shard_deleted_old_metadata": (
             lambda: (_old_metadata(ckpt), os.remove(os.path.join(ckpt, "layer_02-model_01-model_states.pt"))), []),
         "layer_truncated": (lambda: _truncate(os.path.join(ckpt, "layer_03-model_00-model_states.pt")), []),
-        "model_file_deleted": (rm("mp_rank_03_model_states.pt"), []),
-        "model_file_poisoned": (lambda: _poison(os.path.join(ckpt, "mp_rank_01_model_states.pt")), []),
+        "model_file_deleted": (rm(optim), []),
+        "model_file_poisoned": (lambda: _poison(os.path.join(ckpt, weights)), []),
         "rng_deleted": (rm("rng_rank_00003.pt"), []),
         "rng_deleted_no_load_rng": (rm("rng_rank_00003.pt"), ["--no-load-rng"]),
         "metadata_truncated": (lambda: _truncate(os.path.join(ckpt, "metadata.json")), []),
     }
 
 
-def _body(rank, world_size, prefix, cache, save, backup):
+def _body(rank, world_size, prefix, cache, root):
     import torch.distributed as dist
 
     from megatron_ru.config.arguments import parse_arguments
     from megatron_ru.training.checkpoint import CheckpointError
     from megatron_ru.training.pretrain import run
 
-    def train(iters, extra):
-        return run(parse_arguments(tiny_argv(prefix, cache, iters=iters, extra=[*LAYOUT, *extra]),
-                                   world_size=world_size, device_type="cpu"))
+    out = {}
+    for fmt in ("megatron_ru", "deepspeed"):
+        save, backup = os.path.join(root, fmt, "ckpt"), os.path.join(root, fmt, "backup")
 
-    out = {"first": train(3, ["--save", save]).losses}
-    ckpt = os.path.join(save, "iter_0000003")
-    if rank == 0:
-        shutil.copytree(ckpt, backup)
-    for name, (damage, extra) in _faults(ckpt).items():
-        dist.barrier()
+        def train(iters, extra):
+            return run(parse_arguments(tiny_argv(prefix, cache, iters=iters,
+                                                 extra=[*LAYOUT, "--ckpt-format", fmt, *extra]),
+                                       world_size=world_size, device_type="cpu"))
+
+        res = out[fmt] = {"first": train(3, ["--save", save]).losses}
+        ckpt = os.path.join(save, "iter_0000003")
         if rank == 0:
-            damage()
-        dist.barrier()
-        try:
-            result = train(5, ["--load", save, *extra])
-            out[name] = {"iteration": result.iteration, "losses": result.losses}
-        except CheckpointError as e:
-            out[name] = {"error": str(e)}
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(ckpt)
-            shutil.copytree(backup, ckpt)
-    # --finetune with a mistyped directory (the job scripts' INIT_CHECKPOINT) and with an empty one
-    for name, load in (("finetune_typo", save + "_typo"), ("finetune_empty", backup + "_empty")):
-        if rank == 0:
-            os.makedirs(backup + "_empty", exist_ok=True)
-        dist.barrier()
-        try:
-            train(5, ["--load", load, "--finetune"])
-            out[name] = {"error": None}
-        except CheckpointError as e:
-            out[name] = {"error": str(e)}
-    out["intact"] = train(5, ["--load", save]).losses  # the repaired checkpoint resumes
+            shutil.copytree(ckpt, backup)
+        for name, (damage, extra) in _faults(ckpt, fmt).items():
+            dist.barrier()
+            if rank == 0:
+                damage()
+            dist.barrier()
+            try:
+                result = train(5, ["--load", save, *extra])
+                res[name] = {"iteration": result.iteration, "losses": result.losses}
+            except CheckpointError as e:
+                res[name] = {"error": str(e)}
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(ckpt)
+                shutil.copytree(backup, ckpt)
+        # --finetune with a mistyped directory (the job scripts' INIT_CHECKPOINT) and with an empty one
+        for name, load in (("finetune_typo", save + "_typo"), ("finetune_empty", backup + "_empty")):
+            if rank == 0:
+                os.makedirs(backup + "_empty", exist_ok=True)
+            dist.barrier()
+            try:
+                train(5, ["--load", load, "--finetune"])
+                res[name] = {"error": None}
+            except CheckpointError as e:
+                res[name] = {"error": str(e)}
+        res["intact"] = train(5, ["--load", save]).losses  # the repaired checkpoint resumes
     return out
 
 
-def test_damaged_tp2_pp2_checkpoint_is_refused_with_the_files_named(tmp_path):
-    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
-    save, backup = str(tmp_path / "ckpt"), str(tmp_path / "backup")
-    results = run_distributed(_body, 4, args=(prefix, cache, save, backup), timeout=600,
-                              env={"DS_ACCELERATOR": "cpu"})
+@pytest.mark.parametrize("fmt", ["megatron_ru", "deepspeed"])
+def test_damaged_tp2_pp2_checkpoint_is_refused_with_the_files_named(tmp_path, fmt, request):
+    """Both formats: training's own (by canonical name) and DeepSpeed's files (the legacy reader). One spawn
+    serves both parameters (the second reads the first's results)."""
+    cache_key = "damaged_tp2_pp2_results"
+    if not hasattr(request.config, cache_key):
+        prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+        setattr(request.config, cache_key, (str(tmp_path), run_distributed(
+            _body, 4, args=(prefix, cache, str(tmp_path)), timeout=600, env={"DS_ACCELERATOR": "cpu"})))
+    root, results = getattr(request.config, cache_key)
+    save, backup = os.path.join(root, fmt, "ckpt"), os.path.join(root, fmt, "backup")
     ckpt = os.path.join(save, "iter_0000003")
     pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
     for rank, out in enumerate(results):
         for name in ("tp_shard_deleted", "tp_shard_deleted_old_metadata", "layer_truncated", "model_file_deleted",
                      "model_file_poisoned", "rng_deleted", "metadata_truncated"):
-            assert "error" in out[name], (rank, name, out[name])  # every rank refuses, none trains on
-    r = results[0]
+            assert "error" in out[fmt][name], (rank, name, out[fmt][name])  # every rank refuses, none trains on
+    r = results[0][fmt]
     assert r["tp_shard_deleted"]["error"] == (
         f"checkpoint {ckpt} is damaged, nothing was loaded: 1 file(s) missing: "
         f"layer_04-model_01-model_states.pt. To continue: restore the files from a copy of the checkpoint")
     assert "1 file(s) missing: layer_02-model_01-model_states.pt" in r["tp_shard_deleted_old_metadata"]["error"]
     assert "truncated or overwritten: layer_03-model_00-model_states.pt (" in r["layer_truncated"]["error"]
-    assert "missing: mp_rank_03_model_states.pt" in r["model_file_deleted"]["error"]
-    poisoned = r["model_file_poisoned"]["error"]
-    assert "truncated or overwritten: mp_rank_01_model_states.pt" in poisoned and "weights_only" not in poisoned
+    if fmt == "megatron_ru":
+        deleted = r["model_file_deleted"]["error"]
+        assert "missing: optim_states-pp01-tp01-dp000.pt" in deleted and "pass --no-load-optim" in deleted
+        poisoned = r["model_file_poisoned"]["error"]
+        assert "truncated or overwritten: layer_01-model_01-model_states.pt" in poisoned
+    else:
+        assert "missing: mp_rank_03_model_states.pt" in r["model_file_deleted"]["error"]
+        poisoned = r["model_file_poisoned"]["error"]
+        assert "truncated or overwritten: mp_rank_01_model_states.pt" in poisoned
+    assert "weights_only" not in poisoned
     assert not os.path.exists(save + ".pwned")
     rng = r["rng_deleted"]["error"]
     assert "missing: rng_rank_00003.pt" in rng and "pass --no-load-rng" in rng and "no longer bit-exact" in rng
@@ -137,12 +158,14 @@ def test_damaged_tp2_pp2_checkpoint_is_refused_with_the_files_named(tmp_path):
     assert r["finetune_empty"]["error"].startswith(f"--load {backup}_empty holds no latest_checkpointed_iteration"
                                                    f".txt (it is empty): --finetune")
     assert sorted(r["intact"]) == [4, 5]
+    assert r["intact"] == {k: v for k, v in results[0]["megatron_ru"]["intact"].items()}  # both formats alike
     # the save recorded every file with its size; the layout-derived list (old checkpoints) agrees
     from megatron_ru.training.checkpoint import CheckpointMeta
-    from megatron_ru.checkpointing.files import derive_expected, list_files
+    from megatron_ru.checkpointing.files import list_files
     meta = CheckpointMeta.read(os.path.join(backup))
     assert meta.files == list_files(backup) and len(meta.files) == 7 * 2 + 4 + 4
-    assert sorted(derive_expected(2, 2, 1, 0, meta.files)) == sorted(meta.files)
+    files, meta.files = meta.files, None
+    assert sorted(meta.expected_files(sorted(files))) == sorted(files)
 
 
 def _disk_full_body(rank, world_size, prefix, cache, save):

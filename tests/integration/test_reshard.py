@@ -147,7 +147,7 @@ def test_reshard_resumes_training_exactly(tmp_path):
     assert relative_diff(out["zero0"], {k: full[k] for k in range(7, 13)}) <= TOL
     assert relative_diff(out["zero2"], {k: full[k] for k in range(7, 13)}) <= TOL
     dp2 = run_distributed(_dp2_body, 2, args=(str(tmp_path),), timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
-    assert relative_diff(dp2, {k: full[k] for k in range(7, 13)}) <= 1e-5
+    assert relative_diff(dp2, {k: full[k] for k in range(7, 13)}) <= TOL
     from megatron_ru.checkpointing import read_checkpoint
     src, wo = read_checkpoint(str(tmp_path / "z1")), read_checkpoint(str(tmp_path / "weights_only"))
     assert wo.meta.iteration == 6 and wo.meta.data_parallel_size == 2
