@@ -318,8 +318,8 @@ def fault_file(action: Callable[[str, str], str], culprit: str, extra: tuple = (
 
 def _one_rank_model_file(ckpt: str, layout: str) -> str:
     # a file that one rank alone reads: the TP-rank-1 shard of stage 0's first layer, or rank 1's
-    # optimizer shard for DP 4 (model files are shared by every DP rank)
-    pattern = "layer_01-model_01-model_states.pt" if layout == "tp2pp2" else "*zero_pp_rank_1_*optim_states.pt"
+    # optimizer fragments for DP 4 (the layer files are read by every DP rank)
+    pattern = "layer_01-model_01-model_states.pt" if layout == "tp2pp2" else "optim_states-pp00-tp00-dp001.pt"
     return ckpt_files(ckpt, pattern)[0]
 
 
@@ -331,12 +331,12 @@ def truncate_one_rank_file(ckpt: str, layout: str) -> None:
 
 def delete_optimizer_shard(ckpt: str, layout: str) -> None:
     # rank 1's: the TP-rank-1 file of stage 0 (DP 1), or data-parallel rank 1's ZeRO partition
-    pattern = "*mp_rank_01_optim_states.pt" if layout == "tp2pp2" else "*zero_pp_rank_1_*optim_states.pt"
+    pattern = "optim_states-pp00-tp01-dp000.pt" if layout == "tp2pp2" else "optim_states-pp00-tp00-dp001.pt"
     os.remove(ckpt_files(ckpt, pattern)[0])
 
 
 def delete_tp_shard(ckpt: str, layout: str) -> None:
-    pattern = "layer_04-model_01-model_states.pt" if layout == "tp2pp2" else "mp_rank_00_model_states.pt"
+    pattern = "layer_04-model_01-model_states.pt" if layout == "tp2pp2" else "layer_04-model_00-model_states.pt"
     os.remove(ckpt_files(ckpt, pattern)[0])
 
 
@@ -351,8 +351,7 @@ def poison(ckpt: str, layout: str) -> None:
     import io
 
     import torch
-    path = ckpt_files(ckpt, "layer_01-model_00-model_states.pt" if layout == "tp2pp2"
-                      else "mp_rank_00_model_states.pt")[0]
+    path = ckpt_files(ckpt, "layer_01-model_00-model_states.pt")[0]
     buf = io.BytesIO()
     torch.save({"module": _Poison(os.path.join(ckpt, "POISON_RAN"))}, buf)
     with open(path, "wb") as f:

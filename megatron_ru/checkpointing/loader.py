@@ -41,32 +41,18 @@ def _shape_error(path: str, key: str, got: Any, want: Any) -> CheckpointError:
 
 
 class _ResliceSource:
-    """This rank's shards of a checkpoint saved at another TP and/or PP size, through the offline reader
-    (memory-mapped, one layer's files at a time): at the saved TP size the saved shard itself; where one TP
-    size divides the other, from the saved shards the rank's shard overlaps (a part of one, or the join of a
-    few); otherwise each canonical tensor whole, its vocabulary rows
-    padded for this run's TP size, then cut to this rank's shard."""
+    """This rank's shards of a checkpoint (either format, any saved layout), through the offline reader
+    (memory-mapped, one layer's files at a time): each from the parts of the saved shards it overlaps."""
 
     def __init__(self, reader: Any, tp: int, tp_rank: int) -> None:
-        from megatron_ru.model.spec import padded_vocab_rows
         self.reader, self.tp, self.tp_rank = reader, tp, tp_rank
-        self.rows = padded_vocab_rows(reader.cfg, reader.vocab_size, tp)
-
-    def _shard(self, spec: Any, full: torch.Tensor) -> torch.Tensor:
-        from megatron_ru.model.spec import layout_shard
-        return layout_shard(spec, full, self.rows, self.tp, self.tp_rank)
 
     def weight(self, spec: Any) -> tuple[Any, str]:
-        part = self.reader.shard_at(spec.name, self.tp, self.tp_rank)  # from the saved shards it overlaps
-        if part is None:
-            part = self._shard(spec, self.reader.get(spec.name))
+        part = self.reader.shard_at(spec.name, self.tp, self.tp_rank)
         return part, self.reader.weight_file(spec.name, self.tp_rank if self.tp == self.reader.tp else None)
 
     def optim(self, spec: Any) -> tuple[dict[str, torch.Tensor], str]:
-        part = self.reader.optimizer_shard_at(spec.name, self.tp, self.tp_rank)
-        if part is None:
-            part = {k: self._shard(spec, v) for k, v in self.reader.optimizer_state(spec.name).items()}
-        return part, self.reader.dir
+        return self.reader.optimizer_shard_at(spec.name, self.tp, self.tp_rank), self.reader.dir
 
 
 def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int, pp: int,

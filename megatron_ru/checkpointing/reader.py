@@ -291,34 +291,25 @@ class CheckpointReader:
         """TP shard ``tp_rank`` of parameter ``name`` at the checkpoint's own TP (vocabulary padding kept)."""
         return self._weight_shard(self.spec(name), tp_rank).detach()
 
-    def _reslice(self, spec: ParamSpec, tp: int, rank: int, read: Any) -> Optional[torch.Tensor]:
-        """TP shard ``rank`` at TP size ``tp`` from only the saved shards it overlaps (``read(t)``: saved shard
-        ``t``), when one TP size divides the other: a part of one saved shard (``tp`` a multiple of the
-        checkpoint's) or the join of consecutive ones (a divisor). None otherwise, or when the vocabulary rows
-        are padded differently at ``tp`` (the caller then joins the whole tensor and cuts it)."""
-        from megatron_ru.model.spec import padded_vocab_rows
+    def _reslice(self, spec: ParamSpec, tp: int, rank: int, read: Any) -> torch.Tensor:
+        """TP shard ``rank`` at TP size ``tp`` (vocabulary rows padded for ``tp``) from only the saved shards it
+        overlaps (``read(t)``: saved shard ``t``): the saved shard itself at the saved TP size, otherwise views
+        of the parts it overlaps, joined (:func:`~megatron_ru.model.spec.shard_from_saved`)."""
+        from megatron_ru.model.spec import padded_vocab_rows, shard_from_saved
+        rows = padded_vocab_rows(self.cfg, self.vocab_size, tp)
         if spec.partition_dim is None:
             return read(0)
-        if tp == self.tp:  # the saved shard itself
+        if tp == self.tp and (not spec.vocab or rows == self.rows):
             return read(rank)
-        if spec.vocab and padded_vocab_rows(self.cfg, self.vocab_size, tp) != self.rows:
-            return None
-        dim, stride = spec.partition_dim, spec.partition_stride
-        if tp % self.tp == 0:  # a part of saved shard rank // k
-            k = tp // self.tp
-            return shard_tensor(read(rank // k), dim, rank % k, k, stride)
-        if self.tp % tp == 0:  # the join of saved shards rank*k .. rank*k + k - 1
-            k = self.tp // tp
-            return unshard_tensors([read(rank * k + i) for i in range(k)], dim, stride)
-        return None
+        return shard_from_saved(spec, read, self.vocab_size, self.rows, self.tp, rows, tp, rank)
 
-    def shard_at(self, name: str, tp: int, rank: int) -> Optional[torch.Tensor]:
+    def shard_at(self, name: str, tp: int, rank: int) -> torch.Tensor:
         """TP shard ``rank`` of parameter ``name`` at TP size ``tp`` (vocabulary padding for ``tp``) read from
-        the saved shards it overlaps only; None where :meth:`_reslice` says so."""
+        the saved shards it overlaps only."""
         spec = self.spec(name)
         return self._reslice(spec, tp, rank, lambda t: self._weight_shard(spec, t).detach())
 
-    def optimizer_shard_at(self, name: str, tp: int, rank: int) -> Optional[dict[str, torch.Tensor]]:
+    def optimizer_shard_at(self, name: str, tp: int, rank: int) -> dict[str, torch.Tensor]:
         """Like :meth:`shard_at` for ``{"fp32", "exp_avg", "exp_avg_sq"}``."""
         spec = self.spec(name)
         self._require_optimizer()
@@ -329,13 +320,7 @@ class CheckpointReader:
                 saved[t] = self._optim_shard(spec, t)
             return saved[t]
 
-        out = {}
-        for key in OPTIM_KEYS:
-            value = self._reslice(spec, tp, rank, lambda t: read(t)[key].detach())
-            if value is None:
-                return None
-            out[key] = value.float()
-        return out
+        return {key: self._reslice(spec, tp, rank, lambda t: read(t)[key].detach()).float() for key in OPTIM_KEYS}
 
     def get(self, name: str) -> torch.Tensor:
         """The full canonical tensor (``V`` rows for the vocabulary matrices), in the file's dtype."""

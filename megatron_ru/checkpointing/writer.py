@@ -143,7 +143,7 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
         meta.update(format=LAYERS_FORMAT, model_args=model_args_dict(cfg), vocab_size=vocab_size,
                     tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=iteration,
                     files=dict(sorted(files.items())),
-                    optimizer=None if optimizer is None else _jsonable(optimizer.common_state()))
+                    optimizer=None if optimizer is None else jsonable(optimizer.common_state()))
         with open(os.path.join(ckpt, METADATA_FILE), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, default=str)
         with open(os.path.join(tmp, TRACKER_FILE), "w", encoding="utf-8") as f:
@@ -193,12 +193,12 @@ def _write_layer(ckpt: str, index: int, specs: list[ParamSpec], tp: int, rows: i
         states[t] = {}
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     """Tensors (a step count, a scale) as numbers, so the common state lives in metadata.json."""
     if torch.is_tensor(obj):
         return obj.item() if obj.numel() == 1 else obj.tolist()
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     return obj

@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -141,6 +141,38 @@ def layout_shard(spec: "ParamSpec", full: torch.Tensor, rows: int, tp: int, tp_r
     if spec.partition_dim is None or tp == 1:
         return full
     return shard_tensor(full, spec.partition_dim, tp_rank, tp, spec.partition_stride)
+
+
+def shard_from_saved(spec: "ParamSpec", read: Callable[[int], torch.Tensor], real: int, saved_rows: int,
+                     saved_tp: int, rows: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard at TP size ``tp`` (vocabulary rows padded to ``rows``) taken from the shards
+    of a checkpoint saved at TP size ``saved_tp`` (padded to ``saved_rows``), reading only the parts it overlaps:
+    ``read(t)`` is saved shard ``t``. Equal to :func:`layout_shard` of the whole tensor, for any pair of TP sizes
+    and strides: along the split dim each of the ``stride`` pieces is cut in contiguous, equal blocks, so a
+    rank's block of a piece is the concatenation of (views of) the saved blocks it overlaps; rows at or beyond
+    ``real`` (the unpadded row count, vocabulary matrices only) are zeros. Replicated: ``read(0)``."""
+    dim, stride = spec.partition_dim, spec.partition_stride
+    if dim is None:
+        return read(0)
+    if not spec.vocab:
+        real = saved_rows = rows = spec.shape[dim]
+    saved_block, block = saved_rows // stride // saved_tp, rows // stride // tp
+    real_piece = real // stride if not spec.vocab else real
+    parts: list[torch.Tensor] = []
+    for i in range(stride):
+        lo, hi = tp_rank * block, (tp_rank + 1) * block  # within piece i
+        a = lo
+        while a < min(hi, real_piece):
+            t = a // saved_block
+            b = min(hi, real_piece, (t + 1) * saved_block)
+            parts.append(read(t).narrow(dim, i * saved_block + a - t * saved_block, b - a))
+            a = b
+        if hi > max(lo, real_piece):
+            like = read(0)
+            shape = list(like.shape)
+            shape[dim] = hi - max(lo, real_piece)
+            parts.append(like.new_zeros(shape))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def build_layer(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,

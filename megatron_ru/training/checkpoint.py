@@ -1,37 +1,35 @@
-"""Checkpoints: one directory per iteration, an atomic ``latest`` pointer, weights-only loading.
+"""Checkpoints: one directory per iteration, an atomic ``latest`` pointer, loading at any layout.
 
 Layout of ``--save DIR``::
 
     DIR/latest_checkpointed_iteration.txt     "10" — Megatron's pointer, replaced atomically last
     DIR/iter_0000010/
-        metadata.json                         iteration, consumed samples, layout, args, and every
-                                              *.pt file with its size (rank 0, after all ranks wrote)
-        mp_rank_XX_model_states.pt            DeepSpeed's model files (PP=1) or
-        layer_XX-model_YY-model_states.pt     DeepSpeed's per-layer files (PP>1; YY = TP rank)
-        *zero_pp_rank_*_optim_states.pt       DeepSpeed's (ZeRO-partitioned) optimizer states
+        metadata.json                         iteration, consumed samples, layout, args, model arguments, the
+                                              optimizer's shared state, and every *.pt file with its size
+                                              (rank 0, after all ranks wrote)
+        layer_XX-model_YY-model_states.pt     pipeline layer XX's TP shard YY by canonical local name
+        optim_states-ppPP-tpTT-dpDDD.pt       the optimizer state (fp32 masters, Adam moments) that rank holds
         rng_rank_00003.pt                     RNG states of every rank
 
-DeepSpeed writes the model/optimizer/scheduler/loss-scaler files (``save_checkpoint`` with our
-tag and ``save_latest=False``); we add the metadata and RNG files and own the pointer: it is
-written to a temporary name and ``os.replace``-d only after every rank reported its files
-written, so a crash during a save leaves the previous checkpoint current. A save that fails on
-any rank (a full disk) is abandoned by all ranks together: the partial directory is removed, the
-pointer stays, and the error says "no space left on DEVICE while writing PATH".
+That is the layer format (``--ckpt-format megatron_ru``, the default; megatron_ru/checkpointing/saver.py):
+every rank writes its own slices under temporary names, renamed when complete. ``--ckpt-format deepspeed``
+(and ``auto`` where only DeepSpeed's files hold the optimizer state: ZeRO 3, fp16 without ZeRO) has
+DeepSpeed write its own model/optimizer files instead (``save_checkpoint`` with our tag and
+``save_latest=False``, its writes routed through a recorder). Either way we add the metadata and RNG files
+and own the pointer: it is written to a temporary name and ``os.replace``-d only after every rank reported
+its files written, so a crash during a save leaves the previous checkpoint current. A save that fails on
+any rank (a full disk) is abandoned by all ranks together: the partial directory is removed, the pointer
+stays, and the error says "no space left on DEVICE while writing PATH".
 
-Loading first checks that every file the load needs is there with its saved size (one error
-naming the missing or truncated files), then reads exactly this rank's files: DeepSpeed never
-merges or splits our TP shards. Nothing is unpickled as code: every file is read with
-``torch.load(weights_only=True)`` (DeepSpeed's optimizer files need four of its plain data
-classes, allow-listed explicitly). Every problem with a checkpoint is a :class:`CheckpointError`
-(a ``ValueError``) naming the file and the fix.
-
-Two cases are loaded by canonical parameter names instead of through DeepSpeed
-(:mod:`megatron_ru.checkpointing.loader`): checkpoints in the layer format (``"format":
-"megatron_ru.layers"`` in metadata.json, written by ``tools/convert_checkpoint.py reshard`` and
-``import-hf``), at their TP/PP with any DP size; and DeepSpeed checkpoints of this run's TP/PP saved
-over another DP size or ZeRO stage (from 0 or 1, to 0, 1 or 2). Every save records, per
-model-parallel rank, the order of the optimizer's parameters (``optimizer_groups``) so offline
-readers never guess it.
+Loading first checks that every file the load needs is there with its saved size (one error naming the
+missing or truncated files). The layer format, and DeepSpeed's files at another TP/PP/DP size or ZeRO
+stage, are loaded by canonical names (:mod:`megatron_ru.checkpointing.loader`): each rank reads its own
+tensors and keeps its slices; RNG states are restored at the saved layout and re-seeded (one line says so)
+at another. DeepSpeed's files at their own layout go through DeepSpeed's loader, which then reads exactly
+this rank's files (it never merges or splits our TP shards). Nothing is unpickled as code: every file is
+read with ``torch.load(weights_only=True)`` (DeepSpeed's optimizer files need four of its plain data
+classes, allow-listed explicitly). Every problem with a checkpoint is a :class:`CheckpointError` (a
+``ValueError``) naming the file and the fix.
 """
 from __future__ import annotations
 
@@ -131,6 +129,7 @@ def _write_by_name(engine: Any, ckpt_dir: str, meta: CheckpointMeta, state: Any,
     """This rank's files in the layer format (megatron_ru/checkpointing/saver.py); the metadata says so."""
     from megatron_ru.checkpointing.layout import LAYERS_FORMAT
     from megatron_ru.checkpointing.saver import write_rank_files
+    from megatron_ru.checkpointing.writer import jsonable
     from megatron_ru.model.spec import model_config_from_dict
     cfg = model_config_from_dict(meta.model_args)
     pp_size, pp_rank, tp_rank, dp_rank = ((state.pp_size, state.pp_rank, state.tp_rank, state.dp_rank)
@@ -140,17 +139,7 @@ def _write_by_name(engine: Any, ckpt_dir: str, meta: CheckpointMeta, state: Any,
                      run=recorder.run)
     meta.format = LAYERS_FORMAT
     meta.optimizer_fragments = meta.data_parallel_size if meta.zero_stage > 0 else 1
-    meta.optimizer = _jsonable(dsm.engine_common_state(engine)) if getattr(engine, "optimizer", None) else None
-
-
-def _jsonable(obj: Any) -> Any:
-    if torch.is_tensor(obj):
-        return obj.item() if obj.numel() == 1 else obj.tolist()
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
+    meta.optimizer = jsonable(dsm.engine_common_state(engine)) if getattr(engine, "optimizer", None) else None
 
 
 def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: CheckpointMeta,

@@ -154,8 +154,8 @@ def test_reshard_resumes_training_exactly(tmp_path):
     for name in src.names():
         assert torch.equal(wo.optimizer_state(name)["fp32"], src.get(name)), name
         assert torch.equal(wo.get(name), src.get(name)), name
-    _bad_deepspeed_inputs(tmp_path)
-    _bad_layer_inputs(tmp_path)
+    _bad_inputs(tmp_path, "z1", "optim_states-pp01-tp01-dp000.pt")
+    _bad_inputs(tmp_path, "z1_ds", "zero_pp_rank_0_mp_rank_03_optim_states.pt")
     for name in ("z0", "bf16", "pad"):
         # the save at the new layout (each rank's fragments) holds exactly the state of the source layout
         _same_checkpoints(str(tmp_path / f"{name}_src"), str(tmp_path / f"{name}_back"))
@@ -168,62 +168,28 @@ def test_reshard_resumes_training_exactly(tmp_path):
         assert torch.equal(pad.optimizer_state(name)["fp32"], pad.get(name)), name
 
 
-def _bad_deepspeed_inputs(tmp_path):
-    """A real DeepSpeed checkpoint (TP 2 x PP 2, ZeRO 1) damaged three ways: reshard names the file or the
-    tensor and leaves nothing behind."""
+def _bad_inputs(tmp_path, source, optim_file):
+    """A real TP 2 x PP 2 ZeRO 1 checkpoint (``source``: training's layer format, or DeepSpeed's files) damaged
+    three ways (an optimizer file truncated, a TP shard missing, a tensor of the wrong shape): reshard names the
+    file or the tensor and leaves nothing behind."""
     import shutil
 
     from megatron_ru.checkpointing import reshard
     from megatron_ru.checkpointing.files import safe_load
-    src, out = tmp_path / "bad", tmp_path / "bad_out"
-    shutil.copytree(tmp_path / "z1_ds", src)
+    src, out = tmp_path / f"bad_{source}", tmp_path / f"bad_{source}_out"
+    shutil.copytree(tmp_path / source, src)
     ckpt = src / "iter_0000006"
 
     def fails(match):
         with pytest.raises(ValueError, match=match):
             reshard.main(["--load", str(src), "--save", str(out), "--target-tensor-parallel-size", "1",
                           "--target-pipeline-parallel-size", "1"])
-        assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith("bad_out")]
+        assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(out.name)]
 
-    optim = ckpt / "zero_pp_rank_0_mp_rank_03_optim_states.pt"
+    optim = ckpt / optim_file
     data = optim.read_bytes()
     optim.write_bytes(data[:1000])
-    fails(r"1 file\(s\) truncated or overwritten: zero_pp_rank_0_mp_rank_03_optim_states.pt \(1000 bytes")
-    optim.write_bytes(data)
-    (ckpt / "layer_02-model_01-model_states.pt").unlink()
-    fails(r"1 file\(s\) missing: layer_02-model_01-model_states.pt")
-    shutil.copy(ckpt / "layer_02-model_00-model_states.pt", ckpt / "layer_02-model_01-model_states.pt")
-    layer = safe_load(str(ckpt / "layer_03-model_00-model_states.pt"))
-    layer["mlp.linear_fc1.weight"] = layer["mlp.linear_fc1.weight"][:10]
-    torch.save(layer, ckpt / "layer_03-model_00-model_states.pt")
-    meta = json.loads((ckpt / "metadata.json").read_text())
-    for name in ("layer_02-model_01-model_states.pt", "layer_03-model_00-model_states.pt"):
-        meta["files"][name] = (ckpt / name).stat().st_size
-    (ckpt / "metadata.json").write_text(json.dumps(meta))
-    fails(r"layer_03-model_00-model_states.pt: 'mlp.linear_fc1.weight' has shape \[10, 64\], expected \[128, 64\]")
-
-
-def _bad_layer_inputs(tmp_path):
-    """Training's own checkpoint (layer format, TP 2 x PP 2, ZeRO 1) damaged three ways: reshard names the file or
-    the tensor and leaves nothing behind."""
-    import shutil
-
-    from megatron_ru.checkpointing import reshard
-    from megatron_ru.checkpointing.files import safe_load
-    src, out = tmp_path / "bad_layers", tmp_path / "bad_layers_out"
-    shutil.copytree(tmp_path / "z1", src)
-    ckpt = src / "iter_0000006"
-
-    def fails(match):
-        with pytest.raises(ValueError, match=match):
-            reshard.main(["--load", str(src), "--save", str(out), "--target-tensor-parallel-size", "1",
-                          "--target-pipeline-parallel-size", "1"])
-        assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith("bad_layers_out")]
-
-    optim = ckpt / "optim_states-pp01-tp01-dp000.pt"
-    data = optim.read_bytes()
-    optim.write_bytes(data[:1000])
-    fails(r"1 file\(s\) truncated or overwritten: optim_states-pp01-tp01-dp000.pt \(1000 bytes")
+    fails(rf"1 file\(s\) truncated or overwritten: {optim_file} \(1000 bytes")
     optim.write_bytes(data)
     (ckpt / "layer_02-model_01-model_states.pt").unlink()
     fails(r"1 file\(s\) missing: layer_02-model_01-model_states.pt")

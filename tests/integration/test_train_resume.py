@@ -1,5 +1,5 @@
 """Acceptance 2: 12 iterations in one go vs 6 + stop + resume + 6: iterations 7-12 identical
-(fp32, CPU), for PP = 1 (DP = 2, ZeRO 1 and ZeRO 3) and PP = 2 layouts, with dropout on (RNG restored) and
+(fp32, CPU), for PP = 1 (DP = 2, ZeRO 1, 2 and 3) and PP = 2 layouts, with dropout on (RNG restored) and
 evaluations in between (validation position restored)."""
 import json
 import os
@@ -18,7 +18,7 @@ def test_resume_is_exact_for_pp1_and_pp2(tmp_path):
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
     # pp2 also keeps only the newest checkpoint (--keep-last 1)
     layouts = {"pp1": ["--zero-stage", "1"], "pp2": ["--pipeline-model-parallel-size", "2", "--keep-last", "1"],
-               "zero3": ["--zero-stage", "3"]}
+               "zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", "3"]}
     runs = []
     for name, layout in layouts.items():
         save = str(tmp_path / name)

@@ -63,20 +63,42 @@ def test_freed_memory_goes_back_to_the_system():
     del keep
 
 
-@pytest.mark.parametrize("stride", [1, 2, 3])
-@pytest.mark.parametrize("saved_tp,tp", [(1, 2), (2, 4), (1, 4), (2, 1), (4, 2), (4, 1), (2, 2)])
-def test_a_shard_from_the_saved_shards_it_overlaps_equals_the_cut_of_the_whole(stride, saved_tp, tp):
-    """What the reader's ``_reslice`` relies on: a part of one saved shard (TP a multiple of the saved one) or
-    the join of consecutive saved shards (a divisor) is the cut of the whole tensor, for any partition stride."""
-    from megatron_ru.parallel.utils import unshard_tensors
-    full = torch.randn(stride * 8 * 3, 5)
-    saved = [shard_tensor(full, 0, t, saved_tp, stride) for t in range(saved_tp)]
+@pytest.mark.parametrize("stride,dim", [(1, 0), (2, 0), (3, 0), (1, 1)])
+@pytest.mark.parametrize("saved_tp,tp", [(1, 2), (2, 4), (1, 4), (2, 1), (4, 2), (4, 1), (2, 2), (2, 3), (3, 2),
+                                         (4, 3), (3, 4)])
+def test_a_shard_from_the_saved_shards_it_overlaps_equals_the_cut_of_the_whole(stride, dim, saved_tp, tp):
+    """``shard_from_saved`` (what the loader reads at another TP size) equals splitting the whole tensor, for
+    any pair of TP sizes and any stride, and reads only the saved shards the rank's shard overlaps."""
+    from megatron_ru.model.spec import shard_from_saved
+    shape = [5, 5]
+    shape[dim] = stride * 12 * 2
+    full = torch.randn(*shape)
+    spec = ParamSpec(name="w", shape=tuple(shape), layer_index=1, partition_dim=dim, partition_stride=stride)
+    saved = [shard_tensor(full, dim, t, saved_tp, stride) for t in range(saved_tp)]
     for rank in range(tp):
-        want = shard_tensor(full, 0, rank, tp, stride)
-        if tp % saved_tp == 0:
-            k = tp // saved_tp
-            got = shard_tensor(saved[rank // k], 0, rank % k, k, stride)
-        else:
-            k = saved_tp // tp
-            got = unshard_tensors(saved[rank * k: rank * k + k], 0, stride)
-        assert torch.equal(got, want), (rank, stride, saved_tp, tp)
+        touched = set()
+
+        def read(t):
+            touched.add(t)
+            return saved[t]
+        got = shard_from_saved(spec, read, shape[dim], shape[dim], saved_tp, shape[dim], tp, rank)
+        assert torch.equal(got, shard_tensor(full, dim, rank, tp, stride)), (rank, stride, saved_tp, tp)
+        block = shape[dim] // stride // tp
+        saved_block = shape[dim] // stride // saved_tp
+        assert touched == set(range(rank * block // saved_block, ((rank + 1) * block - 1) // saved_block + 1))
+
+
+@pytest.mark.parametrize("saved_rows,saved_tp,rows,tp", [(12, 2, 16, 4), (16, 4, 12, 2), (12, 3, 12, 2),
+                                                         (16, 2, 24, 3), (10, 1, 12, 4), (24, 8, 10, 1)])
+def test_vocabulary_rows_padded_differently_come_from_the_saved_shards(saved_rows, saved_tp, rows, tp):
+    """A vocabulary matrix saved padded for one TP size and loaded at another padded differently: the real rows
+    come from the saved shards, the padding rows are zeros, whatever the saved padding held."""
+    from megatron_ru.model.spec import shard_from_saved
+    full = torch.arange(40, dtype=torch.float32).view(10, 4) + 1
+    spec = _spec()
+    saved = [layout_shard(spec, full, saved_rows, saved_tp, t).clone() for t in range(saved_tp)]
+    for s in saved:  # the saved padding rows hold garbage: they must not leak into the result
+        s[(s == 0).all(dim=1)] = 7.0
+    for rank in range(tp):
+        got = shard_from_saved(spec, lambda t: saved[t], 10, saved_rows, saved_tp, rows, tp, rank)
+        assert torch.equal(got, _reference(spec, full, rows, tp, rank)), (saved_rows, saved_tp, rows, tp, rank)
