@@ -23,6 +23,7 @@ import torch
 
 from megatron_ru.checkpointing.files import CheckpointError
 from megatron_ru.checkpointing.layout import OPTIM_KEYS, specs_by_name
+from megatron_ru.checkpointing.reader import CheckpointReader
 from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.deepspeed_bridge.compat import create_flat_optimizer_state
 from megatron_ru.deepspeed_bridge.masters import (has_fp32_masters, restore_engine_state, set_fp32_master,
@@ -30,6 +31,7 @@ from megatron_ru.deepspeed_bridge.masters import (has_fp32_masters, restore_engi
 from megatron_ru.model.spec import canonical_named_parameters, model_config_from_dict
 from megatron_ru.utils.logging import get_logger, log_rank0
 from megatron_ru.utils.memory import release_freed_memory
+from megatron_ru.utils.optim import adam_step_tensor
 
 log = get_logger(__name__)
 
@@ -59,7 +61,6 @@ def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
                            load_optim: bool) -> None:
     """Weights (and, with ``load_optim``, optimizer state, step and schedule) of a checkpoint saved at another
     TP and/or PP size, in either format: read by canonical names and laid out for this run's TP/PP/DP."""
-    from megatron_ru.checkpointing.reader import CheckpointReader
     reader = CheckpointReader(ckpt_dir, meta)
     if load_optim:
         problem = reader.optimizer_problem()
@@ -73,7 +74,6 @@ def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, 
 
 
 def _load_by_name(engine: Any, source: Any, meta: Any, common: dict[str, Any], load_optim: bool) -> None:
-    from megatron_ru.utils.optim import adam_step_tensor
     cfg = model_config_from_dict(meta.model_args)
     specs = specs_by_name(cfg, int(meta.vocab_size))
     params = list(canonical_named_parameters(engine.module, cfg))

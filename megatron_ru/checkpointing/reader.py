@@ -39,7 +39,7 @@ from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_f
 from megatron_ru.checkpointing.meta import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
                                             read_latest_iteration)
 from megatron_ru.model.spec import ParamSpec, canonical_name, model_config_from_dict, stage_bounds
-from megatron_ru.parallel.utils import shard_tensor, unshard_tensors
+from megatron_ru.parallel.utils import unshard_tensors
 from megatron_ru.utils.logging import get_logger
 from megatron_ru.utils.optim import weight_decay_groups
 

@@ -44,7 +44,10 @@ def _make_param(full_shape: tuple[int, ...], init_method: InitMethod, group: Pro
     with torch.no_grad():
         init_method(full)
     local = full if dim is None else shard_tensor(full, dim, group_rank(group), group_size(group), stride)
-    param = nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
+    local = local.to(device=device, dtype=dtype).contiguous()
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        local = local.clone()  # a row shard is a view of the full tensor: keep only the shard's memory
+    param = nn.Parameter(local)
     if dim is not None:
         set_tensor_model_parallel_attributes(param, dim, stride)
     return param

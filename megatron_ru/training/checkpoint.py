@@ -41,13 +41,19 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_ru.checkpointing.files import (CheckpointError, CheckpointSaveError, check_files, describe_write_failure,
-                                             list_files, rng_file_name, safe_load)
+                                             file_kind, list_files, rng_file_name, safe_load)
+from megatron_ru.checkpointing.layout import LAYERS_FORMAT
+from megatron_ru.checkpointing.loader import layers_layout_problem, load_at_another_layout
+from megatron_ru.checkpointing.lora_base import verify_distributed
 from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, iteration_dir_name,
                                             layout_problems, list_iterations, prune_checkpoints,
                                             read_latest_iteration, write_text_atomic)
+from megatron_ru.checkpointing.saver import write_rank_files
+from megatron_ru.checkpointing.writer import jsonable
 from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.deepspeed_bridge import compat as dsc
 from megatron_ru.deepspeed_bridge import masters as dsm
+from megatron_ru.model.spec import canonical_name, model_config_from_dict
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointMeta", "load_checkpoint", "save_checkpoint",
@@ -93,7 +99,6 @@ def optimizer_groups_record(engine: Any, meta: CheckpointMeta) -> Optional[tuple
     rank: the order in which the optimizer holds the parameters, so that an offline reader
     (megatron_ru.checkpointing) maps the saved optimizer state to parameters without guessing."""
     try:
-        from megatron_ru.model.spec import canonical_name, model_config_from_dict
         cfg = model_config_from_dict(meta.model_args) if meta.model_args else None
         mpu = getattr(engine, "mpu", None)
         if getattr(engine, "optimizer", None) is None or (mpu is not None and mpu.get_data_parallel_rank() != 0):
@@ -127,10 +132,6 @@ def resolve_format(engine: Any, requested: str, meta: CheckpointMeta) -> str:
 
 def _write_by_name(engine: Any, ckpt_dir: str, meta: CheckpointMeta, state: Any, recorder: dsc.SaveRecorder) -> None:
     """This rank's files in the layer format (megatron_ru/checkpointing/saver.py); the metadata says so."""
-    from megatron_ru.checkpointing.layout import LAYERS_FORMAT
-    from megatron_ru.checkpointing.saver import write_rank_files
-    from megatron_ru.checkpointing.writer import jsonable
-    from megatron_ru.model.spec import model_config_from_dict
     cfg = model_config_from_dict(meta.model_args)
     pp_size, pp_rank, tp_rank, dp_rank = ((state.pp_size, state.pp_rank, state.tp_rank, state.dp_rank)
                                           if state is not None else (1, 0, 0, 0))
@@ -310,7 +311,6 @@ def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: i
     if not os.path.isdir(os.path.join(base["load"], iteration_dir_name(int(base["iteration"])))):
         raise CheckpointError(f"{where}, which does not exist: restore that checkpoint there, or write its path into "
                               f"lora_base")
-    from megatron_ru.checkpointing.lora_base import verify_distributed
     verify_distributed(ckpt_dir, base)  # the same base by content, not only by path
     try:
         load_checkpoint(engine, base["load"], rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, load_optim=False,
@@ -327,8 +327,6 @@ def _load_by_name(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMet
     and keeps its slices for this run's TP/PP/DP and ZeRO stage (megatron_ru/checkpointing/loader.py). RNG
     states continue exactly at the layout they were saved at (one file per rank); at another, the run keeps
     the states it seeded from --seed and says so."""
-    from megatron_ru.checkpointing.files import file_kind
-    from megatron_ru.checkpointing.loader import layers_layout_problem, load_at_another_layout
     saved = (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size, meta.data_parallel_size)
     problem = layers_layout_problem(meta, zero_stage)
     if problem:

@@ -77,6 +77,8 @@ def _stage_body(rank, world_size, tp, pp, cfg_args):
             full = shard_tensor(full_padded_for(name, full, cfg, tp), p.partition_dim, state.tp_rank, tp,
                                 p.partition_stride)
         assert torch.equal(p.detach(), full), name
+        # a rank holds its shard's memory only (a row shard of the initialised full tensor was a view of it)
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
         out[name] = (tuple(p.shape), getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
     return state.pp_rank, out
 
