@@ -12,7 +12,8 @@ bf16 optimizer with fp32 masters) on ``--world`` ranks launched as torchrun laun
 batch. Runs, each timed from start to exit with every rank's peak RSS (``ru_maxrss`` from ``wait4``):
 
 1. ``train``: one iteration at the save layout, no checkpoint: what a rank holds to train;
-2. ``train + save`` with ``--ckpt-format deepspeed`` and ``megatron_ru``: the save's cost is the difference;
+2. ``train + save`` with ``--ckpt-format deepspeed`` and ``megatron_ru``: the save's own time is the one
+   training logs ("saved checkpoint ... in X s": from the first write to the pointer, every rank done);
 3. ``load, same layout``: ``--load`` of each at the save layout;
 4. ``load, other layout``: ``--load`` of each at ``--load-layout`` (read by canonical names, no conversion step).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -144,6 +146,8 @@ def main() -> None:
             if any(r["exit"]):
                 r["log_tail"] = text[-3000:]
             r["loaded_by_names"] = "by canonical names" in text
+            saved = re.search(r"saved checkpoint at iteration \d+ to \S+ in ([\d.]+) s", text)
+            r["save_s"] = float(saved.group(1)) if saved else None
             results.append(r)
             print(json.dumps(r), flush=True)
             if name == "train + save":
@@ -152,11 +156,12 @@ def main() -> None:
         total = sum(params_per_rank(p, 1, 1))
         print(f"\nmodel: {total / 1e9:.2f} B parameters, {precision}, ZeRO {zero}, {opts.world} ranks; checkpoint on "
               f"disk: " + ", ".join(f"{k} {v / 2 ** 30:.1f} GiB" for k, v in sizes.items()) + "\n")
-        print("| run | format | layout | wall s | peak RSS per rank (GiB) | model + optimizer state per rank (GiB) | "
-              "peak RSS / that |")
-        print("|---|---|---|---|---|---|---|")
+        print("| run | format | layout | wall s | save s | peak RSS per rank (GiB) | model + optimizer state per rank "
+              "(GiB) | peak RSS / that |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in results:
-            print(f"| {r['name']} | {r['format'] or '-'} | {r['layout']} | {r['wall_s']:.1f} | "
+            save_s = f"{r['save_s']:.1f}" if r.get("save_s") is not None else ""
+            print(f"| {r['name']} | {r['format'] or '-'} | {r['layout']} | {r['wall_s']:.1f} | {save_s} | "
                   f"{' / '.join(f'{x:.2f}' for x in r['peak_rss_gib'])} | "
                   f"{' / '.join(f'{x:.2f}' for x in r['share_gib'])} | "
                   f"{' / '.join(f'{x:.2f}' for x in r['rss_over_share'])} |"

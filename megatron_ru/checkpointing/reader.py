@@ -36,9 +36,11 @@ from megatron_ru.checkpointing.files import CheckpointError, check_files, list_f
 from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
                                               mp_model_file, mp_rank_of, optim_fragment_file, padded_rows,
                                               specs_by_name, stage_of)
+from megatron_ru.checkpointing.lora_base import verify
 from megatron_ru.checkpointing.meta import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
                                             read_latest_iteration)
-from megatron_ru.model.spec import ParamSpec, canonical_name, model_config_from_dict, stage_bounds
+from megatron_ru.model.spec import (ParamSpec, canonical_name, model_config_from_dict, padded_vocab_rows,
+                                    shard_from_saved, stage_bounds)
 from megatron_ru.parallel.utils import unshard_tensors
 from megatron_ru.utils.logging import get_logger
 from megatron_ru.utils.optim import weight_decay_groups
@@ -251,10 +253,8 @@ class CheckpointReader:
 
     def _from_base(self, spec: ParamSpec, t: int) -> torch.Tensor:
         """A frozen tensor of a LoRA checkpoint: read from its base checkpoint (any layout), as TP shard ``t``."""
-        from megatron_ru.model.spec import layout_shard
         base = self.meta.lora_base or {}
         if self._base is None:
-            from megatron_ru.checkpointing.lora_base import verify
             try:
                 reader = read_checkpoint(base["load"], int(base["iteration"]))
             except (OSError, CheckpointError) as e:
@@ -263,7 +263,7 @@ class CheckpointReader:
                                       f"metadata.json), which cannot be read: {e}") from None
             verify(self.dir, base)  # the same base by content, not only by path
             self._base = reader
-        return layout_shard(spec, self._base.get(spec.name), self.rows, self.tp, t)
+        return self._base.shard_at(spec.name, self.tp, t)  # from the base's shards it overlaps
 
     def _join(self, spec: ParamSpec, shards: list[torch.Tensor], copy: bool = True) -> torch.Tensor:
         """The canonical tensor from the TP shards, vocabulary padding cut. ``copy=False``: a single shard is
@@ -295,7 +295,6 @@ class CheckpointReader:
         """TP shard ``rank`` at TP size ``tp`` (vocabulary rows padded for ``tp``) from only the saved shards it
         overlaps (``read(t)``: saved shard ``t``): the saved shard itself at the saved TP size, otherwise views
         of the parts it overlaps, joined (:func:`~megatron_ru.model.spec.shard_from_saved`)."""
-        from megatron_ru.model.spec import padded_vocab_rows, shard_from_saved
         rows = padded_vocab_rows(self.cfg, self.vocab_size, tp)
         if spec.partition_dim is None:
             return read(0)

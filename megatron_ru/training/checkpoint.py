@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -155,6 +156,7 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     if read_latest_iteration(save_dir) == iteration:
         return ckpt_dir  # already saved (e.g. interval save followed by the save on exit)
     fmt = resolve_format(engine, ckpt_format, meta)
+    started = time.perf_counter()
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         # a directory of this iteration left by a crashed save is not current: start clean
@@ -205,7 +207,8 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
         if keep_last:
             prune_checkpoints(save_dir, keep_last, iteration)
     _barrier()
-    log_rank0(log, f"saved checkpoint at iteration {iteration} to {ckpt_dir}")
+    log_rank0(log, f"saved checkpoint at iteration {iteration} to {ckpt_dir} in {time.perf_counter() - started:.1f} s "
+                   f"({'by canonical name' if fmt == 'megatron_ru' else 'DeepSpeed files'})")
     return ckpt_dir
 
 

@@ -60,9 +60,9 @@ def check_ranks(log: str, save_dir: Path, source: str) -> None:
     ckpt = save_dir / f"iter_{latest_iteration(save_dir):07d}"
     rng_files = sorted(p.name for p in ckpt.glob("rng_rank_*.pt"))
     assert rng_files == [f"rng_rank_{r:05d}.pt" for r in range(WORLD_SIZE)], rng_files
-    # ZeRO-1 (TINY_SETTINGS): DeepSpeed writes one optimizer shard per data-parallel rank
-    shards = sorted(p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt"))
-    assert shards == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD_SIZE)], shards
+    # ZeRO-1 (TINY_SETTINGS): every data-parallel rank writes the optimizer state its partition holds
+    shards = sorted(p.name for p in ckpt.glob("optim_states-*.pt"))
+    assert shards == [f"optim_states-pp00-tp00-dp{r:03d}.pt" for r in range(WORLD_SIZE)], shards
     meta = json.loads((ckpt / "metadata.json").read_text())
     world = (meta["tensor_model_parallel_size"] * meta["pipeline_model_parallel_size"]
              * meta["data_parallel_size"])
