@@ -1,7 +1,8 @@
 """File names and layout arithmetic shared by the reader, the writer and the loader.
 
-The layer format (``metadata.json`` ``"format": "megatron_ru.layers"``), written by
-:func:`~megatron_ru.checkpointing.writer.write_checkpoint` at any TP and PP::
+The layer format (``metadata.json`` ``"format": "megatron_ru.layers"``), written by training
+(:mod:`~megatron_ru.checkpointing.saver`) and by :func:`~megatron_ru.checkpointing.writer.write_checkpoint` at
+any TP and PP::
 
     iter_XXXXXXX/metadata.json                         CheckpointMeta + format + optimizer (common state)
     iter_XXXXXXX/layer_{j:02d}-model_{t:02d}-model_states.pt   {local name: TP shard t} of pipeline layer j
@@ -11,8 +12,9 @@ The layer format (``metadata.json`` ``"format": "megatron_ru.layers"``), written
                                                         {offset, fp32, exp_avg, exp_avg_sq}}
 
 Layer ``j`` is the model description's entry ``j`` (0 = embedding, 1..N decoder layers, N + 1 final
-norm, N + 2 output head; a tied head has no file). The files do not depend on PP or DP: a run at any
-PP reads the layers its stage holds, and any DP size sets its ZeRO partitions from the full TP shard.
+norm, N + 2 output head; a tied head has no file). The layer files do not depend on PP or DP: a run at
+any PP reads the layers its stage holds, and any DP size sets its ZeRO partitions from the TP shard (the
+optimizer state of a training run's shard joined from its data-parallel ranks' fragments).
 The model files are laid out like DeepSpeed's own pipeline layer files (same names, same keys).
 """
 from __future__ import annotations

@@ -97,8 +97,8 @@ class CheckpointMeta:
     #: how to build the tokenizer saved with the checkpoint (import-hf): tokenizer flags, paths relative to
     #: the --load directory; None: the run's own tokenizer flags
     tokenizer: Optional[dict[str, Any]] = None
-    #: None: DeepSpeed's own files at this layout; "megatron_ru.layers": written by
-    #: megatron_ru.checkpointing.write_checkpoint (reshard, import-hf), loadable at its TP/PP and any DP
+    #: None: DeepSpeed's own files; "megatron_ru.layers": tensors by canonical name, written by training
+    #: (checkpointing/saver.py) or by write_checkpoint (reshard, import-hf); both load at any layout
     format: Optional[str] = None
     #: layer format: the state all parameters share (step, lr_scheduler, loss_scaler, ...); None: no optimizer
     optimizer: Optional[dict[str, Any]] = None

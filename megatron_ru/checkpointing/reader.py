@@ -2,19 +2,22 @@
 
 Three layouts are read:
 
-* the layer format (:mod:`megatron_ru.checkpointing.layout`), written by :func:`write_checkpoint`;
+* the layer format (:mod:`megatron_ru.checkpointing.layout`), written by training and :func:`write_checkpoint`;
 * DeepSpeed's PP > 1 files: ``layer_{j:02d}-model_{t:02d}-model_states.pt`` = layer ``j``'s TP shard ``t``
   (local names);
 * DeepSpeed's PP = 1 files: ``mp_rank_{t:02d}_model_states.pt``, whose ``module`` holds TP shard ``t``
   of every parameter under its canonical name (memory-mapped: only the tensors asked for are read).
 
 TP shards are joined with each parameter's partition dim and stride and the vocabulary padding is
-cut to the model's ``V`` rows. Files are read one layer at a time (the previous layer's are dropped).
+cut to the model's ``V`` rows (:meth:`CheckpointReader.get`), or a shard at another TP size is taken from
+the parts of the saved shards it overlaps (:meth:`CheckpointReader.shard_at`, what the loader uses). Files
+are read one layer at a time (the previous layer's are dropped).
 
 Optimizer state (:meth:`CheckpointReader.optimizer_state`), as full canonical fp32 tensors
 (``fp32`` master weight, ``exp_avg``, ``exp_avg_sq``):
 
-* layer format: its per-layer optimizer files;
+* layer format: its per-layer optimizer files, or (from training) each TP shard's fragments joined over the
+  data-parallel ranks' ``optim_states-pp*-tp*-dp*.pt`` files;
 * ZeRO 0, fp32: torch AdamW's state inside the ``mp_rank`` files, matched to parameters by the
   ordered canonical names of each optimizer group that the save recorded in ``metadata.json``
   (``optimizer_groups``; for PP = 1 checkpoints saved before that, rebuilt from the module's order);
@@ -22,7 +25,8 @@ Optimizer state (:meth:`CheckpointReader.optimizer_state`), as full canonical fp
   concatenated over the data-parallel ranks ``d`` and walked with the ``param_shapes`` of the model
   file, like DeepSpeed's ``zero_to_fp32`` (each partition's alignment padding cut first).
 
-Anything else (ZeRO 2/3, ZeRO 0 with bf16/fp16) is refused by name with the flag to change.
+Anything else in DeepSpeed's files (ZeRO 2/3, ZeRO 0 with bf16/fp16) is refused by name with the flag to
+change.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """``convert_checkpoint.py reshard``: a megatron_ru checkpoint at another (TP, PP), optimizer state included.
 
-Reads any megatron_ru checkpoint (DeepSpeed's files at any layout, ZeRO 0 fp32 or ZeRO 1; or the
-layer format) as canonical full tensors, one layer at a time, and writes the layer format at the
-target layout (:func:`write_checkpoint`: temporary directory renamed at the end, ``--force`` to
-replace). The result loads at the target TP/PP with any data-parallel size and ZeRO stage 0 or 1, so
-resharding to the *same* TP/PP is how a ZeRO-1 run moves to another DP size. Carried: weights, fp32
+Reads any megatron_ru checkpoint (the layer format training and the tools write; DeepSpeed's files at any
+layout, ZeRO 0 fp32 or ZeRO 1) as canonical full tensors, one layer at a time, and writes the layer format
+at the target layout (:func:`write_checkpoint`: temporary directory renamed at the end, ``--force`` to
+replace). ``pretrain_gpt.py --load`` reads any checkpoint at any layout itself; this writes a layout to disk
+once, for a checkpoint many runs will load (each then reads only its own files). Carried: weights, fp32
 master weights, Adam moments, step count, LR schedule, consumed samples, iteration, loss scale.
 Not carried: RNG states (the resumed run seeds fresh ones from --seed; with dropout on, its random
 streams differ from an uninterrupted run). We wrote this instead of using DeepSpeed's universal

@@ -1,8 +1,8 @@
 """Write canonical full tensors as a megatron_ru checkpoint at any (TP, PP), one layer at a time.
 
-The output is the layer format of :mod:`megatron_ru.checkpointing.layout`: ``pretrain_gpt.py --load``
-reads it at exactly that TP and PP (any DP size, ZeRO 0 or 1), weights and — when given — optimizer
-state. Everything is written into ``<save>.tmp-<pid>`` and renamed to ``<save>`` only when complete; an
+The output is the layer format of :mod:`megatron_ru.checkpointing.layout` (the one training writes, with
+each TP shard's optimizer state whole in per-layer files): ``pretrain_gpt.py --load`` reads it at any TP,
+PP and DP size and ZeRO stage 0-2, weights and — when given — optimizer state. Everything is written into ``<save>.tmp-<pid>`` and renamed to ``<save>`` only when complete; an
 existing ``<save>`` is refused unless ``force`` (then replaced only after the new one is complete).
 Any failure removes the temporary directory: nothing half-written remains.
 """

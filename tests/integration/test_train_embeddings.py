@@ -107,23 +107,32 @@ def test_embedding_training_at_every_layout(adapted):
                 assert torch.equal(got, want.to(got.dtype)), (name, canonical)
 
 
+#: (TP, PP, ZeRO stage) of the continuations at another layout (4 ranks: DP = 4 / (TP x PP))
+ELSEWHERE = ((1, 4, "1"), (1, 2, "1"), (2, 1, "2"), (1, 1, "0"))
+
+
 def test_new_rows_continue_at_another_layout(adapted):
-    """``--train-embedding-rows new`` saved at TP 2 x PP 2 continues at TP 1 x PP 4 by a plain --load: the
-    losses equal the uninterrupted run, the kept rows stay bit-identical, the record is carried."""
+    """``--train-embedding-rows new`` saved at TP 2 x PP 2 ZeRO 1 continues by a plain --load at TP 1 x PP 4,
+    (1, 2, 2) ZeRO 1, (2, 1, 2) ZeRO 2 and (1, 1, 4) ZeRO 0: the losses equal the uninterrupted run, the kept
+    rows stay bit-identical, the record is carried."""
     from tests.integration._train_helpers import relative_diff, without_flags
     d, data, ckpt = adapted["dir"], adapted["data"], adapted["ckpts"][(2, 2)]
     rows = ("--train-only-embeddings", "--train-embedding-rows", "new", "--zero-stage", "1", "--train-iters", "12")
     part = str(d / "rows_part")
     runs = [_argv(ckpt, str(d / "rows_full"), data, 2, 2, *rows),
-            _argv(ckpt, part, data, 2, 2, *rows, "--exit-interval", "8"),
-            without_flags(_argv(part, str(d / "rows_cont"), data, 1, 4, *rows), "--finetune")]
-    full, first, cont = run_distributed(train_body, 4, args=(runs,), timeout=600, env=ENV)[0]
-    assert sorted(cont["losses"]) == list(range(9, 13))
-    assert relative_diff(cont["losses"], {k: full["losses"][k] for k in range(9, 13)}) <= 1e-5
-    out, src, v_old = open_model(str(d / "rows_cont")), adapted["src"], adapted["old_vocab"]
-    assert out.meta.vocab_adaptation == _record(str(d / "adapted_hf"))
-    for canonical in (EMB, OUT):
-        assert torch.equal(out.get(canonical)[:v_old], src.get(canonical)[:v_old]), canonical
+            _argv(ckpt, part, data, 2, 2, *rows, "--exit-interval", "8")]
+    for tp, pp, zero in ELSEWHERE:
+        runs.append(without_flags(_argv(part, str(d / f"rows_cont_{tp}{pp}"), data, tp, pp, *rows), "--finetune",
+                                  "--zero-stage") + ["--zero-stage", zero])
+    full, first, *conts = run_distributed(train_body, 4, args=(runs,), timeout=600, env=ENV)[0]
+    src, v_old = adapted["src"], adapted["old_vocab"]
+    for (tp, pp, zero), cont in zip(ELSEWHERE, conts):
+        assert sorted(cont["losses"]) == list(range(9, 13)), (tp, pp)
+        assert relative_diff(cont["losses"], {k: full["losses"][k] for k in range(9, 13)}) <= 5e-7, (tp, pp)
+        out = open_model(str(d / f"rows_cont_{tp}{pp}"))
+        assert out.meta.vocab_adaptation == _record(str(d / "adapted_hf"))
+        for canonical in (EMB, OUT):
+            assert torch.equal(out.get(canonical)[:v_old], src.get(canonical)[:v_old]), (tp, pp, canonical)
 
 
 def test_docs_agree_on_the_pipeline_sizes():
