@@ -147,6 +147,21 @@ def _zero_rule(a: Arguments) -> list[str]:
     return []
 
 
+def _ckpt_format_rule(a: Arguments) -> list[str]:
+    t = a.training
+    if a.checkpoint.ckpt_format != "megatron_ru":
+        return []
+    if t.zero_stage == 3:
+        return ["--ckpt-format megatron_ru cannot hold --zero-stage 3's state (the weights themselves are "
+                "partitioned; only DeepSpeed's files hold it): use --ckpt-format auto or deepspeed, or --zero-stage 2 "
+                "or lower"]
+    if t.fp16 and t.zero_stage == 0:
+        return ["--ckpt-format megatron_ru cannot hold --fp16's optimizer state at --zero-stage 0 (DeepSpeed's fp16 "
+                "optimizer keeps its fp32 masters in flat groups not linked to the parameters): use --zero-stage 1, "
+                "or --ckpt-format auto or deepspeed"]
+    return []
+
+
 def _precision_rule(a: Arguments) -> list[str]:
     if a.training.fp16 and a.device_type == "cpu":
         return ["--fp16 needs a GPU: DeepSpeed's CPU accelerator has no float16 training; use --bf16 or "
@@ -349,8 +364,8 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
 
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
-    _layout_rule, _zero_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule, _freeze_rule, _lora_rule,
-    _checkpoint_rule, _output_paths_rule, _deepspeed_config_rule, _data_rule)
+    _layout_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule,
+    _freeze_rule, _lora_rule, _checkpoint_rule, _output_paths_rule, _deepspeed_config_rule, _data_rule)
 
 
 def default_world_size() -> int:

@@ -57,6 +57,19 @@ def test_zero_2_and_3_with_pipeline(data_prefix):
     parse_arguments(_argv(data_prefix, zero_stage=1, pipeline_model_parallel_size=2), world_size=4, device_type="cpu")
 
 
+def test_checkpoint_format_that_cannot_hold_the_state_is_refused_at_start(data_prefix):
+    """--ckpt-format megatron_ru where only DeepSpeed's files hold the optimizer state: refused before training,
+    not at the first save; auto (the default) and deepspeed accept it."""
+    msg = _error(data_prefix, zero_stage=3, ckpt_format="megatron_ru")
+    assert "--ckpt-format megatron_ru cannot hold --zero-stage 3's state" in msg and "--ckpt-format auto" in msg
+    msg = _error(data_prefix, fp16=True, ckpt_format="megatron_ru", device_type="cuda")
+    assert "--ckpt-format megatron_ru cannot hold --fp16's optimizer state at --zero-stage 0" in msg
+    for fmt in ("auto", "deepspeed"):
+        parse_arguments(_argv(data_prefix, zero_stage=3, ckpt_format=fmt), world_size=4, device_type="cpu")
+    parse_arguments(_argv(data_prefix, fp16=True, zero_stage=1, ckpt_format="megatron_ru"), world_size=4,
+                    device_type="cuda")
+
+
 def test_fp16_on_cpu(data_prefix):
     assert "--fp16 needs a GPU" in _error(data_prefix, fp16=True)
     parse_arguments(_argv(data_prefix, fp16=True), world_size=4, device_type="cuda")
