@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_ru.checkpointing.files import file_kind, rng_file_name
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import ParamSpec, padded_vocab_rows, parameter_specs
 
@@ -78,8 +79,8 @@ def derive_layers_expected(cfg: ModelConfig, vocab_size: int, tp: int, pp: int, 
                     for d in range(optimizer_fragments)})
     elif has_optimizer:
         out.update({layer_optim_file(j, t): None for j in layers for t in range(tp)})
-    if any(n.startswith("rng_rank_") for n in present):
-        out.update({f"rng_rank_{r:05d}.pt": None for r in range(tp * pp * dp)})
+    if any(file_kind(n) == "rng" for n in present):
+        out.update({rng_file_name(r): None for r in range(tp * pp * dp)})
     return out
 
 

@@ -57,15 +57,14 @@ class _ResliceSource:
         return self.reader.optimizer_shard_at(spec.name, self.tp, self.tp_rank), self.reader.dir
 
 
-def load_at_another_layout(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int, pp: int,
-                           load_optim: bool) -> None:
-    """Weights (and, with ``load_optim``, optimizer state, step and schedule) of a checkpoint saved at another
-    TP and/or PP size, in either format: read by canonical names and laid out for this run's TP/PP/DP."""
+def load_by_names(engine: Any, ckpt_dir: str, meta: Any, *, rank: int, tp: int, pp: int, load_optim: bool) -> None:
+    """Weights (and, with ``load_optim``, optimizer state, step and schedule) of a checkpoint saved at any layout,
+    in either format: read by canonical names and laid out for this run's TP/PP/DP and ZeRO stage."""
     reader = CheckpointReader(ckpt_dir, meta)
     if load_optim:
         problem = reader.optimizer_problem()
         if problem:
-            raise CheckpointError(f"cannot load the optimizer state of {ckpt_dir} at another layout: {problem}")
+            raise CheckpointError(f"cannot load the optimizer state of {ckpt_dir} by canonical names: {problem}")
     common = reader.common_state() if load_optim else {}
     _load_by_name(engine, _ResliceSource(reader, tp, rank % tp), meta, common, load_optim)
     log_rank0(log, f"loaded {ckpt_dir} (saved at TP {meta.tensor_model_parallel_size} x PP "

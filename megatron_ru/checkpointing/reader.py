@@ -209,10 +209,15 @@ class CheckpointReader:
         if self._layer is not None and self._layer[0] == layer:
             return self._layer[1][t]
         self._map_layer(layer)
-        name = layer_file(layer, t)
+        return self._mapped(layer_file(layer, t), lambda f: self._check_layer_file(layer, t, f))
+
+    def _mapped(self, name: str, check: Any = None) -> dict[str, Any]:
+        """File ``name`` memory-mapped, once per layer (dropped by :meth:`_map_layer` on the next); ``check(f)``
+        when it is first read."""
         if name not in self._layer_mapped:
             f = self._load(name)
-            self._check_layer_file(layer, t, f)
+            if check is not None:
+                check(f)
             self._layer_mapped[name] = f
         return self._layer_mapped[name]
 
@@ -286,10 +291,13 @@ class CheckpointReader:
     def weight_file(self, name: str, tp_rank: Optional[int] = None) -> str:
         """The path of the file holding TP shard ``tp_rank`` of ``name`` (None: every TP rank's, as a pattern)."""
         spec = self.spec(name)
-        t = "*" if tp_rank is None else f"{tp_rank:02d}"
         if self.kind == "ds_mp":
-            return os.path.join(self.dir, f"mp_rank_{t}_model_states.pt")
-        return os.path.join(self.dir, f"layer_{spec.layer_index:02d}-model_{t}-model_states.pt")
+            file, tp_part = mp_model_file(0 if tp_rank is None else tp_rank), "mp_rank_"
+        else:
+            file, tp_part = layer_file(spec.layer_index, 0 if tp_rank is None else tp_rank), "-model_"
+        if tp_rank is None:  # the TP rank's field as a pattern
+            file = file.replace(f"{tp_part}00", f"{tp_part}*", 1)
+        return os.path.join(self.dir, file)
 
     def shard(self, name: str, tp_rank: int) -> torch.Tensor:
         """TP shard ``tp_rank`` of parameter ``name`` at the checkpoint's own TP (vocabulary padding kept)."""
@@ -385,13 +393,6 @@ class CheckpointReader:
         self._require_optimizer()
         return {k: v.detach().float() for k, v in self._optim_shard(self.spec(name), tp_rank).items()}
 
-    def _fragment_file(self, stage: int, t: int, d: int) -> dict[str, Any]:
-        """A training rank's optimizer fragments (memory-mapped; dropped on the next layer, see _map_layer)."""
-        name = optim_fragment_file(stage, t, d)
-        if name not in self._layer_mapped:
-            self._layer_mapped[name] = self._load(name)
-        return self._layer_mapped[name]
-
     def _fragment_shard(self, spec: ParamSpec, t: int) -> dict[str, torch.Tensor]:
         """TP shard ``t``'s optimizer state, joined from the fragments the data-parallel ranks saved."""
         self._map_layer(spec.layer_index)
@@ -400,7 +401,7 @@ class CheckpointReader:
         numel = int(torch.Size(shape).numel())
         pieces = []
         for d in range(int(self.meta.optimizer_fragments or 1)):
-            frag = self._fragment_file(stage, t, d).get(spec.name)
+            frag = self._mapped(optim_fragment_file(stage, t, d)).get(spec.name)
             if frag is not None:
                 pieces.append((int(frag["offset"]), d, frag))
         if not pieces:

@@ -26,16 +26,9 @@ import torch
 from megatron_ru.checkpointing.layout import layer_file, optim_fragment_file
 from megatron_ru.deepspeed_bridge.masters import flat_partitions, optimizer_fragment
 from megatron_ru.model.spec import ParamSpec, canonical_named_parameters, parameter_specs, stage_bounds
+from megatron_ru.utils.memory import own_storage
 
 __all__ = ["write_rank_files"]
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy with a storage of its own (torch.save writes a view's whole storage: a flat buffer)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        return t.to("cpu")
-    return t.clone()
 
 
 def _save(obj: Any, path: str, run: Callable[[str, Callable[[], None]], None]) -> None:
@@ -71,7 +64,8 @@ def write_rank_files(engine: Any, ckpt_dir: str, cfg: Any, vocab_size: int, *, p
             offset, state = frag
             fragments[name] = {"offset": offset, **state}
     for index in sorted(layers):  # one layer's copies in memory at a time
-        _save({k: _own(v) for k, v in layers[index].items()}, os.path.join(ckpt_dir, layer_file(index, tp_rank)),
+        # a parameter inside DeepSpeed's flat buffer is a view: copied, or torch.save writes the whole buffer
+        _save({k: own_storage(v.detach().to("cpu")) for k, v in layers[index].items()}, os.path.join(ckpt_dir, layer_file(index, tp_rank)),
               run)
     if zero_stage > 0 or dp_rank == 0:
         # the fragments are views of the optimizer's flat partitions: torch.save writes each partition's storage

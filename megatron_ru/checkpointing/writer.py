@@ -21,6 +21,7 @@ from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_f
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import ParamSpec, layer_parameter_specs, layout_shard, model_args_dict, model_description
 from megatron_ru.utils.logging import get_logger
+from megatron_ru.utils.memory import own_storage
 
 log = get_logger(__name__)
 
@@ -56,13 +57,6 @@ def tp_shards(spec: ParamSpec, full: torch.Tensor, tp: int, rows: int) -> list[t
     if spec.vocab and rows > full.shape[0]:  # pad once, not once per rank
         full = layout_shard(spec, full, rows, 1, 0)
     return [layout_shard(spec, full, rows, tp, t) for t in range(tp)]
-
-
-def _own(shard: torch.Tensor) -> torch.Tensor:
-    """``shard`` with a storage of its own (torch.save writes a view's whole storage)."""
-    if shard.untyped_storage().nbytes() == shard.numel() * shard.element_size():
-        return shard
-    return shard.clone()
 
 
 def _save(obj: Any, path: str, files: dict[str, int]) -> None:
@@ -170,7 +164,7 @@ def _write_layer(ckpt: str, index: int, specs: list[ParamSpec], tp: int, rows: i
         if dtype is not None:
             full = full.to(dtype)
         for t, shard in enumerate(tp_shards(spec, full, tp, rows)):
-            weights[t][spec.local_name] = _own(shard)
+            weights[t][spec.local_name] = own_storage(shard)
         del full
     for t in range(tp):
         _save(weights[t], os.path.join(ckpt, layer_file(index, t)), files)
@@ -185,7 +179,7 @@ def _write_layer(ckpt: str, index: int, specs: list[ParamSpec], tp: int, rows: i
                 raise ValueError(f"optimizer state of {spec.name!r} has no {key!r} (found {sorted(state)})")
             value = _check_tensor(spec, state.pop(key), f"optimizer state {key!r} of").detach().float()
             for t, shard in enumerate(tp_shards(spec, value, tp, rows)):
-                states[t].setdefault(spec.local_name, {})[key] = _own(shard)
+                states[t].setdefault(spec.local_name, {})[key] = own_storage(shard)
             del value
         del state
     for t in range(tp):

@@ -22,6 +22,7 @@ from megatron_ru.parallel.mappings import (copy_to_tensor_model_parallel_region,
                                            scatter_to_tensor_model_parallel_region)
 from megatron_ru.parallel.utils import (ProcessGroup, divide, group_rank, group_size,
                                         set_tensor_model_parallel_attributes, shard_tensor, vocab_range)
+from megatron_ru.utils.memory import own_storage
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -44,10 +45,8 @@ def _make_param(full_shape: tuple[int, ...], init_method: InitMethod, group: Pro
     with torch.no_grad():
         init_method(full)
     local = full if dim is None else shard_tensor(full, dim, group_rank(group), group_size(group), stride)
-    local = local.to(device=device, dtype=dtype).contiguous()
-    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
-        local = local.clone()  # a row shard is a view of the full tensor: keep only the shard's memory
-    param = nn.Parameter(local)
+    # a row shard is a view of the full tensor: keep only the shard's memory
+    param = nn.Parameter(own_storage(local.to(device=device, dtype=dtype).contiguous()))
     if dim is not None:
         set_tensor_model_parallel_attributes(param, dim, stride)
     return param

@@ -44,7 +44,7 @@ import torch
 from megatron_ru.checkpointing.files import (CheckpointError, CheckpointSaveError, check_files, describe_write_failure,
                                              file_kind, list_files, rng_file_name, safe_load)
 from megatron_ru.checkpointing.layout import LAYERS_FORMAT
-from megatron_ru.checkpointing.loader import layers_layout_problem, load_at_another_layout
+from megatron_ru.checkpointing.loader import layers_layout_problem, load_by_names
 from megatron_ru.checkpointing.lora_base import verify_distributed
 from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, iteration_dir_name,
                                             layout_problems, list_iterations, prune_checkpoints,
@@ -260,7 +260,7 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
         meta.model_args is not None and meta.zero_stage <= 1 and zero_stage <= 2 and max(meta.zero_stage, zero_stage) >= 1
     if meta.format is not None or other_dp or \
             (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size) != (tp, pp):
-        return _load_by_name(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage,
+        return _load_any_layout(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage,
                              weights_only=weights_only, finetune=finetune, load_rng=load_rng, pointer=pointer)
     problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only, load_dir=load_dir)
     if weights_only and 3 in (meta.zero_stage, zero_stage):
@@ -322,7 +322,7 @@ def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: i
         raise CheckpointError(f"{where}, which cannot be loaded: {e}") from None
 
 
-def _load_by_name(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,
+def _load_any_layout(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMeta, *, rank: int, tp: int, pp: int,
                   dp: int, zero_stage: int, weights_only: bool, finetune: bool, load_rng: bool, pointer: str
                   ) -> tuple[CheckpointMeta, Optional[dict]]:
     """Every checkpoint in the layer format (training's own, reshard's, import-hf's), and DeepSpeed's files saved
@@ -346,7 +346,7 @@ def _load_by_name(engine: Any, load_dir: str, ckpt_dir: str, meta: CheckpointMet
     check_files(ckpt_dir, expected, kinds={"model"} | ({"optim"} if load_optim else set()) |
                 ({"rng"} if want_rng else set()),
                 pointer=pointer, earlier=[i for i in list_iterations(load_dir) if i < meta.iteration])
-    load_at_another_layout(engine, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, load_optim=load_optim)
+    load_by_names(engine, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, load_optim=load_optim)
     if has_rng and not finetune and load_rng and not same_ranks:
         log_rank0(log, f"{ckpt_dir} was saved at TP {saved[0]} x PP {saved[1]} x DP {saved[2]}, this run is TP {tp} x "
                        f"PP {pp} x DP {dp}: random states start fresh from --seed (with dropout on, the "

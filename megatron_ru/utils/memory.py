@@ -30,3 +30,11 @@ def release_freed_memory() -> bool:
         return False
     _libc.malloc_trim(0)
     return True
+
+
+def own_storage(t: Any) -> Any:
+    """``t`` itself when its storage holds exactly its elements, else a copy that does: a view (a shard cut from
+    a full tensor, a parameter inside a flat buffer) keeps its whole storage alive, and torch.save writes it all."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
