@@ -19,6 +19,11 @@ from megatron_ru.training.signals import install_if_requested  # noqa: E402
 
 EXIT_SIGNAL = install_if_requested(sys.argv[1:])
 
+# a rank whose launcher (mpirun, torchrun, srun) is killed ends within seconds, start-up included
+from megatron_ru.parallel.launcher_watch import watch_launcher  # noqa: E402
+
+LAUNCHER_WATCH = watch_launcher()
+
 from megatron_ru.parallel.failure import exit_with  # noqa: E402
 from megatron_ru.training.pretrain import main  # noqa: E402
 

@@ -152,6 +152,8 @@ def _first_line(e: BaseException) -> str:
 
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+#: the first bytes of every file torch.save writes (a zip archive)
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
@@ -165,6 +167,12 @@ def safe_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; {fix}")
     size = os.path.getsize(path)
     damaged = f"{path} ({size} bytes) is truncated or overwritten"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != ZIP_MAGIC:  # torch.save writes a zip archive; anything else (a legacy pickle included) is not ours
+        what = "it is empty" if size == 0 else f"it does not start as a torch.save archive: first bytes {head!r}"
+        raise CheckpointError(f"{path}: not a torch checkpoint ({what}, {size} bytes); it was overwritten or "
+                              f"damaged: {fix}")
     try:
         _allow_deepspeed_globals()
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

@@ -61,6 +61,31 @@ def read_latest_iteration(load_dir: str) -> Optional[int]:
     return int(text)
 
 
+def pointed_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[tuple[int, str]]:
+    """(iteration, directory) of the checkpoint ``--load load_dir`` reads: ``iter_<step>`` of ``--ckpt-step``,
+    else the one the pointer names; None when there is no pointer (and no ``step``). A pointer or step that
+    names no complete checkpoint is a :class:`CheckpointError` saying what it said and which iterations are
+    complete."""
+    pointer = os.path.join(load_dir, TRACKER_FILE)
+    if step is None:
+        step = read_latest_iteration(load_dir)
+        if step is None:
+            return None
+        source = f"{pointer} says {step}"
+    else:
+        source = f"--ckpt-step {step} asks for iteration {step}"
+    ckpt_dir = os.path.join(load_dir, iteration_dir_name(step))
+    if os.path.isfile(os.path.join(ckpt_dir, METADATA_FILE)):
+        return step, ckpt_dir
+    state = "does not exist" if not os.path.isdir(ckpt_dir) else f"is incomplete (no {METADATA_FILE}: its save never finished)"
+    complete = [i for i in list_iterations(load_dir)
+                if os.path.isfile(os.path.join(load_dir, iteration_dir_name(i), METADATA_FILE))]
+    found = (f"the complete checkpoints there are iterations {', '.join(map(str, complete[-6:]))}" if complete
+             else "there is no complete checkpoint there")
+    raise CheckpointError(f"{source}, but {ckpt_dir} {state}; {found}: write one of them into {pointer} (or pass "
+                          f"--ckpt-step N), or point --load elsewhere")
+
+
 def list_iterations(save_dir: str) -> list[int]:
     if not os.path.isdir(save_dir):
         return []

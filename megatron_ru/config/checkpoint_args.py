@@ -35,13 +35,12 @@ CHECKPOINT_DEFAULTS = ("hidden_dropout", "attention_dropout")
 _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 
 
-def read_checkpoint_meta(load_dir: str) -> Optional["CheckpointMeta"]:
-    """The metadata of the checkpoint ``load_dir`` points at (None when there is none)."""
-    from megatron_ru.checkpointing.meta import CheckpointMeta, iteration_dir_name, read_latest_iteration
-    iteration = read_latest_iteration(load_dir)
-    if iteration is None:
-        return None
-    return CheckpointMeta.read(os.path.join(load_dir, iteration_dir_name(iteration)))
+def read_checkpoint_meta(load_dir: str, step: Optional[int] = None) -> Optional["CheckpointMeta"]:
+    """The metadata of the checkpoint ``load_dir`` points at, or of its iteration ``step`` (``--ckpt-step``);
+    None when there is no pointer and no ``step``."""
+    from megatron_ru.checkpointing.meta import CheckpointMeta, pointed_checkpoint
+    pointed = pointed_checkpoint(load_dir, step)
+    return None if pointed is None else CheckpointMeta.read(pointed[1])
 
 
 def checkpoint_model_args(meta: "CheckpointMeta") -> Optional[dict[str, Any]]:
@@ -57,7 +56,7 @@ def apply_checkpoint_args(args: "Arguments", explicit: set[str]) -> None:
     load = args.checkpoint.load
     if not load:
         raise ValueError("--use-checkpoint-args takes the model's flags from a checkpoint: add --load DIR")
-    meta = read_checkpoint_meta(load)
+    meta = read_checkpoint_meta(load, args.checkpoint.ckpt_step)
     if meta is None:
         raise ValueError(f"--use-checkpoint-args: --load {load} holds no checkpoint "
                          f"(no latest_checkpointed_iteration.txt); point --load at a directory written by --save "

@@ -155,6 +155,8 @@ class CheckpointConfig:
     load: Optional[str] = arg(None, "Directory to resume from (reads latest_checkpointed_iteration.txt). With no "
                                     "checkpoint there, training starts from scratch only when it is also --save; "
                                     "otherwise (and always with --finetune) that is an error.")
+    ckpt_step: Optional[int] = arg(None, "Load iteration N of --load (iter_N) instead of the one "
+                                         "latest_checkpointed_iteration.txt names, also when that file is missing.")
     no_load_optim: bool = arg(False, "Load weights only: fresh optimizer, scheduler and loss scaler.")
     no_load_rng: bool = arg(False, "Do not restore the RNG states saved in the checkpoint (also when its "
                                    "rng_rank_*.pt files are missing, which is an error otherwise); dropout then "
@@ -180,6 +182,10 @@ class CheckpointConfig:
             out.append(f"--save-interval must be >= 1 (got {self.save_interval})")
         if self.save_interval is not None and not self.save:
             out.append("--save-interval needs a directory: add --save DIR")
+        if self.ckpt_step is not None and not self.load:
+            out.append(f"--ckpt-step {self.ckpt_step} names an iteration of the checkpoint to load: add --load DIR")
+        if self.ckpt_step is not None and self.ckpt_step < 0:
+            out.append(f"--ckpt-step must be >= 0 (got {self.ckpt_step})")
         if self.keep_last is not None and self.keep_last < 1:
             out.append(f"--keep-last must be >= 1 (got {self.keep_last})")
         return out

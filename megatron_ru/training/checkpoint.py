@@ -47,14 +47,15 @@ from megatron_ru.checkpointing.layout import LAYERS_FORMAT
 from megatron_ru.checkpointing.loader import layers_layout_problem, load_by_names
 from megatron_ru.checkpointing.lora_base import verify_distributed
 from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, iteration_dir_name,
-                                            layout_problems, list_iterations, prune_checkpoints,
-                                            read_latest_iteration, write_text_atomic)
+                                            layout_problems, list_iterations, pointed_checkpoint,
+                                            prune_checkpoints, read_latest_iteration, write_text_atomic)
 from megatron_ru.checkpointing.saver import write_rank_files
 from megatron_ru.checkpointing.writer import jsonable
 from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.deepspeed_bridge import compat as dsc
 from megatron_ru.deepspeed_bridge import masters as dsm
 from megatron_ru.model.spec import canonical_name, model_config_from_dict
+from megatron_ru.parallel.launcher_watch import exit_if_launcher_gone
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointMeta", "load_checkpoint", "save_checkpoint",
@@ -188,6 +189,8 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     gathered = _all_gather((_save_error(recorder), list_files(ckpt_dir) if recorder.failure is None else {},
                             optimizer_groups_record(engine, meta) if fmt == "deepspeed" else None))
     errors = [e for e, _, _ in gathered if e]
+    if rank == 0:
+        exit_if_launcher_gone(f"the save of iteration {iteration}")
     if not errors and rank == 0:
         files: dict[str, int] = {}
         groups: dict[str, Any] = {}
@@ -203,6 +206,7 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     if errors:
         raise _abandon(errors, ckpt_dir, save_dir, iteration, rank)
     if rank == 0:
+        exit_if_launcher_gone(f"the save of iteration {iteration}")
         write_text_atomic(os.path.join(save_dir, TRACKER_FILE), f"{iteration}\n")
         if keep_last:
             prune_checkpoints(save_dir, keep_last, iteration)
@@ -237,21 +241,18 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
                     load_optim: bool, finetune: bool, load_rng: bool = True,
                     save_dir: Optional[str] = None, iteration: Optional[int] = None
                     ) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
-    """Load the checkpoint ``latest`` points at; None when ``load_dir`` has none and is also the
+    """Load the checkpoint ``latest`` points at (``iteration``: that one instead, ``--ckpt-step``); None when ``load_dir`` has none and is also the
     ``save_dir`` (resume-or-start). With ``finetune``, or a ``load_dir`` other than ``save_dir``, a
     missing checkpoint is a :class:`CheckpointError`.
 
     Returns the metadata and this rank's saved RNG state (None when ``load_rng`` is off or with
     ``finetune``)."""
-    iteration = read_latest_iteration(load_dir) if iteration is None else iteration
-    if iteration is None:
+    pointed = pointed_checkpoint(load_dir, iteration)
+    if pointed is None:
         _no_checkpoint(load_dir, finetune, save_dir)
         return None
-    ckpt_dir = os.path.join(load_dir, iteration_dir_name(iteration))
+    iteration, ckpt_dir = pointed
     pointer = os.path.join(load_dir, TRACKER_FILE)
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"{pointer} names iteration {iteration} but {ckpt_dir} does not exist: write the "
-                              f"iteration of an existing iter_* directory into {pointer}, or point --load elsewhere")
     meta = CheckpointMeta.read(ckpt_dir)
     weights_only = finetune or not load_optim
     if meta.lora_base is not None:  # the frozen weights first, from the checkpoint the adapters were trained on

@@ -4,6 +4,7 @@ process that already initialised torch.distributed (tests).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -75,7 +76,7 @@ def model_vocab_size(args: Arguments, tokenizer_size: int) -> int:
     vocab = args.model_vocab_size
     if vocab is None and args.checkpoint.load:
         from megatron_ru.config.checkpoint_args import read_checkpoint_meta
-        meta = read_checkpoint_meta(args.checkpoint.load)
+        meta = read_checkpoint_meta(args.checkpoint.load, args.checkpoint.ckpt_step)
         vocab = None if meta is None else meta.vocab_size
     if vocab is None:
         return tokenizer_size
@@ -157,7 +158,7 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     loaded = load_checkpoint(engine, c.load, rank=state.rank, tp=state.tp_size, pp=state.pp_size,
                              dp=state.dp_size, zero_stage=args.training.zero_stage,
                              load_optim=not c.no_load_optim, finetune=c.finetune,
-                             load_rng=not c.no_load_rng, save_dir=c.save)
+                             load_rng=not c.no_load_rng, save_dir=c.save, iteration=c.ckpt_step)
     if loaded is None:
         return Progress()
     meta, rng = loaded
@@ -171,10 +172,39 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
 
 
-def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
-    """Everything before the first iteration: groups, seeds, tokenizer, data, model, engine, resume.
-    ``exit_signal``: a handler installed earlier (by ``pretrain_gpt.py``, before its imports), else
-    one is installed here when --exit-signal-handler is given."""
+def claim_save_dir(args: Arguments, state: ParallelState) -> Optional[Any]:
+    """Rank 0 takes the --save directory's lock, refuses a run that would overwrite checkpoints it does not
+    continue and removes what killed saves left (megatron_ru/checkpointing/save_dir.py); every rank learns the
+    outcome, so that a refusal is the same error on all of them. Returns rank 0's lock (None elsewhere)."""
+    c = args.checkpoint
+    if not c.save:
+        return None
+    from megatron_ru.checkpointing.files import CheckpointError
+    from megatron_ru.checkpointing.save_dir import claim_save_dir as claim
+    lock, error = None, None
+    if state.rank == 0:
+        try:
+            lock = claim(c.save, c.load, c.ckpt_step)
+        except CheckpointError as e:
+            error = str(e)
+        except OSError as e:
+            error = (f"--save {c.save}: cannot create or lock the directory ({e.strerror or e}): give a --save "
+                     f"this user can write")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointError(error)
+    return lock
+
+
+def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
+          resources: Optional[contextlib.ExitStack] = None) -> Trainer:
+    """Everything before the first iteration: groups, seeds, --save's lock, tokenizer, data, model, engine,
+    resume. ``exit_signal``: a handler installed earlier (by ``pretrain_gpt.py``, before its imports), else
+    one is installed here when --exit-signal-handler is given. ``resources``: where the lock's release is
+    registered (default: at the process's exit, or at the next run in this process)."""
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.random import model_parallel_seed, set_keyed_dropout_data_parallel
     from megatron_ru.training.data import build_datasets
@@ -190,6 +220,9 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     # the layout validated at parse time, checked against the real process group
     state = ParallelState.build(args.tp, args.pp, world_size=args.layout.world_size,
                                 sequence_parallel=args.sequence_parallel, timeout_minutes=p.distributed_timeout_minutes)
+    lock = claim_save_dir(args, state)
+    if lock is not None and resources is not None:
+        resources.callback(lock.release)
     # Megatron: a different dropout stream per pipeline stage, the TP stream inside the tracker
     model_parallel_seed(args.training.seed + 100 * state.pp_rank, state.tp_rank)
     set_keyed_dropout_data_parallel(state.dp_size, state.dp_rank)
@@ -197,7 +230,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     if args.checkpoint.load:  # another model shape: one error naming the flags, before the model is built
         from megatron_ru.training.model_match import check_model_matches
-        check_model_matches(args.checkpoint.load, args.model, vocab_size)
+        check_model_matches(args.checkpoint.load, args.model, vocab_size, args.checkpoint.ckpt_step)
     train_ds, valid_ds, test_ds = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
                                                  vocab_size=vocab_size)
     with quiet():
@@ -212,7 +245,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None) -> Trainer:
         engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
     from megatron_ru.config.checkpoint_args import read_checkpoint_meta
-    loaded = read_checkpoint_meta(args.checkpoint.load) if args.checkpoint.load else None
+    loaded = read_checkpoint_meta(args.checkpoint.load, args.checkpoint.ckpt_step) if args.checkpoint.load else None
     if loaded is not None and (loaded.model_args or {}).get("lora") is None:
         _init_dora_after_load(engine)
     if args.training.train_embedding_rows == "new":
@@ -250,13 +283,14 @@ def run(args: Arguments, job_started: Optional[float] = None,
     inside the budget the job scripts derive from the scheduler's time limit. ``exit_signal``:
     see :func:`setup`; a signal received during set-up stops training after the first iteration."""
     job_started = time.time() if job_started is None else job_started
-    trainer = setup(args, exit_signal)
-    try:
-        result = trainer.train(job_started=job_started)
-    finally:
-        trainer.metrics.close()
-        if trainer.exit_signal is not None:
-            trainer.exit_signal.restore()
+    with contextlib.ExitStack() as resources:  # --save's lock: released however the run ends
+        trainer = setup(args, exit_signal, resources)
+        try:
+            result = trainer.train(job_started=job_started)
+        finally:
+            trainer.metrics.close()
+            if trainer.exit_signal is not None:
+                trainer.exit_signal.restore()
     log_rank0(log, f"finished at iteration {result.iteration} ({result.exit_reason})")
     return result
 

@@ -63,7 +63,8 @@ def test_missing_checkpoint_is_an_error_unless_load_is_also_save(tmp_path):
                                                    ".txt .no save there completed.: --finetune starts"):
         ckpt.load_checkpoint(None, save, finetune=True, save_dir=save, **kw)
     ckpt.write_text_atomic(os.path.join(save, ckpt.TRACKER_FILE), "8\n")
-    with pytest.raises(ckpt.CheckpointError, match="names iteration 8 but .*iter_0000008 does not exist"):
+    with pytest.raises(ckpt.CheckpointError, match="latest_checkpointed_iteration.txt says 8, but .*iter_0000008 does "
+                                                   "not exist; there is no complete checkpoint there"):
         ckpt.load_checkpoint(None, save, finetune=False, save_dir=save, **kw)
 
 
@@ -140,13 +141,16 @@ class _Evil:
 
 def test_safe_load_refuses_code(tmp_path):
     path = str(tmp_path / "evil.pt")
-    with open(path, "wb") as f:
-        pickle.dump({"x": _Evil()}, f, protocol=2)
+    torch.save({"x": _Evil()}, path)  # a torch.save archive whose pickle runs a command
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.safe_load(path)
     msg = str(e.value)
     assert msg.startswith(f"{path} refers to code (posix.system)") and "nothing in it ran" in msg
     assert "weights_only" not in msg  # torch's advice to unpickle it anyway is never passed on
+    with open(path, "wb") as f:  # a bare pickle (torch's legacy format): never unpickled at all
+        pickle.dump({"x": _Evil()}, f, protocol=2)
+    with pytest.raises(ckpt.CheckpointError, match=r"evil\.pt: not a torch checkpoint .it does not start as a torch"):
+        ckpt.safe_load(path)
 
 
 def test_safe_load_names_damaged_and_missing_files(tmp_path):
@@ -154,15 +158,24 @@ def test_safe_load_names_damaged_and_missing_files(tmp_path):
     good = str(tmp_path / "good.pt")
     torch.save({"w": torch.arange(1000.0)}, good)
     data = open(good, "rb").read()
-    cases = {"truncated.pt": data[: len(data) // 2], "empty.pt": b"", "garbage.pt": b"\x00" * 300}
-    for name, content in cases.items():
-        path = str(tmp_path / name)
-        open(path, "wb").write(content)
-        with pytest.raises(ckpt.CheckpointError) as e:
-            ckpt.safe_load(path)
-        assert str(e.value).startswith(f"{path} ({len(content)} bytes) is truncated or overwritten"), str(e.value)
-        assert "restore it from a copy" in str(e.value) and ckpt.TRACKER_FILE in str(e.value)
-        assert "weights_only" not in str(e.value)
+    cases = {"truncated.pt": data[: len(data) // 2], "empty.pt": b"", "garbage.pt": b"\x00" * 300,
+             "random.pt": bytes(range(256)) * 4, "text.pt": b"garbage" * 100}
+    # was, for the garbage files: "mmap can only be used with files saved with `torch.save(PATH,
+    # _use_new_zipfile_serialization=True)..." (torch's text with our path spliced in)
+    for mmap in (False, True):
+        for name, content in cases.items():
+            path = str(tmp_path / name)
+            open(path, "wb").write(content)
+            with pytest.raises(ckpt.CheckpointError) as e:
+                ckpt.safe_load(path, mmap=mmap)
+            if name == "truncated.pt":
+                assert str(e.value).startswith(f"{path} ({len(content)} bytes) is truncated or overwritten"), str(e.value)
+            else:
+                what = "it is empty" if not content else f"it does not start as a torch.save archive: first bytes"
+                assert str(e.value).startswith(f"{path}: not a torch checkpoint ({what}"), str(e.value)
+                assert f"{len(content)} bytes)" in str(e.value)
+            assert "restore it from a copy" in str(e.value) and ckpt.TRACKER_FILE in str(e.value)
+            assert "weights_only" not in str(e.value) and "_use_new_zipfile" not in str(e.value)
     with pytest.raises(ckpt.CheckpointError, match="missing.pt is missing"):
         ckpt.safe_load(str(tmp_path / "missing.pt"))
     assert torch.equal(ckpt.safe_load(good)["w"], torch.arange(1000.0))
