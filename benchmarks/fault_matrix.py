@@ -10,7 +10,12 @@ Jobs: ``tp2pp2`` (TP 2 x PP 2, ZeRO 1) and ``dp4`` (DP 4, ZeRO 1) of the tiny LL
 the integration tests, under bare ``mpirun`` (no MASTER_ADDR/MASTER_PORT: the README's command),
 ``mpirun-master`` (MASTER_ADDR/MASTER_PORT exported, as the ABCI scripts do) and ``torchrun``.
 Every fault of a job is tried on rank 0 and on another rank, during start-up and during training;
-torch's C++ stack traces count as tracebacks. Every run has ``--distributed-timeout-minutes``
+torch's C++ stack traces count as tracebacks. The save directory's cells: a checkpoint whose pointer was
+deleted, loaded with and without ``--save`` (refused, nothing written); two jobs started together on one
+``--save`` (one trains, the other refuses naming the holder); a whole job SIGKILLed while it saves every
+iteration (the next job takes its lock over, removes the partial save and resumes exactly); the launcher
+alone SIGKILLed at start-up and during training (every rank must end within 15 s, none is left as an
+orphan, no checkpoint completes after it). Every run has ``--distributed-timeout-minutes``
 (default 0.5) and a wall limit of ``start-up + timeout + 90 s``; a run still alive at the limit is a
 hang. The tools and LoRA (benchmarks/_fault_tools.py: conversion, generation, adaptation,
 propagation; overlapping paths, SIGTERM/SIGKILL while writing, a generating rank killed or stopped,
@@ -55,7 +60,7 @@ def train_losses(metrics: str) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in map(json.loads, open(metrics)) if r.get("type") == "train"}
 
 
-def resume_matches_reference(ws: "Workspace", launcher: str, layout: str, save: str) -> str:
+def resume_matches_reference(ws: "Workspace", launcher: str, layout: str, save: str, expect_in_output: str = "") -> str:
     """Resume from whatever the pointer in ``save`` names and train to REFERENCE_ITERS: every loss
     after the resume point must equal the uninterrupted run's bit for bit ("" if so, else why)."""
     pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
@@ -67,11 +72,24 @@ def resume_matches_reference(ws: "Workspace", launcher: str, layout: str, save: 
                                                                          "--metrics-file", metrics)), limit=900)
     if run.rc != 0:
         return f"resume from iteration {start} failed (exit {run.rc})"
+    if expect_in_output and expect_in_output not in run.output:
+        return f"the resume did not say {expect_in_output!r}"
+    left = leftovers(save)
+    if left:
+        return f"the resume left what the interrupted run wrote: {', '.join(left[:4])}"
     resumed, reference = train_losses(metrics), ws.reference_losses(layout, launcher)
     if sorted(resumed) != list(range(start + 1, REFERENCE_ITERS + 1)):
         return f"resumed run logged iterations {min(resumed, default=None)}..{max(resumed, default=None)}"
     diff = [i for i in resumed if resumed[i] != reference[i]]
     return f"resumed losses differ from the uninterrupted run at {len(diff)} iterations" if diff else ""
+
+
+def leftovers(save: str) -> list[str]:
+    """What an interrupted save leaves: iteration directories without metadata.json, temporary files, a lock."""
+    out = [os.path.basename(d) for d in glob.glob(os.path.join(save, "iter_*"))
+           if not os.path.isfile(os.path.join(d, "metadata.json"))]
+    out += [os.path.relpath(f, save) for f in glob.glob(os.path.join(save, "**", "*.tmp*"), recursive=True)]
+    return out + (["megatron_ru.lock"] if os.path.exists(os.path.join(save, "megatron_ru.lock")) else [])
 
 
 @dataclass
@@ -90,6 +108,8 @@ class Outcome:
     ok: bool
     note: str = ""
     tail: str = field(default="", repr=False)
+    #: ranks still running 15 s after their launcher was killed
+    orphans: int = 0
 
 
 # ---- launching ------------------------------------------------------------------------------
@@ -472,6 +492,131 @@ def kill_during_saves(ws: Workspace, launcher: str, layout: str, name: str):
         lambda run: resume_matches_reference(ws, launcher, layout, save)
 
 
+def _tree(path: str) -> dict[str, tuple[int, int]]:
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            out[os.path.relpath(os.path.join(root, name), path)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def missing_pointer(with_save: bool):
+    """The pointer of a complete checkpoint deleted; --load DIR (and --save DIR): refused, nothing written."""
+    def make(ws: Workspace, launcher: str, layout: str, name: str):
+        ckpt = ws.copy_checkpoint(layout, name)
+        os.remove(os.path.join(ckpt, "latest_checkpointed_iteration.txt"))
+        before = _tree(ckpt)
+        extra = ("--load", ckpt, "--save", ckpt, "--save-interval", "2") if with_save else ("--load", ckpt)
+
+        def after(run: Run) -> str:
+            return "" if _tree(ckpt) == before else "the checkpoint directory changed"
+        return ws.argv(layout, iters=6, extra=extra), None, r"latest_checkpointed_iteration\.txt", "error", after
+    return make
+
+
+def two_jobs_one_save(ws: Workspace, launcher: str, layout: str, name: str):
+    """Two jobs with different seeds started together on one --save: one trains, the other refuses naming it."""
+    save = os.path.join(ws.root, "runs", name)
+    shutil.rmtree(save, ignore_errors=True)
+
+    def argv(seed: int) -> list[str]:
+        a = ws.argv(layout, iters=6, extra=("--save", save, "--save-interval", "2"))
+        a[a.index("--seed") + 1] = str(seed)
+        return a
+
+    def during(proc, started):
+        other = launch(launcher, argv(12), limit=300)
+        return {"other_rc": other.rc, "other_output": other.output[-3000:], "other_hang": other.hang}
+
+    def after(run: Run) -> str:
+        pair = sorted([(run.rc, run.output), (run.extra.get("other_rc"), run.extra.get("other_output", ""))],
+                      key=lambda p: p[0] != 0)
+        if run.extra.get("other_hang"):
+            return "the second job hung"
+        if pair[0][0] != 0 or pair[1][0] in (0, None):
+            return f"exit statuses {run.rc} and {run.extra.get('other_rc')}: one job must train, the other refuse"
+        if "is in use by another job" not in pair[1][1]:
+            return "the refusal does not name the lock's holder"
+        seed = json.load(open(os.path.join(save, "iter_0000006", "metadata.json")))["args"]["training"]["seed"]
+        winner_seed = 11 if run.rc == 0 else 12
+        if seed != winner_seed:
+            return f"the checkpoint holds seed {seed}, the job that trained had {winner_seed}"
+        left = leftovers(save)
+        return f"left behind: {left}" if left else ""
+    return argv(11), during, "", "either", after  # the refusal's text is checked in after()
+
+
+def killed_job_stale_lock(ws: Workspace, launcher: str, layout: str, name: str):
+    """The whole job SIGKILLed (launcher and ranks, as a scheduler does) while it saves every iteration: its lock
+    and a partial save stay; the next job takes the lock over, removes the leftovers and resumes exactly."""
+    save = os.path.join(ws.root, "runs", name)
+    shutil.rmtree(save, ignore_errors=True)
+    os.makedirs(save)
+    metrics = os.path.join(save, "metrics.jsonl")
+    argv = ws.argv(layout, iters=REFERENCE_ITERS, extra=("--save", save, "--save-interval", "1",
+                                                         "--metrics-file", metrics))
+
+    def during(proc, started):
+        if not _wait_training(metrics, proc, lines=3):
+            return {"injected": False}
+        kill_tree(proc)
+        return {"injected": True, "injected_at": time.time() - started}
+
+    def after(run: Run) -> str:
+        if not os.path.exists(os.path.join(save, "megatron_ru.lock")):
+            return "the killed job left no lock (nothing tested)"
+        pointer = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
+        partial = os.path.join(save, f"iter_{pointer + 1:07d}")
+        os.makedirs(partial, exist_ok=True)  # what a save killed before its metadata leaves, made certain
+        open(os.path.join(partial, "layer_01-model_00-model_states.pt.tmp"), "wb").write(b"half")
+        return resume_matches_reference(ws, launcher, layout, save, expect_in_output="took over")
+    return argv, during, "", "either", after
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def launcher_killed(at_startup: bool):
+    """SIGKILL to the launcher alone (mpirun's ranks live in their own process groups; torchrun's workers outlive
+    their agent): every rank must end within 15 s, and no checkpoint completes after that."""
+    def make(ws: Workspace, launcher: str, layout: str, name: str):
+        save = os.path.join(ws.root, "runs", name)
+        shutil.rmtree(save, ignore_errors=True)
+        os.makedirs(save)
+        metrics = os.path.join(save, "metrics.jsonl")
+        argv = ws.argv(layout, iters=100000, extra=("--save", save, "--save-interval", "1", "--metrics-file", metrics))
+
+        def during(proc, started):
+            if at_startup:
+                deadline = time.time() + 60
+                while time.time() < deadline and len(rank_pids(proc.pid)) < 4:
+                    time.sleep(0.05)
+                time.sleep(1.0)
+            elif not _wait_training(metrics, proc):
+                return {"injected": False}
+            pids = rank_pids(proc.pid)
+            if not pids:
+                return {"injected": False}
+            complete = {d for d in os.listdir(save) if os.path.isfile(os.path.join(save, d, "metadata.json"))}
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.time()
+            while time.time() < killed + 15 and any(_running(p) for p in pids.values()):
+                time.sleep(0.2)
+            orphans = [p for p in pids.values() if _running(p)]
+            for p in orphans:
+                os.kill(p, signal.SIGKILL)
+            after = {d for d in os.listdir(save) if os.path.isfile(os.path.join(save, d, "metadata.json"))}
+            return {"injected": True, "injected_at": killed - started, "orphans": len(orphans),
+                    "ended_s": round(time.time() - killed, 1), "late_saves": len(after - complete)}
+        return argv, during, "", "error", None
+    return make
+
+
 FAULTS: dict[str, Callable] = {
     "kill9-rank1": fault_rank(signal.SIGKILL),
     "sigstop-rank1": fault_rank(signal.SIGSTOP),
@@ -493,6 +638,12 @@ FAULTS: dict[str, Callable] = {
     "kill9-during-save": kill_during_saves,
     "sigusr1-training": signal_all(signal.SIGUSR1, at_startup=False),
     "sigterm-startup": signal_all(signal.SIGTERM, at_startup=True),
+    "missing-pointer-load-save": missing_pointer(with_save=True),
+    "missing-pointer-load-only": missing_pointer(with_save=False),
+    "two-jobs-one-save": two_jobs_one_save,
+    "job-killed-stale-lock": killed_job_stale_lock,
+    "launcher-kill9-startup": launcher_killed(at_startup=True),
+    "launcher-kill9-training": launcher_killed(at_startup=False),
 }
 
 # Invalid configurations: (name, extra flags, regex the single error line must match).
@@ -537,6 +688,8 @@ def judge(launcher: str, layout: str, fault: str, expect: str, culprit: str, run
         note = "fault not injected (job ended before it)"
     if expect == "exit0":
         ok = run.rc == 0 and not run.hang and not note
+    elif expect == "either":  # two jobs raced: the after-check decides
+        ok = not run.hang and not note
     else:
         ok = not run.hang and not silent and run.rc not in (None, 0) and names
     if "weights_only=False" in run.output:
@@ -568,12 +721,21 @@ def run_matrix(ws: Workspace, launchers: list[str], layouts: list[str], faults: 
                 if fault == "poisoned-file" and glob.glob(os.path.join(ws.root, "runs", name, "POISON_RAN")):
                     run.extra["note"] = "POISON RAN"
                 o = judge(launcher, layout, fault, expect, culprit, run)
+                o.orphans = int(run.extra.get("orphans", 0))
+                if o.orphans:
+                    o.ok, o.note = False, f"{o.orphans} orphan rank(s) still ran 15 s after the launcher died"
+                elif run.extra.get("late_saves"):
+                    o.ok, o.note = False, f"{run.extra['late_saves']} checkpoint(s) completed after the launcher died"
+                elif "ended_s" in run.extra:
+                    o.note = f"ranks ended {run.extra['ended_s']} s after the launcher"
                 if run.extra.get("note"):
                     o.ok, o.note = False, run.extra["note"]
                 elif after is not None and not run.hang and run.extra.get("injected", True):
                     problem = after(run)
                     if problem:
                         o.ok, o.note = False, problem
+                    elif o.ok and (fault == "two-jobs-one-save" or fault.startswith("missing-pointer")):
+                        o.note = o.note or "nothing overwritten"
                     elif o.ok:
                         o.note = "resume exact"
                 print(f"{'ok  ' if o.ok else 'FAIL'} {launcher:8s} {layout:6s} {fault:26s} rc={o.rc} "
@@ -627,7 +789,7 @@ def pivot(outcomes: list[Outcome]) -> str:
         for lau, lay in cols:
             o = cell.get((fault, lau, lay))
             out.append("—" if o is None else f"{o.rc if not o.hang else 'HANG'}, {o.seconds:.0f} s"
-                       f"{'' if o.ok else ' **FAIL** ' + o.note}{' (resume exact)' if o.ok and o.note == 'resume exact' else ''}")
+                       f"{'' if o.ok else ' **FAIL** ' + o.note}{f' ({o.note})' if o.ok and o.note else ''}")
         rows.append(f"| {fault} | " + " | ".join(out) + " |")
     invalid = [o for o in outcomes if o.layout == "-"]
     if invalid:
@@ -672,7 +834,7 @@ def main() -> int:
     outcomes += run_tools(ws, tools, a.startup_seconds)
     bad = [o for o in outcomes if not o.ok]
     summary = {"runs": len(outcomes), "hangs": sum(o.hang for o in outcomes),
-               "silent_wrong": sum(o.silent_wrong for o in outcomes),
+               "silent_wrong": sum(o.silent_wrong for o in outcomes), "orphans": sum(o.orphans for o in outcomes),
                "unnamed": sum(not o.names_culprit for o in outcomes), "failed": len(bad),
                "minutes": round((time.time() - started) / 60, 1), "machine": f"{platform.node()} "
                f"{os.cpu_count()} cores", "timeout_minutes": a.timeout_minutes}
