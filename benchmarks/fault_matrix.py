@@ -656,7 +656,7 @@ INVALID = [
     ("negative-lr", ["--lr", "-1e-3"], r"--lr"),
     ("rope-seq-beyond-mpe", ["--seq-length", "64"], r"--max-position-embeddings"),
     ("fp16-on-cpu", ["--fp16"], r"--fp16"),
-    ("seq-parallel-tp1", ["--sequence-parallel"], r"--sequence-parallel"),
+    ("refused-megatron-flag", ["--rampup-batch-size", "4", "4", "100"], r"--rampup-batch-size"),
     ("finetune-without-load", ["--finetune"], r"--load"),
     ("signal-handler-without-save", ["--exit-signal-handler"], r"--save"),
     ("missing-data", ["--data-path", "/nonexistent/corpus_text_document"], r"/nonexistent/corpus_text_document"),

@@ -52,13 +52,14 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
 
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout: float = 180,
-                    env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+                    env: dict[str, str] | None = None, daemon: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank. ``daemon=False``:
+    ranks that start processes of their own (DataLoader workers); they are killed at the end all the same."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, timeout, env or {}),
-                         daemon=True) for r in range(world_size)]
+                         daemon=daemon) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

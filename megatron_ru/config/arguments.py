@@ -55,6 +55,12 @@ class Arguments:
     """``--split`` as normalised train/valid/test shares of each dataset's documents."""
     model_vocab_size: Optional[int] = None
     """The model's vocabulary rows from the checkpoint (``--use-checkpoint-args``); None: the tokenizer's size."""
+    megatron_no_effect: list[str] = field(default_factory=list)
+    """Megatron flags given that change nothing here (megatron_ru/config/megatron_flags.py; the banner lists them)."""
+    megatron_spellings: list[str] = field(default_factory=list)
+    """Megatron flags given that were mapped onto ours."""
+    notices: list[str] = field(default_factory=list)
+    """Warnings about the flags, logged once at start-up (e.g. --sequence-parallel turned off at TP 1)."""
     _tokenizer: Any = field(default=None, repr=False, compare=False)
 
     def built_tokenizer(self) -> Any:
@@ -357,7 +363,8 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
             out.append(f"--deepspeed_config {path} has {key}.enabled={enabled} but {flag} is "
                        f"{'set' if on else 'not set'}; make them agree")
     stage = user.get("zero_optimization", {}).get("stage")
-    if stage is not None and stage != a.training.zero_stage:
+    promoted = stage == 0 and a.training.bf16 and a.training.zero_stage == 1  # see parse_arguments: bf16 at stage 0
+    if stage is not None and stage != a.training.zero_stage and not promoted:
         out.append(f"--deepspeed_config {path} has zero_optimization.stage={stage} but --zero-stage is "
                    f"{a.training.zero_stage}; make them agree")
     return out
@@ -382,16 +389,40 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
     """Parse ``argv`` (default: ``sys.argv[1:]``) into :class:`Arguments`, validate it once (one
     ValueError listing every problem) and resolve the data blend, the split and the layout, which
     the rest of the program takes as they are."""
+    from megatron_ru.config.megatron_flags import add_to_parser, apply_megatron_flags
     argv = list(sys.argv[1:] if argv is None else argv)
-    parsed = parse_configs(CONFIG_CLASSES, argv, description="Pretrain a GPT/LLaMA model (megatron_ru).")
+    parsed = parse_configs(CONFIG_CLASSES, argv, description="Pretrain a GPT/LLaMA model (megatron_ru).",
+                           extra=add_to_parser)
     args = Arguments(**{_FIELD_OF[cls]: parsed[cls] for cls in CONFIG_CLASSES},
                      world_size=default_world_size() if world_size is None else world_size,
                      device_type=device_type or default_device_type())
+    explicit = explicit_dests(CONFIG_CLASSES, argv)
+    megatron_problems = apply_megatron_flags(args, parsed["namespace"], explicit)
+    if args.checkpoint.ckpt_format in ("torch_dist", "torch"):  # Megatron-LM's formats: ours is the by-name one
+        args.notices.append(f"--ckpt-format {args.checkpoint.ckpt_format}: checkpoints are written by canonical name "
+                            f"(--ckpt-format megatron_ru), loadable at any TP x PP x DP")
+        args.checkpoint.ckpt_format = "megatron_ru"
+    tok = args.tokenizer
+    if tok.tokenizer_type is None and tok.vocab_file and tok.merge_file:  # the GPT examples give only the files
+        tok.tokenizer_type = "GPT2BPETokenizer"
+        args.notices.append("--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer (the only "
+                            "tokenizer that reads a merge file)")
+    if args.training.bf16 and args.training.zero_stage == 0:
+        # DeepSpeed keeps bf16's fp32 master weights and fp32 gradient sums only in its ZeRO optimizer (stage 0 is
+        # "an unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" inside DeepSpeed)
+        args.notices.append("--bf16 with --zero-stage 0: running ZeRO stage 1, where DeepSpeed keeps bf16's fp32 "
+                            "master weights and gradient sums (the same results; the optimizer state is sharded "
+                            "over the data-parallel ranks)")
+        args.training.zero_stage = 1
+    if args.parallel.sequence_parallel and args.parallel.tensor_model_parallel_size == 1:
+        args.notices.append("--sequence-parallel at --tensor-model-parallel-size 1 does nothing: turned off "
+                            "(as Megatron does)")
+        args.parallel.sequence_parallel = False
     if args.checkpoint.use_checkpoint_args:
         from megatron_ru.config.checkpoint_args import apply_checkpoint_args
-        apply_checkpoint_args(args, explicit_dests(CONFIG_CLASSES, argv))
+        apply_checkpoint_args(args, explicit)
     args.blend, args.split = _resolve_data_flags(args.data)
     if validate:
-        validate_all(args.configs(), RULES, context=args)
+        validate_all(args.configs(), [lambda a: megatron_problems, *RULES], context=args)
     args.layout = ParallelLayout(args.world_size, args.tp, args.pp)  # valid: refused above otherwise
     return args

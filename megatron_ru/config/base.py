@@ -133,16 +133,21 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
 
 
 def parse_configs(classes: Sequence[type], argv: Sequence[str] | None = None,
-                  description: str = "", allow_unknown: bool = False) -> dict[type, Any]:
+                  description: str = "", allow_unknown: bool = False,
+                  extra: Callable[[argparse.ArgumentParser], None] | None = None) -> dict[Any, Any]:
     """Parse ``argv`` into one instance per class (keyed by class). Unknown flags are an error
-    unless ``allow_unknown`` (then they are returned under the key ``"unknown"``)."""
+    unless ``allow_unknown`` (then they are returned under the key ``"unknown"``). ``extra(parser)`` adds flags
+    outside the classes; their values are returned under the key ``"namespace"`` (the whole namespace)."""
     parser = build_parser(classes, description)
+    if extra is not None:
+        extra(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     if allow_unknown:
         ns, unknown = parser.parse_known_args(argv)
     else:
         ns, unknown = parser.parse_args(argv), []
     out: dict[Any, Any] = {cls: from_namespace(cls, ns) for cls in classes}
+    out["namespace"] = vars(ns)
     if allow_unknown:
         out["unknown"] = unknown
     return out

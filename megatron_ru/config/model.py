@@ -47,7 +47,8 @@ class ModelConfig:
         None, "Sliding-window attention size of the model (Mistral's config.json sliding_window): a token "
               "attends to itself and the window-1 tokens before it (as transformers). Training with "
               "--seq-length above it is refused.")
-    normalization: str = arg("LayerNorm", "Normalization layer.", choices=("LayerNorm", "RMSNorm"))
+    normalization: str = arg("LayerNorm", "Normalization layer (Megatron-DeepSpeed's lower-case spellings too).",
+                             choices=("LayerNorm", "RMSNorm", "layernorm", "rmsnorm"))
     norm_epsilon: float = arg(1e-5, "Epsilon of LayerNorm/RMSNorm.")
     swiglu: bool = arg(False, "Use SwiGLU instead of GELU in the MLP.")
     disable_bias_linear: bool = arg(False, "No biases in the attention and MLP linear layers.")
@@ -109,6 +110,11 @@ class ModelConfig:
     @property
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+    def __post_init__(self) -> None:
+        # Megatron-DeepSpeed's scripts write --normalization rmsnorm / layernorm
+        self.normalization = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}.get(self.normalization,
+                                                                                  self.normalization)
 
     def problems(self) -> list[str]:
         found: list[str] = []

@@ -45,7 +45,7 @@ class ParallelConfig:
             out.append(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
         if pp < 1:
             out.append(f"--pipeline-model-parallel-size must be >= 1 (got {pp})")
-        if self.sequence_parallel and tp <= 1:
+        if self.sequence_parallel and tp < 1:
             out.append(f"--sequence-parallel needs --tensor-model-parallel-size > 1 (got {tp}); "
                        "drop --sequence-parallel or raise TP")
         if not self.distributed_timeout_minutes > 0:

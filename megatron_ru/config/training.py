@@ -157,6 +157,8 @@ class CheckpointConfig:
                                     "otherwise (and always with --finetune) that is an error.")
     ckpt_step: Optional[int] = arg(None, "Load iteration N of --load (iter_N) instead of the one "
                                          "latest_checkpointed_iteration.txt names, also when that file is missing.")
+    exit_on_missing_checkpoint: bool = arg(False, "A --load without a checkpoint is an error also when it is the "
+                                                  "--save directory (no resume-or-start).")
     no_load_optim: bool = arg(False, "Load weights only: fresh optimizer, scheduler and loss scaler.")
     no_load_rng: bool = arg(False, "Do not restore the RNG states saved in the checkpoint (also when its "
                                    "rng_rank_*.pt files are missing, which is an error otherwise); dropout then "
@@ -169,7 +171,8 @@ class CheckpointConfig:
                 "name, each rank writing its own slices; --load reads it at any TP x PP x DP and ZeRO stage 0-2. "
                 "'deepspeed': DeepSpeed's own files (for DeepSpeed's tools; loaded at another layout by name as "
                 "well). 'auto': megatron_ru, except with ZeRO stage 3 or fp16 without ZeRO, whose optimizer "
-                "state only DeepSpeed's files hold.", choices=("auto", "megatron_ru", "deepspeed"))
+                "state only DeepSpeed's files hold. Megatron-LM's 'torch_dist' and 'torch' mean 'megatron_ru' here.",
+        choices=("auto", "megatron_ru", "deepspeed", "torch_dist", "torch"))
     use_checkpoint_args: bool = arg(False, "Take the model's shape flags (and the tokenizer recorded with it, "
                                            "when no tokenizer flag is given) from the checkpoint in --load; a "
                                            "given flag that contradicts the checkpoint is an error. Dropout "

@@ -124,4 +124,12 @@ def log_banner(args: "Arguments", model: torch.nn.Module, state: "ParallelState"
     sizes = [None if ds is None else len(ds) for ds in datasets]
     for line in banner_lines(args, counts, sizes, prediction):
         log_rank0(log, line)
+    for notice in args.notices:
+        log_rank0(log, notice, level=30)
+    if args.megatron_spellings:
+        log_rank0(log, f"Megatron flags mapped onto megatron_ru's (docs/megatron_flags.md): "
+                       f"{' '.join(args.megatron_spellings)}", level=10)
+    if args.megatron_no_effect:
+        log_rank0(log, f"Megatron flags accepted without effect here (docs/megatron_flags.md): "
+                       f"{' '.join(args.megatron_no_effect)}", level=10)
     return prediction

@@ -216,10 +216,10 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     return ckpt_dir
 
 
-def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str]) -> None:
+def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str], exit_on_missing: bool = False) -> None:
     """No pointer in ``load_dir``: fine when it is also --save (resume-or-start); otherwise an error."""
     resume_or_start = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
-    if resume_or_start and not finetune:
+    if resume_or_start and not finetune and not exit_on_missing:
         log_rank0(log, f"no {TRACKER_FILE} in {load_dir}: starting from scratch")
         return
     if not os.path.isdir(load_dir):
@@ -229,17 +229,20 @@ def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str]) -> No
     else:
         found = f"holds no {TRACKER_FILE}" + ("" if os.listdir(load_dir) else " (it is empty)")
     why = ("--finetune starts from the weights of a checkpoint" if finetune else
+           "--exit-on-missing-checkpoint asks for one" if exit_on_missing else
            "--load names a checkpoint to start from and is not the --save directory")
     raise CheckpointError(
         f"--load {load_dir} {found}: {why}, and there is none. Point --load at a directory written by --save "
         f"(it holds {TRACKER_FILE})" + ("" if finetune else
+                                        ", or drop --exit-on-missing-checkpoint to start from scratch"
+                                        if exit_on_missing else
                                         ", pass the same directory to --save and --load to resume-or-start, "
                                         "or drop --load to start from scratch"))
 
 
 def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, dp: int, zero_stage: int,
                     load_optim: bool, finetune: bool, load_rng: bool = True,
-                    save_dir: Optional[str] = None, iteration: Optional[int] = None
+                    save_dir: Optional[str] = None, iteration: Optional[int] = None, exit_on_missing: bool = False
                     ) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
     """Load the checkpoint ``latest`` points at (``iteration``: that one instead, ``--ckpt-step``); None when ``load_dir`` has none and is also the
     ``save_dir`` (resume-or-start). With ``finetune``, or a ``load_dir`` other than ``save_dir``, a
@@ -249,7 +252,7 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     ``finetune``)."""
     pointed = pointed_checkpoint(load_dir, iteration)
     if pointed is None:
-        _no_checkpoint(load_dir, finetune, save_dir)
+        _no_checkpoint(load_dir, finetune, save_dir, exit_on_missing)
         return None
     iteration, ckpt_dir = pointed
     pointer = os.path.join(load_dir, TRACKER_FILE)

@@ -158,7 +158,8 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     loaded = load_checkpoint(engine, c.load, rank=state.rank, tp=state.tp_size, pp=state.pp_size,
                              dp=state.dp_size, zero_stage=args.training.zero_stage,
                              load_optim=not c.no_load_optim, finetune=c.finetune,
-                             load_rng=not c.no_load_rng, save_dir=c.save, iteration=c.ckpt_step)
+                             load_rng=not c.no_load_rng, save_dir=c.save, iteration=c.ckpt_step,
+                             exit_on_missing=c.exit_on_missing_checkpoint)
     if loaded is None:
         return Progress()
     meta, rng = loaded

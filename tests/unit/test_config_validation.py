@@ -75,8 +75,12 @@ def test_fp16_on_cpu(data_prefix):
     parse_arguments(_argv(data_prefix, fp16=True), world_size=4, device_type="cuda")
 
 
-def test_sequence_parallel_with_tp_1(data_prefix):
-    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in _error(data_prefix, sequence_parallel=True)
+def test_sequence_parallel_with_tp_1_is_turned_off_as_megatron_does(data_prefix):
+    """Was refused; Megatron-LM turns it off with a warning, and its scripts pass it at every TP."""
+    args = parse_arguments(_argv(data_prefix, sequence_parallel=True), world_size=4, device_type="cpu")
+    assert args.sequence_parallel is False
+    assert args.notices == ["--sequence-parallel at --tensor-model-parallel-size 1 does nothing: turned off (as "
+                            "Megatron does)"]
 
 
 def test_heads_not_divisible_by_tp(data_prefix):

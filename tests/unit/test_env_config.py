@@ -56,8 +56,7 @@ def test_all_problems_reported_at_once_naming_flags():
         assert fragment in msg
 
 
-def test_sequence_parallel_needs_tp():
-    assert ParallelConfig(sequence_parallel=True).problems() == [
-        "--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); "
-        "drop --sequence-parallel or raise TP"]
+def test_sequence_parallel_at_tp_1_is_not_a_problem_of_the_schema():
+    """TP 1 turns it off at parse time (tests/unit/test_config_validation.py)."""
+    assert ParallelConfig(sequence_parallel=True).problems() == []
     assert ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True).problems() == []

@@ -1,0 +1,106 @@
+"""The Megatron flag table (megatron_ru/config/megatron_flags.py): one class per flag, the generated doc in step
+with it, spellings that give exactly the configuration of the flags they stand for, refusals in one line each."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.config.megatron_flags import NO_EFFECT, REFUSED, SPELLING, TABLE, markdown, same_flags
+from tests.integration._train_helpers import make_corpus, tiny_argv, without_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    return make_corpus(str(d)), str(d / "cache")
+
+
+def _parse(corpus, *extra, drop=()):
+    return parse_arguments(without_flags(tiny_argv(*corpus), *drop) + list(extra), world_size=2, device_type="cpu")
+
+
+def _configs(args):
+    return {name: dataclasses.asdict(getattr(args, name)) for name in ("parallel", "model", "data", "tokenizer",
+                                                                       "training", "optimizer", "checkpoint",
+                                                                       "logging", "lora")}
+
+
+def test_the_doc_is_generated_from_the_table():
+    with open(os.path.join(REPO, "docs", "megatron_flags.md"), encoding="utf-8") as f:
+        assert f.read() == markdown(same_flags()), "regenerate: python -m megatron_ru.config.megatron_flags > " \
+                                                   "docs/megatron_flags.md"
+
+
+def test_every_flag_is_in_exactly_one_class():
+    flags = [f.flag for f in TABLE]
+    assert len(flags) == len(set(flags))
+    assert not set(flags) & set(same_flags())  # a flag of ours is "same", never also in the table
+    assert {f.kind for f in TABLE} == {SPELLING, NO_EFFECT, REFUSED}
+    for f in TABLE:
+        assert f.note and f.source in ("LM", "DS", "LM, DS"), f
+        assert f.kind != SPELLING or f.apply is not None or f.flag == "--recompute-num-layers" or \
+            f.flag == "--recompute-method", f
+
+
+@pytest.mark.parametrize("spelling, ours, drop", [
+    (["--num-key-value-heads", "2"], ["--group-query-attention", "--num-query-groups", "2"],
+     ("--group-query-attention", "--num-query-groups")),
+    (["--use-rotary-position-embeddings", "--rotary-position-embeddings-theta", "500000"],
+     ["--position-embedding-type", "rope", "--rotary-base", "500000"], ("--position-embedding-type",)),
+    (["--use-distributed-optimizer"], ["--zero-stage", "1"], ()),
+    (["--wandb-project", "p", "--wandb-name", "n"], ["--wandb-project", "p", "--wandb-exp-name", "n"], ()),
+    (["--data-impl", "mmap", "--context-parallel-size", "1", "--rotary-percent", "1.0"], [], ()),
+    (["--normalization", "rmsnorm"], ["--normalization", "RMSNorm"], ("--normalization",)),
+    (["--ckpt-format", "torch_dist"], ["--ckpt-format", "megatron_ru"], ()),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+     ["--recompute-granularity", "full"], ()),
+])
+def test_a_spelling_is_exactly_the_flags_it_stands_for(corpus, spelling, ours, drop, monkeypatch):
+    monkeypatch.setattr("megatron_ru.config.training.wandb_installed", lambda: True)
+    assert _configs(_parse(corpus, *spelling, drop=drop)) == _configs(_parse(corpus, *ours, drop=drop))
+
+
+def test_no_effect_flags_change_nothing_and_are_listed(corpus):
+    flags = []
+    for f in TABLE:
+        if f.kind == NO_EFFECT and f.flag != "--tiktoken-pattern":
+            flags += [f.flag] + (["1"] if f.arity == 1 else [])
+    args = _parse(corpus, *flags)
+    assert _configs(args) == _configs(_parse(corpus))
+    assert sorted(args.megatron_no_effect) == sorted(f for f in flags if f.startswith("--"))
+
+
+def test_refused_flags_say_so_in_one_line_each(corpus):
+    with pytest.raises(ValueError) as e:
+        _parse(corpus, "--rampup-batch-size", "4", "4", "100", "--context-parallel-size", "2", "--data-impl", "lazy",
+               "--num-experts", "8")
+    lines = str(e.value).splitlines()
+    assert lines[0] == "invalid configuration (4 problems):"
+    assert lines[1:] == [  # in the table's order
+        "  - --data-impl lazy is not supported: megatron_ru reads the mmap format (.bin/.idx, MMIDIDX) that "
+        "tools/preprocess_data.py writes; use --data-impl mmap (or drop the flag)",
+        "  - --context-parallel-size 2 is not supported: context parallelism splits the sequence across ranks, which "
+        "megatron_ru does not do; use --sequence-parallel with TP > 1 to split activations, or a shorter --seq-length",
+        "  - --rampup-batch-size is not supported: batch-size ramp-up is not available yet: use a constant "
+        "--global-batch-size",
+        "  - --num-experts is not supported: mixture-of-experts layers are not available: dense models only"]
+
+
+def test_a_spelling_that_contradicts_our_flag_is_an_error(corpus):
+    with pytest.raises(ValueError, match=r"--use-distributed-optimizer shards the optimizer state \(ZeRO stage 1\), but "
+                                         r"--zero-stage 0 is given too"):
+        _parse(corpus, "--use-distributed-optimizer", "--zero-stage", "0")
+    with pytest.raises(ValueError, match=r"--num-key-value-heads 2 means --num-query-groups 2, but --num-query-groups "
+                                         r"4 is given too"):
+        _parse(corpus, "--num-key-value-heads", "2")
+
+
+def test_megatron_behaviours_for_values_we_used_to_refuse(corpus):
+    args = _parse(corpus, "--sequence-parallel", "--bf16", "--zero-stage", "0")
+    assert args.sequence_parallel is False and args.training.zero_stage == 1
+    assert len(args.notices) == 2
