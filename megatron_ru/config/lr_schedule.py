@@ -9,7 +9,11 @@ flags builds it too; :class:`megatron_ru.training.lr.MegatronLRScheduler` applie
 * after ``decay`` steps: ``min_lr``;
 * in between, with ``r = (step - warmup) / (decay - warmup)``:
   ``linear``: ``min_lr + (max_lr - min_lr) * (1 - r)``,
-  ``cosine``: ``min_lr + (max_lr - min_lr) * 0.5 * (1 + cos(pi * r))``.
+  ``cosine``: ``min_lr + (max_lr - min_lr) * 0.5 * (1 + cos(pi * r))``;
+* ``WSD`` (warmup-stable-decay, Megatron-LM's): ``max_lr`` until the last ``wsd_decay_steps`` of the decay
+  length, then with ``q`` the fraction of that phase done: ``exponential`` ``2 * 0.5**q - 1``, ``linear``
+  ``1 - q``, ``cosine`` ``0.5 * (1 + cos(pi * q))``, ``minus_sqrt`` ``1 - sqrt(q)`` times ``max_lr - min_lr``
+  above ``min_lr``.
 
 The scheduler is stepped by DeepSpeed after every applied (non-skipped) optimizer step, and its
 ``state_dict`` (the step count plus the schedule's parameters, checked on load) goes into the
@@ -28,11 +32,18 @@ class LRSchedule:
     min_lr: float
     warmup_steps: int
     decay_steps: int
-    decay_style: str  # constant | linear | cosine
+    decay_style: str  # constant | linear | cosine | WSD
+    #: WSD: the decay phase's length (the last steps of the decay length) and shape
+    wsd_decay_steps: int = 0
+    wsd_decay_style: str = "exponential"
 
     def __post_init__(self) -> None:
-        if self.decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"unknown --lr-decay-style {self.decay_style!r}; use constant, linear or cosine")
+        if self.decay_style not in ("constant", "linear", "cosine", "WSD"):
+            raise ValueError(f"unknown --lr-decay-style {self.decay_style!r}; use constant, linear, cosine or WSD")
+        if self.decay_style == "WSD" and not 0 < self.wsd_decay_steps <= self.decay_steps - self.warmup_steps:
+            raise ValueError(
+                f"WSD's decay phase ({self.wsd_decay_steps} iterations, --lr-wsd-decay-iters/-samples) must be at least "
+                f"one iteration and fit in the decay length after warmup ({self.decay_steps} - {self.warmup_steps})")
         if self.decay_style != "constant" and self.decay_steps <= self.warmup_steps:
             raise ValueError(
                 f"the LR decay length ({self.decay_steps} iterations) must exceed the warmup "
@@ -48,9 +59,26 @@ class LRSchedule:
         ratio = float(step - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
-        else:
+        elif self.decay_style == "cosine":
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            coeff = self._wsd(step)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _wsd(self, step: int) -> float:
+        """Warmup-stable-decay (Megatron-LM's): 1 until the decay phase, the last ``wsd_decay_steps`` of the decay
+        length; then down to 0 in ``wsd_decay_style``."""
+        start = self.decay_steps - self.wsd_decay_steps
+        if step <= start:
+            return 1.0
+        r = float(step - start) / float(self.wsd_decay_steps)
+        if self.wsd_decay_style == "linear":
+            return 1.0 - r
+        if self.wsd_decay_style == "cosine":
+            return 0.5 * (math.cos(math.pi * r) + 1.0)
+        if self.wsd_decay_style == "minus_sqrt":
+            return 1.0 - math.sqrt(r)
+        return 2.0 * math.pow(0.5, r) - 1.0  # exponential
 
 
 def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int) -> LRSchedule:
@@ -68,5 +96,10 @@ def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int)
         warmup = opt_cfg.lr_warmup_samples // global_batch_size
     else:
         warmup = opt_cfg.lr_warmup_iters
+    wsd = 0
+    if opt_cfg.lr_decay_style == "WSD":
+        wsd = (opt_cfg.lr_wsd_decay_samples // global_batch_size if opt_cfg.lr_wsd_decay_samples is not None
+               else opt_cfg.lr_wsd_decay_iters or 0)
     return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup,
-                      decay_steps=decay, decay_style=opt_cfg.lr_decay_style)
+                      decay_steps=decay, decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
+                      wsd_decay_style=opt_cfg.lr_wsd_decay_style)

@@ -100,7 +100,14 @@ class OptimizerConfig:
                          choices=("adam", "sgd"))
     lr: float = arg(1e-4, "Peak learning rate (reached at the end of warmup).")
     min_lr: float = arg(0.0, "Learning rate at the end of decay (and after it).")
-    lr_decay_style: str = arg("linear", "Decay after warmup.", choices=("constant", "linear", "cosine"))
+    lr_decay_style: str = arg("linear", "Decay after warmup. WSD (warmup-stable-decay): --lr until the last "
+                                        "--lr-wsd-decay-iters/-samples of the decay length, then down to --min-lr "
+                                        "in --lr-wsd-decay-style.", choices=("constant", "linear", "cosine", "WSD"))
+    lr_wsd_decay_style: str = arg("exponential", "Shape of WSD's decay phase (Megatron-LM's).",
+                                  choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: Optional[int] = arg(None, "Length of WSD's decay phase in iterations.")
+    lr_wsd_decay_samples: Optional[int] = arg(None, "Length of WSD's decay phase in samples (divided by the global "
+                                                    "batch).")
     lr_warmup_iters: int = arg(0, "Linear warmup length in iterations.")
     lr_warmup_fraction: Optional[float] = arg(
         None, "Warmup length as a fraction of the decay length (exclusive with --lr-warmup-iters).")
@@ -133,6 +140,13 @@ class OptimizerConfig:
             if self.lr_warmup_iters or self.lr_warmup_samples:
                 out.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are "
                            "exclusive: set only one")
+        if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_iters is None) == (self.lr_wsd_decay_samples is None):
+            out.append("--lr-decay-style WSD needs the length of its decay phase: give one of --lr-wsd-decay-iters and "
+                       "--lr-wsd-decay-samples")
+        for name, value in (("--lr-wsd-decay-iters", self.lr_wsd_decay_iters),
+                            ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples)):
+            if value is not None and value < 1:
+                out.append(f"{name} must be >= 1 (got {value})")
         if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
             out.append(f"--lr-decay-iters must be >= 1 (got {self.lr_decay_iters})")
         if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
@@ -157,6 +171,14 @@ class CheckpointConfig:
                                     "otherwise (and always with --finetune) that is an error.")
     ckpt_step: Optional[int] = arg(None, "Load iteration N of --load (iter_N) instead of the one "
                                          "latest_checkpointed_iteration.txt names, also when that file is missing.")
+    override_opt_param_scheduler: bool = arg(
+        False, "On --load, run the learning-rate schedule of this run's flags (the default here too; the flag says "
+               "it outright). Megatron-DeepSpeed's spelling --override-opt_param-scheduler is accepted.",
+        flags=("--override-opt-param-scheduler", "--override-opt_param-scheduler"))
+    use_checkpoint_opt_param_scheduler: bool = arg(
+        False, "On --load, continue the learning-rate schedule saved in the checkpoint (its --lr, --min-lr, warmup, "
+               "decay length and style) instead of this run's flags.",
+        flags=("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"))
     exit_on_missing_checkpoint: bool = arg(False, "A --load without a checkpoint is an error also when it is the "
                                                   "--save directory (no resume-or-start).")
     no_load_optim: bool = arg(False, "Load weights only: fresh optimizer, scheduler and loss scaler.")
@@ -185,6 +207,9 @@ class CheckpointConfig:
             out.append(f"--save-interval must be >= 1 (got {self.save_interval})")
         if self.save_interval is not None and not self.save:
             out.append("--save-interval needs a directory: add --save DIR")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            out.append("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler contradict each other: "
+                       "give one (the schedule of the flags, or the checkpoint's)")
         if self.ckpt_step is not None and not self.load:
             out.append(f"--ckpt-step {self.ckpt_step} names an iteration of the checkpoint to load: add --load DIR")
         if self.ckpt_step is not None and self.ckpt_step < 0:

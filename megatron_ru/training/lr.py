@@ -12,6 +12,9 @@ from typing import Any
 import torch
 
 from megatron_ru.config.lr_schedule import LRSchedule
+from megatron_ru.utils.logging import get_logger, log_rank0
+
+log = get_logger(__name__)
 
 
 class MegatronLRScheduler:
@@ -42,10 +45,37 @@ class MegatronLRScheduler:
     def state_dict(self) -> dict[str, Any]:
         return {"num_steps": self.num_steps, "schedule": asdict(self.schedule)}
 
-    def load_state_dict(self, state: dict[str, Any], *, override_schedule: bool = True) -> None:
-        """Restore the step count. The schedule of the current flags wins (``override_schedule``)
-        so that a resumed run may change e.g. ``--train-iters``; Megatron does the same by default."""
+    #: set from --use-checkpoint-opt-param-scheduler before a load: continue the checkpoint's schedule
+    use_checkpoint_schedule: bool = False
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step count. The schedule of this run's flags wins, so that a continued run may change
+        ``--lr``, ``--train-iters`` or the decay; one line says what changed (Megatron-LM stops with "class input
+        value ... and checkpoint value ... do not match" unless --override-opt-param-scheduler, and its
+        --use-checkpoint-opt-param-scheduler keeps the checkpoint's: ``use_checkpoint_schedule`` here)."""
         self.num_steps = int(state["num_steps"])
-        if not override_schedule and "schedule" in state:
-            self.schedule = LRSchedule(**state["schedule"])
+        saved = state.get("schedule")
+        if saved is not None:
+            saved_schedule = LRSchedule(**{**asdict(self.schedule), **saved})
+            changes = schedule_changes(saved_schedule, self.schedule)
+            if self.use_checkpoint_schedule:
+                if changes:
+                    log_rank0(log, f"--use-checkpoint-opt-param-scheduler: continuing the checkpoint's learning-rate "
+                                   f"schedule ({'; '.join(changes)} in this run's flags are not used)", level=30)
+                self.schedule = saved_schedule
+            elif changes:
+                log_rank0(log, f"the learning-rate schedule of this run's flags differs from the checkpoint's "
+                               f"({'; '.join(changes)}): this run follows its flags from step {self.num_steps} "
+                               f"(lr {self.schedule.lr(self.num_steps):.3e}); --use-checkpoint-opt-param-scheduler "
+                               f"continues the checkpoint's instead", level=30)
         self._apply()
+
+
+def schedule_changes(saved: LRSchedule, flags: LRSchedule) -> list[str]:
+    """What differs between two schedules, in the flags' names: ``--lr 3e-4 -> 1e-4``."""
+    names = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "warmup iterations", "decay_steps":
+             "decay iterations", "decay_style": "--lr-decay-style", "wsd_decay_steps": "WSD decay iterations",
+             "wsd_decay_style": "--lr-wsd-decay-style"}
+    a, b = asdict(saved), asdict(flags)
+    return [f"{names[k]} {a[k]} -> {b[k]}" for k in names if a[k] != b[k] and
+            not (k.startswith("wsd") and "WSD" not in (saved.decay_style, flags.decay_style))]

@@ -155,6 +155,8 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     from megatron_ru.parallel.random import set_rng_state
     from megatron_ru.training.checkpoint import load_checkpoint
     c = args.checkpoint
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.use_checkpoint_schedule = c.use_checkpoint_opt_param_scheduler
     loaded = load_checkpoint(engine, c.load, rank=state.rank, tp=state.tp_size, pp=state.pp_size,
                              dp=state.dp_size, zero_stage=args.training.zero_stage,
                              load_optim=not c.no_load_optim, finetune=c.finetune,
