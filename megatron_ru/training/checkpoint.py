@@ -216,28 +216,43 @@ def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: Checkpoint
     return ckpt_dir
 
 
-def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str], exit_on_missing: bool = False) -> None:
-    """No pointer in ``load_dir``: fine when it is also --save (resume-or-start); otherwise an error."""
+def missing_checkpoint_problem(load_dir: str, finetune: bool, save_dir: Optional[str],
+                               exit_on_missing: bool = False) -> Optional[str]:
+    """Why a ``load_dir`` without a pointer is an error (None: it is also --save, resume-or-start)."""
     resume_or_start = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
     if resume_or_start and not finetune and not exit_on_missing:
-        log_rank0(log, f"no {TRACKER_FILE} in {load_dir}: starting from scratch")
-        return
+        return None
+    complete = [i for i in list_iterations(load_dir)
+                if os.path.isfile(os.path.join(load_dir, iteration_dir_name(i), METADATA_FILE))]
     if not os.path.isdir(load_dir):
         found = "does not exist"
+    elif complete:
+        found = (f"holds complete checkpoints ({', '.join(iteration_dir_name(i) for i in complete[-4:])}) but no "
+                 f"{TRACKER_FILE} (it was deleted, or copied without it)")
     elif list_iterations(load_dir):
         found = f"holds iter_* directories but no {TRACKER_FILE} (no save there completed)"
     else:
         found = f"holds no {TRACKER_FILE}" + ("" if os.listdir(load_dir) else " (it is empty)")
+    if complete:
+        return (f"--load {load_dir} {found}: pass --ckpt-step N to load iteration N ({complete[-1]} is the newest), "
+                f"or write its number into {os.path.join(load_dir, TRACKER_FILE)}")
     why = ("--finetune starts from the weights of a checkpoint" if finetune else
            "--exit-on-missing-checkpoint asks for one" if exit_on_missing else
            "--load names a checkpoint to start from and is not the --save directory")
-    raise CheckpointError(
-        f"--load {load_dir} {found}: {why}, and there is none. Point --load at a directory written by --save "
-        f"(it holds {TRACKER_FILE})" + ("" if finetune else
-                                        ", or drop --exit-on-missing-checkpoint to start from scratch"
-                                        if exit_on_missing else
-                                        ", pass the same directory to --save and --load to resume-or-start, "
-                                        "or drop --load to start from scratch"))
+    return (f"--load {load_dir} {found}: {why}, and there is none. Point --load at a directory written by --save "
+            f"(it holds {TRACKER_FILE})" + ("" if finetune else
+                                            ", or drop --exit-on-missing-checkpoint to start from scratch"
+                                            if exit_on_missing else
+                                            ", pass the same directory to --save and --load to resume-or-start, "
+                                            "or drop --load to start from scratch"))
+
+
+def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str], exit_on_missing: bool = False) -> None:
+    """No pointer in ``load_dir``: fine when it is also --save (resume-or-start); otherwise an error."""
+    problem = missing_checkpoint_problem(load_dir, finetune, save_dir, exit_on_missing)
+    if problem:
+        raise CheckpointError(problem)
+    log_rank0(log, f"no {TRACKER_FILE} in {load_dir}: starting from scratch")
 
 
 def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, dp: int, zero_stage: int,

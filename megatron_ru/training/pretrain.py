@@ -177,22 +177,30 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
 
 def claim_save_dir(args: Arguments, state: ParallelState) -> Optional[Any]:
     """Rank 0 takes the --save directory's lock, refuses a run that would overwrite checkpoints it does not
-    continue and removes what killed saves left (megatron_ru/checkpointing/save_dir.py); every rank learns the
-    outcome, so that a refusal is the same error on all of them. Returns rank 0's lock (None elsewhere)."""
+    continue, removes what killed saves left (megatron_ru/checkpointing/save_dir.py) and checks that --load has
+    the checkpoint it must have; every rank learns the outcome, so that a refusal is the same error on all of
+    them, before anything else runs. Returns rank 0's lock (None elsewhere)."""
     c = args.checkpoint
-    if not c.save:
+    if not c.save and not c.load:
         return None
     from megatron_ru.checkpointing.files import CheckpointError
+    from megatron_ru.checkpointing.meta import pointed_checkpoint
     from megatron_ru.checkpointing.save_dir import claim_save_dir as claim
+    from megatron_ru.training.checkpoint import missing_checkpoint_problem
     lock, error = None, None
     if state.rank == 0:
         try:
-            lock = claim(c.save, c.load, c.ckpt_step)
+            lock = claim(c.save, c.load, c.ckpt_step) if c.save else None
+            if c.load and pointed_checkpoint(c.load, c.ckpt_step) is None:
+                error = missing_checkpoint_problem(c.load, c.finetune, c.save, c.exit_on_missing_checkpoint)
         except CheckpointError as e:
             error = str(e)
         except OSError as e:
             error = (f"--save {c.save}: cannot create or lock the directory ({e.strerror or e}): give a --save "
                      f"this user can write")
+        if error and lock is not None:
+            lock.release()
+            lock = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
         dist.broadcast_object_list(box, src=0)

@@ -200,3 +200,15 @@ def test_a_pointer_to_no_checkpoint_says_what_it_said(tmp_path):
     with pytest.raises(CheckpointError, match=r"^--ckpt-step 7 asks for iteration 7, but .*iter_0000007 does not"):
         read_checkpoint_meta(str(save), 7)
     assert pointed_checkpoint(str(save), 5) == (5, str(save / "iter_0000005"))
+
+
+def test_load_without_save_and_without_the_pointer_names_the_complete_checkpoints(tmp_path):
+    from megatron_ru.training.checkpoint import missing_checkpoint_problem
+    load = tmp_path / "ckpt"
+    _complete(load, 4)
+    _complete(load, 8)
+    assert missing_checkpoint_problem(str(load), False, None) == (
+        f"--load {load} holds complete checkpoints (iter_0000004, iter_0000008) but no {TRACKER_FILE} (it was "
+        f"deleted, or copied without it): pass --ckpt-step N to load iteration N (8 is the newest), or write its "
+        f"number into {load / TRACKER_FILE}")
+    assert missing_checkpoint_problem(str(tmp_path / "empty"), False, str(tmp_path / "empty")) is None
