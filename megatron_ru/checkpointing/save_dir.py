@@ -49,6 +49,8 @@ LOCK_FILE = "megatron_ru.lock"
 HEARTBEAT_S = 60.0
 #: a lock on another host not refreshed for this long is reported as left by a job that is gone
 STALE_AFTER_S = 600.0
+#: how long a lock whose holder died may stay held by processes it started (data-loader workers end within seconds)
+ORPHAN_WAIT_S = 20.0
 #: environment variables naming the scheduler's job (Slurm, Grid Engine, PBS, LSF)
 JOB_ID_VARS = ("SLURM_JOB_ID", "JOB_ID", "PBS_JOBID", "LSB_JOBID")
 
@@ -176,9 +178,15 @@ class SaveDirLock:
         return self._busy(holder, why)
 
     # -- taking and giving back ---------------------------------------------------------------------
-    def acquire(self) -> "SaveDirLock":
+    def acquire(self, orphan_wait_s: float = ORPHAN_WAIT_S) -> "SaveDirLock":
         os.makedirs(self.save_dir, exist_ok=True)
-        for _ in range(5):  # the file may be removed by its holder between our open and our flock
+        deadline = time.monotonic() + orphan_wait_s
+        attempts = 0
+        while True:  # the file may be removed by its holder between our open and our flock
+            attempts += 1
+            if attempts > 5 and time.monotonic() > deadline:
+                raise SaveDirBusy(f"could not take the lock {self.path}: it was removed and re-created while this "
+                                  f"job tried; another job is starting on --save {self.save_dir}")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             locks_work = True
             try:
@@ -187,6 +195,14 @@ class SaveDirLock:
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     holder = self._read(fd)
                     os.close(fd)
+                    if holder and holder.get("host") == socket.gethostname() and not _alive(holder):
+                        # the holder died; the processes it forked (data-loader workers) still hold the file
+                        # open until they notice, within seconds
+                        if time.monotonic() < deadline:
+                            time.sleep(0.5)
+                            continue
+                        raise self._busy(holder, f"that process is gone, but processes it started still hold the "
+                                                 f"lock after {orphan_wait_s:.0f} s") from None
                     raise self._busy(holder, "it holds the lock now") from None
                 locks_work = False  # ENOLCK, EOPNOTSUPP, EINVAL: the file system has no working flock
             try:
@@ -213,8 +229,6 @@ class SaveDirLock:
             self._thread = threading.Thread(target=self._beat, name="save-dir-lock", daemon=True)
             self._thread.start()
             return self
-        raise SaveDirBusy(f"could not take the lock {self.path}: it was removed and re-created five times while "
-                          f"this job tried; another job is starting on --save {self.save_dir}")
 
     def _write(self) -> None:
         assert self._fd is not None and self._record is not None

@@ -212,3 +212,24 @@ def test_load_without_save_and_without_the_pointer_names_the_complete_checkpoint
         f"deleted, or copied without it): pass --ckpt-step N to load iteration N (8 is the newest), or write its "
         f"number into {load / TRACKER_FILE}")
     assert missing_checkpoint_problem(str(tmp_path / "empty"), False, str(tmp_path / "empty")) is None
+
+
+def test_a_dead_holders_children_holding_the_lock_are_waited_for(tmp_path, monkeypatch):
+    """Rank 0 SIGKILLed: its forked data-loader workers keep the flock for a moment; the next job waits for them."""
+    _no_job_env(monkeypatch)
+    save = str(tmp_path / "run")
+    forker = ("import os, sys, time\nfrom megatron_ru.checkpointing.save_dir import SaveDirLock\n"
+              "SaveDirLock(sys.argv[1]).acquire()\n"
+              "if os.fork() == 0:\n    time.sleep(3)\n    os._exit(0)\n"
+              "print('held', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", forker, save], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.stdout.readline().strip() == "held"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    started = time.monotonic()
+    with pytest.raises(sd.SaveDirBusy, match="that process is gone, but processes it started still hold the lock"):
+        sd.SaveDirLock(save).acquire(orphan_wait_s=0.5)
+    lock = sd.SaveDirLock(save).acquire()  # the child ends within 3 s
+    assert "took over" in lock.note and time.monotonic() - started < 10
+    lock.release()
