@@ -39,3 +39,16 @@ def test_no_section_is_labelled_by_when_it_was_made():
     labelled = [title for _, title in _headings(_doc("BENCHMARKS.md")) if WHEN.search(title)]
     assert labelled == []
     assert not re.search(r"\bsession\b", _doc("BENCHMARKS.md"), re.IGNORECASE)
+
+
+def test_every_figure_the_readme_quotes_is_in_benchmarks():
+    """The README quotes measurements (MFU %, speed-up ratios like 1.293x, seconds): each must appear in
+    BENCHMARKS.md's current sections, so that the README cannot keep a figure BENCHMARKS.md dropped (it quoted an
+    H200 run's 43.9 % / 1.14x after BENCHMARKS.md had moved to the H100 run's 45.6 % / 1.29x)."""
+    readme, bench = _doc("README.md"), _doc("BENCHMARKS.md")
+    figures = set(re.findall(r"\b(\d+(?:\.\d+)?) ?%", readme)) | set(re.findall(r"\b(\d+\.\d+)x\b", readme))
+    assert figures, "the README quotes no figure: this test checks nothing"
+    missing = sorted(f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?![\d])", bench))
+    assert missing == [], f"README figures not in BENCHMARKS.md: {missing}"
+    for gpu in re.findall(r"\b(H100|H200|A100|V100)\b", readme):
+        assert gpu in bench, gpu
