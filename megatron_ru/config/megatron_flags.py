@@ -236,8 +236,6 @@ TABLE: tuple[MegatronFlag, ...] = (
                  "here already"),
     MegatronFlag("--timing-log-level", NO_EFFECT, 1, "Megatron's timers; step time is logged here already",
                  source="LM"),
-    MegatronFlag("--wandb-id", NO_EFFECT, 1, "W&B run id: logging only; this run is logged as a new W&B run",
-                 source="DS"),
     # ---- refused ----------------------------------------------------------------------------------
     MegatronFlag("--rampup-batch-size", REFUSED, "+", "batch-size ramp-up is not available yet: use a constant "
                  "--global-batch-size"),

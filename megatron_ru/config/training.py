@@ -237,6 +237,8 @@ class LoggingConfig:
         None, "Log the TensorBoard scalars to this Weights & Biases project too (needs `pip install wandb`; "
               "WANDB_MODE=offline writes the run files locally for a later `wandb sync`).")
     wandb_exp_name: Optional[str] = arg(None, "Name of the Weights & Biases run (default: one W&B picks).")
+    wandb_id: Optional[str] = arg(None, "Id of the Weights & Biases run: a job given the id of an earlier one "
+                                        "continues that run (Megatron-DeepSpeed's flag).")
     wandb_save_dir: Optional[str] = arg(
         None, "Directory for the Weights & Biases run files (default: --save/wandb, else ./wandb).")
 
@@ -246,8 +248,9 @@ class LoggingConfig:
             out.append(f"--log-interval must be >= 1 (got {self.log_interval})")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             out.append(f"--peak-tflops must be > 0 (got {self.peak_tflops})")
-        if not self.wandb_project and (self.wandb_exp_name or self.wandb_save_dir):
-            out.append("--wandb-exp-name and --wandb-save-dir need --wandb-project (the W&B project to log to)")
+        if not self.wandb_project and (self.wandb_exp_name or self.wandb_save_dir or self.wandb_id):
+            out.append("--wandb-exp-name, --wandb-id and --wandb-save-dir need --wandb-project (the W&B project to "
+                       "log to)")
         if self.wandb_project and not wandb_installed():
             out.append(f"--wandb-project {self.wandb_project} needs the wandb package: pip install wandb "
                        f"(or leave out --wandb-project)")

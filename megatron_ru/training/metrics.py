@@ -172,7 +172,7 @@ class MetricsWriter:
         if getattr(log_cfg, "wandb_project", None):
             from megatron_ru.training.wandb_writer import WandbSink
             self._sinks.append(WandbSink(log_cfg.wandb_project, log_cfg.wandb_exp_name, log_cfg.wandb_save_dir,
-                                         save_dir, run_config))
+                                         save_dir, run_config, getattr(log_cfg, "wandb_id", None)))
 
     def _write_scalars(self, scalars: Scalars) -> None:
         for sink in self._sinks:

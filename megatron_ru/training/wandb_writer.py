@@ -44,13 +44,15 @@ class WandbSink:
     """One W&B run of this process (global rank 0 only: see :class:`MetricsWriter`)."""
 
     def __init__(self, project: str, exp_name: Optional[str], wandb_save_dir: Optional[str], save: Optional[str],
-                 run_config: Optional[dict[str, Any]] = None) -> None:
+                 run_config: Optional[dict[str, Any]] = None, run_id: Optional[str] = None) -> None:
         wandb = import_wandb()
         directory = wandb_dir(wandb_save_dir, save)
         os.makedirs(directory, exist_ok=True)
         try:
+            # --wandb-id: the same W&B run continues (a resumed job's curves join the earlier ones)
+            resume = {"id": run_id, "resume": "allow"} if run_id else {}
             self._run = wandb.init(project=project, name=exp_name, dir=directory, config=run_config or {},
-                                   settings=wandb.Settings(console="off", silent=True))
+                                   settings=wandb.Settings(console="off", silent=True), **resume)
         except Exception as e:  # noqa: BLE001 - wandb's own error types vary by version
             raise ValueError(f"Weights & Biases could not start a run for --wandb-project {project}: "
                              f"{type(e).__name__}: {e} Log in (`wandb login` or WANDB_API_KEY), or set "

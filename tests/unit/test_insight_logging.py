@@ -95,7 +95,7 @@ def test_wandb_refused_by_name_when_not_installed(monkeypatch, tmp_path):
         MetricsWriter(cfg, active=True)
     MetricsWriter(cfg, active=False)  # ranks that do not log never import it
     assert LoggingConfig(wandb_exp_name="x").problems() == [
-        "--wandb-exp-name and --wandb-save-dir need --wandb-project (the W&B project to log to)"]
+        "--wandb-exp-name, --wandb-id and --wandb-save-dir need --wandb-project (the W&B project to log to)"]
 
 
 def test_parameter_counts_sum_one_replica_in_megatron_rank_order():
@@ -182,3 +182,15 @@ def test_warnings_become_records_deprecations_at_debug_once(records, capsys, mon
     got = [(level, msg.split(" (")[0]) for name, level, msg in records if name == "megatron_ru.warnings"]
     assert got == [(logging.DEBUG, "FutureWarning: `all_gather_into_tensor` is deprecated"),
                    (logging.WARNING, "UserWarning: something odd")]
+
+
+def test_wandb_id_continues_that_run(tmp_path, monkeypatch):
+    """--wandb-id (Megatron-DeepSpeed's flag): a resumed job logs into the W&B run of the earlier one."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    from megatron_ru.training.wandb_writer import WandbSink
+    ids = []
+    for _ in range(2):
+        sink = WandbSink("ru-gpt", "run13b", str(tmp_path / "wandb"), None, {}, "abc123")
+        ids.append(sink._run.id)
+        sink.close()
+    assert ids == ["abc123", "abc123"]
