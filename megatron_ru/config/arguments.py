@@ -225,7 +225,7 @@ def _data_rule(a: Arguments) -> list[str]:
     from megatron_ru.data.checks import data_problems
     from megatron_ru.data.builder import dataset_sizes
     vocab_size, out = _tokenizer_vocab_size(a)
-    if a.data.problems() or a.training.problems() or not _derivable(a):
+    if a.data.problems() or a.training.problems() or not _derivable(a) or a.data.mock_data:
         return out  # missing files, a bad --split or batch sizes are reported by their own rules
     t = a.training
     sizes = dataset_sizes(a.train_iters, a.global_batch_size, t.eval_interval, t.eval_iters)
@@ -237,6 +237,8 @@ def _resolve_data_flags(cfg: DataConfig) -> tuple[Optional[DataBlend], Optional[
     """``--data-path`` and ``--split`` parsed once; None where a flag is invalid (DataConfig.problems
     says why)."""
     try:
+        if cfg.mock_data:
+            raise ValueError("synthetic data: no blend")
         prefixes, weights = parse_data_path(list(cfg.data_path or []))
         blend: Optional[DataBlend] = DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
     except ValueError:

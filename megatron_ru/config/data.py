@@ -72,13 +72,19 @@ class DataConfig:
         "any", "Where samples may start: 'any' token (Megatron: samples span documents back to back), or "
                "only at a 'document' or 'paragraph' start (the tokens skipped to reach the next boundary "
                "are reported when the index is built).", choices=SAMPLE_START_MODES)
+    mock_data: bool = arg(False, "Synthetic tokens instead of --data-path, for throughput runs (Megatron-LM's "
+                                 "flag): every sample is seq-length + 1 ids drawn uniformly from the vocabulary by a "
+                                 "generator seeded with --seed and the sample's index, so any layout and a resume "
+                                 "read the same samples.")
     num_workers: int = arg(2, "DataLoader worker processes per rank.")
     mmap_warmup: bool = arg(False, "Read the dataset indices once at start-up to warm the page cache.")
 
     def problems(self) -> list[str]:
         out: list[str] = []
+        if self.mock_data and self.data_path:
+            out.append("--mock-data trains on synthetic tokens and --data-path on a dataset: give one of them")
         try:
-            prefixes, _ = parse_data_path(list(self.data_path or []))
+            prefixes, _ = parse_data_path(list(self.data_path or [])) if not self.mock_data else ([], None)
             for prefix in prefixes:
                 missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.exists(p)]
                 if missing:

@@ -245,8 +245,6 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--decoupled-lr", REFUSED, 1, "a separate learning rate for the embedding and output layer is not "
                  "available yet: train them alone with --train-only-embeddings, or at the common --lr", source="LM"),
     MegatronFlag("--decoupled-min-lr", REFUSED, 1, "see --decoupled-lr", source="LM"),
-    MegatronFlag("--mock-data", REFUSED, 0, "synthetic data is not available yet: give a small --data-path (make demo "
-                 "writes one)", source="LM"),
     MegatronFlag("--grad-reduce-in-bf16", REFUSED, 0, "gradients are reduced in fp32 here (DeepSpeed's "
                  "grad_accum_dtype fp32 under --bf16); reducing them in bf16 changes the result: drop the flag",
                  source="LM"),

@@ -122,6 +122,22 @@ class VocabCheckedDataset:
         raise batch_token_error("?", top, self.vocab_size, self.split)
 
 
+class MockDataset:
+    """``--mock-data``: ``num_samples`` samples of ``seq_length + 1`` ids uniform in ``[0, vocab_size)``, sample ``i``
+    of split ``split`` drawn by a generator seeded with ``(seed, split, i)``: the same at any layout and resume."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split: int) -> None:
+        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.seed, self.split = seed, split
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng((self.seed, self.split, int(idx)))
+        return {"tokens": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
+
+
 def build_datasets(args: "Arguments", is_builder_rank: bool, barrier: Optional[Callable[[], None]],
                    vocab_size: Optional[int] = None
                    ) -> tuple[Optional[SampleDataset], Optional[SampleDataset], Optional[SampleDataset]]:
@@ -130,6 +146,10 @@ def build_datasets(args: "Arguments", is_builder_rank: bool, barrier: Optional[C
     cap_eval_iters(args)
     sizes = dataset_sizes(args.train_iters, args.global_batch_size, args.training.eval_interval,
                           args.training.eval_iters)
+    if args.data.mock_data:
+        vocab = vocab_size if vocab_size is not None else args.built_tokenizer().vocab_size
+        return tuple(MockDataset(n, args.data.seq_length, vocab, args.training.seed, split)  # type: ignore[return-value]
+                     for split, n in enumerate(sizes))
     train, valid, test = build_train_valid_test_datasets(args.data, args.blend, args.split, sizes, args.training.seed,
                                                          is_builder_rank=is_builder_rank, barrier=barrier)
     if vocab_size is not None:

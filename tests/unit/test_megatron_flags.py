@@ -104,3 +104,22 @@ def test_megatron_behaviours_for_values_we_used_to_refuse(corpus):
     args = _parse(corpus, "--sequence-parallel", "--bf16", "--zero-stage", "0")
     assert args.sequence_parallel is False and args.training.zero_stage == 1
     assert len(args.notices) == 2
+
+
+def test_mock_data_needs_no_dataset_and_gives_the_same_samples_everywhere(tmp_path):
+    """--mock-data (Megatron-LM's throughput flag): no --data-path, seeded samples independent of the layout."""
+    import numpy as np
+
+    from megatron_ru.training.data import MockDataset, build_datasets
+    argv = without_flags(tiny_argv(str(tmp_path / "none"), str(tmp_path / "cache")), "--data-path")
+    args = parse_arguments([*argv, "--mock-data", "--eval-interval", "5"], world_size=2, device_type="cpu")
+    train, valid, test = build_datasets(args, is_builder_rank=True, barrier=None)
+    assert isinstance(train, MockDataset) and len(train) == 10 * 4 and len(valid) == 3 * 2 * 4 and len(test) == 0
+    sample = train[7]["tokens"]
+    vocab = args.built_tokenizer().vocab_size  # NullTokenizer: --vocab-size 95 and the end-of-document id
+    assert vocab == 96 and sample.shape == (33,) and sample.min() >= 0 and sample.max() < vocab
+    assert np.array_equal(sample, MockDataset(40, 32, vocab, 7, 0)[7]["tokens"])  # --seed 7, split 0, index 7
+    assert not np.array_equal(sample, train[8]["tokens"]) and not np.array_equal(sample, valid[7]["tokens"])
+    with pytest.raises(ValueError, match="--mock-data trains on synthetic tokens and --data-path on a dataset"):
+        parse_arguments([*tiny_argv(str(tmp_path / "x"), str(tmp_path / "c")), "--mock-data"], world_size=1,
+                        device_type="cpu")
