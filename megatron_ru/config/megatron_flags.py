@@ -284,7 +284,9 @@ def add_to_parser(parser: argparse.ArgumentParser) -> None:
         if f.arity == 0:
             kwargs["action"] = "store_true"
         elif f.arity == "+":
-            kwargs["nargs"] = "+"
+            kwargs.update(nargs="+", metavar="VALUE")
+        else:
+            kwargs["metavar"] = "VALUE"
         group.add_argument(f.flag, **kwargs)
 
 
