@@ -132,8 +132,9 @@ def test_state_cli_reports_errors(capsys):
                  "--pipeline-model-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "WORLD_SIZE=6 is not divisible by TP x PP = 2 x 2 = 4" in err
-    assert main(["--world-size", "4", "--sequence-parallel"]) == 2
-    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in capsys.readouterr().err
+    # Megatron turns sequence parallelism off at TP 1 (pretrain_gpt.py too, with a warning): the layout stands
+    assert main(["--world-size", "4", "--sequence-parallel"]) == 0
+    assert "WORLD_SIZE=4 TP=1 PP=1 DP=4" in capsys.readouterr().out
 
 
 def test_parallel_state_has_every_mpu_method_deepspeed_calls():
