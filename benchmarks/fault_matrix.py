@@ -256,6 +256,13 @@ class Workspace:
             self._reference[key] = train_losses(metrics)
         return self._reference[key]
 
+    def fresh_save(self, name: str) -> tuple[str, str]:
+        """An empty --save directory for run ``name`` and the metrics file inside it."""
+        save = os.path.join(self.root, "runs", name)
+        shutil.rmtree(save, ignore_errors=True)
+        os.makedirs(save)
+        return save, os.path.join(save, "metrics.jsonl")
+
     def copy_checkpoint(self, layout: str, name: str) -> str:
         dst = os.path.join(self.root, "runs", name)
         shutil.rmtree(dst, ignore_errors=True)
@@ -435,10 +442,7 @@ def vocab_too_small(ws: Workspace, launcher: str, layout: str, name: str):
 
 def signal_all(sig: int, at_startup: bool):
     def make(ws: Workspace, launcher: str, layout: str, name: str):
-        save = os.path.join(ws.root, "runs", name)
-        shutil.rmtree(save, ignore_errors=True)
-        os.makedirs(save)
-        metrics = os.path.join(save, "metrics.jsonl")
+        save, metrics = ws.fresh_save(name)
         argv = ws.argv(layout, iters=REFERENCE_ITERS, extra=("--save", save, "--exit-signal-handler",
                                                              "--metrics-file", metrics))
 
@@ -465,10 +469,7 @@ def signal_all(sig: int, at_startup: bool):
 def kill_during_saves(ws: Workspace, launcher: str, layout: str, name: str):
     """SIGKILL rank 1 while the job saves every iteration; the pointer must still name a complete
     checkpoint, from which a resume reproduces the uninterrupted run."""
-    save = os.path.join(ws.root, "runs", name)
-    shutil.rmtree(save, ignore_errors=True)
-    os.makedirs(save)
-    metrics = os.path.join(save, "metrics.jsonl")
+    save, metrics = ws.fresh_save(name)
     argv = ws.argv(layout, iters=REFERENCE_ITERS, extra=("--save", save, "--save-interval", "1",
                                                          "--metrics-file", metrics))
 
@@ -550,10 +551,7 @@ def two_jobs_one_save(ws: Workspace, launcher: str, layout: str, name: str):
 def killed_job_stale_lock(ws: Workspace, launcher: str, layout: str, name: str):
     """The whole job SIGKILLed (launcher and ranks, as a scheduler does) while it saves every iteration: its lock
     and a partial save stay; the next job takes the lock over, removes the leftovers and resumes exactly."""
-    save = os.path.join(ws.root, "runs", name)
-    shutil.rmtree(save, ignore_errors=True)
-    os.makedirs(save)
-    metrics = os.path.join(save, "metrics.jsonl")
+    save, metrics = ws.fresh_save(name)
     argv = ws.argv(layout, iters=REFERENCE_ITERS, extra=("--save", save, "--save-interval", "1",
                                                          "--metrics-file", metrics))
 
@@ -585,10 +583,7 @@ def launcher_killed(at_startup: bool):
     """SIGKILL to the launcher alone (mpirun's ranks live in their own process groups; torchrun's workers outlive
     their agent): every rank must end within 15 s, and no checkpoint completes after that."""
     def make(ws: Workspace, launcher: str, layout: str, name: str):
-        save = os.path.join(ws.root, "runs", name)
-        shutil.rmtree(save, ignore_errors=True)
-        os.makedirs(save)
-        metrics = os.path.join(save, "metrics.jsonl")
+        save, metrics = ws.fresh_save(name)
         argv = ws.argv(layout, iters=100000, extra=("--save", save, "--save-interval", "1", "--metrics-file", metrics))
 
         def during(proc, started):

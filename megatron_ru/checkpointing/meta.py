@@ -78,8 +78,7 @@ def pointed_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[tu
     if os.path.isfile(os.path.join(ckpt_dir, METADATA_FILE)):
         return step, ckpt_dir
     state = "does not exist" if not os.path.isdir(ckpt_dir) else f"is incomplete (no {METADATA_FILE}: its save never finished)"
-    complete = [i for i in list_iterations(load_dir)
-                if os.path.isfile(os.path.join(load_dir, iteration_dir_name(i), METADATA_FILE))]
+    complete = complete_iterations(load_dir)
     found = (f"the complete checkpoints there are iterations {', '.join(map(str, complete[-6:]))}" if complete
              else "there is no complete checkpoint there")
     raise CheckpointError(f"{source}, but {ckpt_dir} {state}; {found}: write one of them into {pointer} (or pass "
@@ -91,6 +90,12 @@ def list_iterations(save_dir: str) -> list[int]:
         return []
     out = [int(m.group(1)) for m in (_ITER_RE.match(n) for n in os.listdir(save_dir)) if m]
     return sorted(out)
+
+
+def complete_iterations(save_dir: str) -> list[int]:
+    """The iterations of ``save_dir`` whose directory holds ``metadata.json`` (a save writes it last)."""
+    return [i for i in list_iterations(save_dir)
+            if os.path.isfile(os.path.join(save_dir, iteration_dir_name(i), METADATA_FILE))]
 
 
 def prune_checkpoints(save_dir: str, keep_last: int, current: int) -> list[int]:

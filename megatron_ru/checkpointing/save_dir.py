@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_ru.checkpointing.files import CheckpointError
-from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, iteration_dir_name, list_iterations,
-                                            read_latest_iteration)
+from megatron_ru.checkpointing.meta import (TRACKER_FILE, complete_iterations, iteration_dir_name,
+                                            list_iterations, read_latest_iteration)
 from megatron_ru.utils.logging import get_logger
+from megatron_ru.utils.processes import running, start_time
 
 log = get_logger(__name__)
 
@@ -67,29 +68,9 @@ def job_id(env: Optional[dict[str, str]] = None) -> Optional[str]:
     return None
 
 
-def process_start(pid: int) -> Optional[str]:
-    """The kernel's start time of ``pid`` (field 22 of /proc/PID/stat, clock ticks since boot), None when the
-    process does not exist or /proc is unreadable: with the PID it names one process, not a reused PID."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[19]
-
-
 def _alive(holder: dict[str, Any]) -> bool:
     pid = holder.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    started = holder.get("pid_start")
-    return started is None or process_start(pid) in (None, started)
+    return isinstance(pid, int) and pid > 0 and running(pid, holder.get("pid_start"))
 
 
 def describe(holder: dict[str, Any], now: Optional[float] = None) -> str:
@@ -224,7 +205,7 @@ class SaveDirLock:
                 self.note = f"{self.note}; {unsupported}" if self.note else unsupported
             self._fd = fd
             now = time.time()
-            self._record = _Record(socket.gethostname(), os.getpid(), process_start(os.getpid()), job_id(), now, now)
+            self._record = _Record(socket.gethostname(), os.getpid(), start_time(os.getpid()), job_id(), now, now)
             self._write()
             self._thread = threading.Thread(target=self._beat, name="save-dir-lock", daemon=True)
             self._thread.start()
@@ -262,12 +243,6 @@ class SaveDirLock:
 
 
 # ---- the pointer and the leftovers -------------------------------------------------------------------
-
-def complete_iterations(save_dir: str) -> list[int]:
-    """The iterations of ``save_dir`` whose directory holds ``metadata.json`` (written last by a save)."""
-    return [i for i in list_iterations(save_dir)
-            if os.path.isfile(os.path.join(save_dir, iteration_dir_name(i), METADATA_FILE))]
-
 
 def overwrite_problem(save_dir: str, load_dir: Optional[str], ckpt_step: Optional[int]) -> Optional[str]:
     """Why this run would replace complete checkpoints in ``save_dir`` that it does not continue (None: it

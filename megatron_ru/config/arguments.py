@@ -365,8 +365,7 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
             out.append(f"--deepspeed_config {path} has {key}.enabled={enabled} but {flag} is "
                        f"{'set' if on else 'not set'}; make them agree")
     stage = user.get("zero_optimization", {}).get("stage")
-    promoted = stage == 0 and a.training.bf16 and a.training.zero_stage == 1  # see parse_arguments: bf16 at stage 0
-    if stage is not None and stage != a.training.zero_stage and not promoted:
+    if stage is not None and stage != a.training.zero_stage:
         out.append(f"--deepspeed_config {path} has zero_optimization.stage={stage} but --zero-stage is "
                    f"{a.training.zero_stage}; make them agree")
     return out
@@ -409,13 +408,6 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
         tok.tokenizer_type = "GPT2BPETokenizer"
         args.notices.append("--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer (the only "
                             "tokenizer that reads a merge file)")
-    if args.training.bf16 and args.training.zero_stage == 0:
-        # DeepSpeed keeps bf16's fp32 master weights and fp32 gradient sums only in its ZeRO optimizer (stage 0 is
-        # "an unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" inside DeepSpeed)
-        args.notices.append("--bf16 with --zero-stage 0: running ZeRO stage 1, where DeepSpeed keeps bf16's fp32 "
-                            "master weights and gradient sums (the same results; the optimizer state is sharded "
-                            "over the data-parallel ranks)")
-        args.training.zero_stage = 1
     if args.parallel.sequence_parallel and args.parallel.tensor_model_parallel_size == 1:
         args.notices.append("--sequence-parallel at --tensor-model-parallel-size 1 does nothing: turned off "
                             "(as Megatron does)")
@@ -426,5 +418,13 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
     args.blend, args.split = _resolve_data_flags(args.data)
     if validate:
         validate_all(args.configs(), [lambda a: megatron_problems, *RULES], context=args)
+    if args.training.bf16 and args.training.zero_stage == 0:
+        # DeepSpeed keeps bf16's fp32 master weights and fp32 gradient sums only in its ZeRO optimizer (stage 0 is
+        # "an unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" inside DeepSpeed); after
+        # validation, which checked the flags (and a --deepspeed_config's stage) as the user gave them
+        args.notices.append("--bf16 with --zero-stage 0: running ZeRO stage 1, where DeepSpeed keeps bf16's fp32 "
+                            "master weights and gradient sums (the same results; the optimizer state is sharded "
+                            "over the data-parallel ranks)")
+        args.training.zero_stage = 1
     args.layout = ParallelLayout(args.world_size, args.tp, args.pp)  # valid: refused above otherwise
     return args

@@ -12,8 +12,8 @@ see megatron_ru/checkpointing/save_dir.py). The child ends by itself when the ra
 The launcher is ``mpirun``/``orted`` (the PMIx server named in ``PMIX_SERVER_TMPDIR``) under Open MPI,
 the nearest ``slurmstepd`` under ``srun``, and the parent process under ``torchrun`` (and DeepSpeed's
 launcher). A process started by hand (``python pretrain_gpt.py``) is not watched: ``nohup`` training
-must survive its terminal. This module imports only the standard library (``pretrain_gpt.py`` calls it
-before importing torch).
+must survive its terminal. This module imports only the standard library and megatron_ru.utils (``pretrain_gpt.py`` calls
+it before importing torch).
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 from typing import Mapping, Optional
+
+from megatron_ru.utils.logging import current_rank
+from megatron_ru.utils.processes import proc_stat, running, start_time
 
 #: seconds between two checks of the launcher
 PERIOD_S = 0.5
@@ -60,26 +63,17 @@ while True:
 """
 
 
-def _stat(pid: int) -> Optional[list[str]]:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return [text[text.index("(") + 1:text.rindex(")")]] + text.rsplit(")", 1)[-1].split()
-
-
 def ancestors(pid: int, limit: int = 8) -> list[tuple[int, str]]:
     """(pid, command name) of ``pid``'s parent, its parent, ... (at most ``limit``)."""
     out = []
     while len(out) < limit:
-        stat = _stat(pid)
+        stat = proc_stat(pid)
         if stat is None:
             break
         pid = int(stat[2])  # fields after the name: state, ppid
         if pid <= 1:
             break
-        parent = _stat(pid)
+        parent = proc_stat(pid)
         out.append((pid, parent[0] if parent else "?"))
     return out
 
@@ -113,8 +107,7 @@ def launcher_alive() -> bool:
     if not _WATCHED:
         return True
     pid, _, start = _WATCHED[0]
-    stat = _stat(pid)
-    return stat is not None and stat[1] not in ("Z", "X") and (start == "-" or stat[20] == start)
+    return running(pid, None if start == "-" else start)
 
 
 def exit_if_launcher_gone(what: str) -> None:
@@ -125,8 +118,7 @@ def exit_if_launcher_gone(what: str) -> None:
         return
     pid, name, _ = _WATCHED[0]
     try:
-        rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "?"
-        sys.stderr.write(f"[{time.strftime('%H:%M:%S')} rank {rank}] ERROR megatron_ru.parallel.launcher_watch: the launcher "
+        sys.stderr.write(f"[{time.strftime('%H:%M:%S')} rank {current_rank()}] ERROR megatron_ru.parallel.launcher_watch: the launcher "
                          f"({name}, PID {pid}) is gone: {what} abandoned, ending this rank (PID {os.getpid()})\n")
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - its pipe may have died with it
@@ -134,18 +126,16 @@ def exit_if_launcher_gone(what: str) -> None:
     os._exit(1)
 
 
-def watch_launcher(rank_text: str = "", env: Mapping[str, str] = os.environ) -> Optional[subprocess.Popen]:
+def watch_launcher(env: Mapping[str, str] = os.environ) -> Optional[subprocess.Popen]:
     """Start the watcher for this process (None when there is no launcher to watch)."""
     found = launcher_pid(env)
     if found is None:
         return None
     pid, name = found
     name = {"pt_elastic": "torchrun"}.get(name, name)  # torchrun's agent names its process pt_elastic
-    stat = _stat(pid)
-    start = stat[20] if stat is not None and len(stat) > 20 else "-"
+    start = start_time(pid) or "-"
     _WATCHED[:] = [(pid, name, start)]
-    rank = rank_text or env.get("OMPI_COMM_WORLD_RANK") or env.get("RANK") or env.get("SLURM_PROCID") or "?"
-    line = (f"[{{time}} rank {rank}] ERROR megatron_ru.parallel.launcher_watch: the launcher ({name}, PID {pid}) "
+    line = (f"[{{time}} rank {current_rank()}] ERROR megatron_ru.parallel.launcher_watch: the launcher ({name}, PID {pid}) "
             f"is gone: ending this rank (PID {os.getpid()}) without saving; a save in progress stays incomplete and "
             f"the next start-up removes it")
     try:

@@ -46,9 +46,10 @@ from megatron_ru.checkpointing.files import (CheckpointError, CheckpointSaveErro
 from megatron_ru.checkpointing.layout import LAYERS_FORMAT
 from megatron_ru.checkpointing.loader import layers_layout_problem, load_by_names
 from megatron_ru.checkpointing.lora_base import verify_distributed
-from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, iteration_dir_name,
-                                            layout_problems, list_iterations, pointed_checkpoint,
-                                            prune_checkpoints, read_latest_iteration, write_text_atomic)
+from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, complete_iterations,
+                                            iteration_dir_name, layout_problems, list_iterations,
+                                            pointed_checkpoint, prune_checkpoints, read_latest_iteration,
+                                            write_text_atomic)
 from megatron_ru.checkpointing.saver import write_rank_files
 from megatron_ru.checkpointing.writer import jsonable
 from megatron_ru.config.lora import is_adapter_parameter
@@ -222,8 +223,7 @@ def missing_checkpoint_problem(load_dir: str, finetune: bool, save_dir: Optional
     resume_or_start = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
     if resume_or_start and not finetune and not exit_on_missing:
         return None
-    complete = [i for i in list_iterations(load_dir)
-                if os.path.isfile(os.path.join(load_dir, iteration_dir_name(i), METADATA_FILE))]
+    complete = complete_iterations(load_dir)
     if not os.path.isdir(load_dir):
         found = "does not exist"
     elif complete:

@@ -18,6 +18,7 @@ from megatron_ru.checkpointing import save_dir as sd
 from megatron_ru.checkpointing.files import CheckpointError
 from megatron_ru.checkpointing.meta import TRACKER_FILE, pointed_checkpoint
 from megatron_ru.config.checkpoint_args import read_checkpoint_meta
+from megatron_ru.utils.processes import start_time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,7 +69,7 @@ def test_a_second_job_is_refused_naming_the_holder_and_a_killed_holder_is_taken_
                                 f"releasing it (PID {proc.pid} on {socket.gethostname()}")
     record = json.load(open(lock.path))
     assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
-    assert record["pid_start"] == sd.process_start(os.getpid())
+    assert record["pid_start"] == start_time(os.getpid())
     lock.release()
     assert not os.path.exists(lock.path)  # a released lock leaves nothing behind
     assert sd.SaveDirLock(save).acquire().note is None
