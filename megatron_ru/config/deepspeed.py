@@ -44,6 +44,7 @@ def build_ds_config(args: "Arguments") -> dict[str, Any]:
         # its own shard, so each rank must send its whole tensor
         cfg["pipeline"] = {**cfg.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     if t.bf16:
-        # accumulate and reduce gradients in fp32: bf16 sums over micro batches lose digits
-        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+        # accumulate and reduce gradients in fp32 (bf16 sums over micro batches lose digits), unless
+        # --grad-reduce-in-bf16 asks for Megatron-LM's bf16 gradient buffers
+        cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "bf16" if t.grad_reduce_in_bf16 else "fp32")
     return cfg

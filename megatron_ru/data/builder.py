@@ -41,44 +41,60 @@ def _split_dataset(indexed: IndexedDataset, split: int, doc_range: tuple[int, in
                       is_builder_rank=is_builder_rank, barrier=barrier)
 
 
-def build_train_valid_test_datasets(data_cfg: DataConfig, blend: DataBlend, split: Sequence[float],
+def build_train_valid_test_datasets(data_cfg: DataConfig, blend: Optional[DataBlend], split: Sequence[float],
                                     train_val_test_num_samples: tuple[int, int, int], seed: int, *,
-                                    is_builder_rank: bool, barrier: Optional[Callable[[], None]]
+                                    is_builder_rank: bool, barrier: Optional[Callable[[], None]],
+                                    blend_per_split: Optional[Sequence[Optional[DataBlend]]] = None
                                     ) -> tuple[Any, Any, Any]:
     """(train, valid, test) datasets; each has ``len`` and ``[i] -> {"tokens": int64[seq_length + 1]}``,
     or is None when its split has no documents and no samples were asked of it.
 
-    ``blend`` and ``split`` are resolved and checked once, before this is called (by
-    ``parse_arguments``, or :func:`resolve_data` for direct use): nothing is re-validated here."""
-    prefixes, weights = list(blend.prefixes), (None if blend.weights is None else list(blend.weights))
-    indexed = [IndexedDataset.open(p) for p in prefixes]
+    ``blend`` is cut into the splits by ``split``; ``blend_per_split`` (--train/valid/test-data-path) gives each
+    split its own datasets, all of whose documents it reads (None: that split has none). Both are resolved and
+    checked once, before this is called (by ``parse_arguments``, or :func:`resolve_data` for direct use):
+    nothing is re-validated here."""
+    nums = [int(n) for n in train_val_test_num_samples]
+    if blend_per_split is not None:
+        return tuple(None if b is None or nums[s] == 0 else  # type: ignore[return-value]
+                     _build_split(s, b, None, nums[s], data_cfg, seed, is_builder_rank, barrier)
+                     for s, b in enumerate(blend_per_split))
+    assert blend is not None
+    if len(blend.prefixes) == 1:  # no blending: each split's dataset, also one without samples asked of it
+        ds = _open(blend, data_cfg)[0]
+        return tuple(_split_dataset(ds, s, r, nums[s], data_cfg, seed, is_builder_rank, barrier)  # type: ignore
+                     for s, r in enumerate(split_document_ranges(ds.num_documents, split)))
+    return tuple(None if nums[s] == 0 else  # type: ignore[return-value]
+                 _build_split(s, blend, split, nums[s], data_cfg, seed, is_builder_rank, barrier) for s in range(3))
+
+
+def _open(blend: DataBlend, data_cfg: DataConfig) -> list[IndexedDataset]:
+    indexed = [IndexedDataset.open(p) for p in blend.prefixes]
     if data_cfg.mmap_warmup:
         for ds in indexed:  # touch every page of the index arrays once
             _ = (int(ds.sequence_lengths.sum(dtype=np.int64)), int(ds.sequence_pointers.sum()),
                  int(ds.document_indices.sum()))
-    ranges = [split_document_ranges(ds.num_documents, split) for ds in indexed]
-    nums = [int(n) for n in train_val_test_num_samples]
+    return indexed
 
+
+def _build_split(s: int, blend: DataBlend, split: Optional[Sequence[float]], num_samples: int, data_cfg: DataConfig,
+                 seed: int, is_builder_rank: bool, barrier: Optional[Callable[[], None]]) -> Any:
+    """Split ``s``'s dataset of ``num_samples`` from ``blend``: each dataset's share of documents by ``split``
+    (None: all of them), blended by the weights (token counts when none; weight 0 left out)."""
+    indexed = _open(blend, data_cfg)
+    ranges = [split_document_ranges(ds.num_documents, split)[s] if split is not None else (0, ds.num_documents)
+              for ds in indexed]
     if len(indexed) == 1:
-        return tuple(_split_dataset(indexed[0], s, ranges[0][s], nums[s], data_cfg, seed, is_builder_rank, barrier)
-                     for s in range(3))  # type: ignore[return-value]
-
-    if weights is None:
-        weights = [float(ds.num_tokens) for ds in indexed]
+        return _split_dataset(indexed[0], s, ranges[0], num_samples, data_cfg, seed, is_builder_rank, barrier)
+    weights = list(blend.weights) if blend.weights is not None else [float(ds.num_tokens) for ds in indexed]
     keep = [d for d, w in enumerate(weights) if w > 0]
-    if len(keep) < len(indexed):
-        log.info("--data-path: leaving out datasets of weight 0: %s",
-                 ", ".join(prefixes[d] for d in range(len(indexed)) if d not in keep), extra=RANK0)
-    out: list[Any] = []
-    for s in range(3):
-        if nums[s] == 0:
-            out.append(None)
-            continue
-        per = samples_per_dataset([weights[d] for d in keep], nums[s])
-        parts = [_split_dataset(indexed[d], s, ranges[d][s], n, data_cfg, seed, is_builder_rank, barrier)
-                 for d, n in zip(keep, per)]
-        out.append(BlendedDataset(parts, [weights[d] for d in keep], nums[s], name=SPLIT_NAMES[s]))
-    return out[0], out[1], out[2]
+    if len(keep) < len(indexed) and (split is None or s == 0):  # said once per blend
+        log.info("%s: leaving out datasets of weight 0: %s", "--data-path" if split is not None else
+                 f"--{SPLIT_NAMES[s]}-data-path", ", ".join(blend.prefixes[d] for d in range(len(indexed))
+                                                             if d not in keep), extra=RANK0)
+    per = samples_per_dataset([weights[d] for d in keep], num_samples)
+    parts = [_split_dataset(indexed[d], s, ranges[d], n, data_cfg, seed, is_builder_rank, barrier)
+             for d, n in zip(keep, per)]
+    return BlendedDataset(parts, [weights[d] for d in keep], num_samples, name=SPLIT_NAMES[s])
 
 
 def resolve_data(data_cfg: DataConfig, train_val_test_num_samples: Sequence[int],

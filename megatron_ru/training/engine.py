@@ -43,17 +43,41 @@ __all__ = ["build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine",
 log = get_logger(__name__)
 
 
-def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float,
+                           decoupled: Iterable[torch.nn.Parameter] = ()) -> list[dict[str, Any]]:
     """Megatron's grouping: no weight decay on biases and norm weights (1-D tensors), nor on a frozen
-    stage's placeholder (:func:`megatron_ru.training.freeze.keep_optimizer_busy`)."""
+    stage's placeholder (:func:`megatron_ru.training.freeze.keep_optimizer_busy`). The ``decoupled``
+    parameters (--decoupled-lr: the input word embedding and the output layer) come last, in groups of their
+    own marked :data:`~megatron_ru.training.lr.DECOUPLED` for the learning-rate scheduler."""
     from megatron_ru.training.freeze import ANCHOR_ATTR
+    from megatron_ru.training.lr import DECOUPLED
+    apart = {id(p) for p in decoupled}
     trained = [p for _, p in model.named_parameters() if p.requires_grad]
-    groups = weight_decay_groups(trained, lambda p: p.ndim >= 2 and not getattr(p, ANCHOR_ATTR, False))
-    return [{"params": g, "weight_decay": weight_decay if decay else 0.0} for decay, g in groups]
+    out: list[dict[str, Any]] = []
+    for own_lr in (False, True):
+        groups = weight_decay_groups([p for p in trained if (id(p) in apart) == own_lr],
+                                     lambda p: p.ndim >= 2 and not getattr(p, ANCHOR_ATTR, False))
+        out += [{"params": g, "weight_decay": weight_decay if decay else 0.0, **({DECOUPLED: True} if own_lr else {})}
+                for decay, g in groups]
+    return out
 
 
-def build_optimizer(model: torch.nn.Module, opt_cfg: Any) -> torch.optim.Optimizer:
-    groups = optimizer_param_groups(model, opt_cfg.weight_decay)
+def decoupled_parameters(model: torch.nn.Module, model_cfg: Any) -> list[torch.nn.Parameter]:
+    """The parameters --decoupled-lr applies to, as Megatron-LM marks them: the input word embedding and the
+    output layer's weight (not a learned position table), on this rank's stage."""
+    from megatron_ru.model.spec import VOCAB_WEIGHTS, canonical_named_parameters
+    return [p for name, p in canonical_named_parameters(model, model_cfg) if name in VOCAB_WEIGHTS]
+
+
+def build_optimizer(model: torch.nn.Module, opt_cfg: Any, model_cfg: Any = None) -> torch.optim.Optimizer:
+    """The torch optimizer over the trainable parameters (``model_cfg``: the model's description, needed to find
+    the embedding and output layer under --decoupled-lr)."""
+    decoupled: list[torch.nn.Parameter] = []
+    if getattr(opt_cfg, "decoupled_lr", None) is not None:
+        if model_cfg is None:
+            raise ValueError("internal: --decoupled-lr needs the model's description to find its embedding")
+        decoupled = decoupled_parameters(model, model_cfg)
+    groups = optimizer_param_groups(model, opt_cfg.weight_decay, decoupled)
     if not groups:
         raise ValueError("no trainable parameters on this rank: the model has none")
     if opt_cfg.optimizer == "sgd":
@@ -116,7 +140,7 @@ def initialize_engine(model: torch.nn.Module, state: "ParallelState", args: "Arg
     is_pipe = is_pipeline_module(model)
     if (state.pp_size > 1) != is_pipe:
         raise ValueError(f"internal: PP={state.pp_size} needs {'a' if state.pp_size > 1 else 'no'} PipelineModule")
-    optimizer = build_optimizer(model, args.optimizer)
+    optimizer = build_optimizer(model, args.optimizer, args.model)
     ds_config = build_ds_config(args)
     engine = initialize(model, optimizer, ds_config, mpu=None if is_pipe else state,
                         lr_scheduler=lambda opt: MegatronLRScheduler(opt, schedule))

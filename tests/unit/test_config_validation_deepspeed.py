@@ -44,6 +44,15 @@ def test_bf16_accumulates_in_fp32_and_user_config_is_merged(tmp_path):
     assert cfg["wall_clock_breakdown"] is True and cfg["gradient_accumulation_steps"] == 2
 
 
+def test_grad_reduce_in_bf16_is_deepspeeds_bf16_gradient_accumulation(tmp_path):
+    import pytest
+    cfg = build_ds_config(_args(tmp_path, "--bf16", "--grad-reduce-in-bf16", "--use-distributed-optimizer",
+                                device_type="cpu"))
+    assert cfg["data_types"]["grad_accum_dtype"] == "bf16" and cfg["zero_optimization"]["stage"] == 1
+    with pytest.raises(ValueError, match="--grad-reduce-in-bf16 reduces bfloat16 gradients: add --bf16"):
+        _args(tmp_path, "--grad-reduce-in-bf16", device_type="cpu")
+
+
 def test_no_weight_decay_on_biases_and_norms():
     import torch
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
