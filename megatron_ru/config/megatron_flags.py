@@ -24,11 +24,13 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from megatron_ru.config.megatron_flags_rest import GROUPS as REST
+
 if TYPE_CHECKING:
     from megatron_ru.config.arguments import Arguments
 
 SPELLING, NO_EFFECT, REFUSED = "spelling", "no effect", "refused"
-#: a flag's values: 0 (a switch), 1, or "+" (one or more)
+#: a flag's values: 0 (a switch), 1, "+" (one or more), "*" (any number) or "?" (a switch or one value)
 Arity = Union[int, str]
 #: (arguments, the flag's value, the flags given explicitly) -> a problem, or None when it applied
 Apply = Callable[["Arguments", Any, "set[str]"], Optional[str]]
@@ -133,6 +135,74 @@ def _tiktoken(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str
             f"pattern; for another one use --tokenizer-type HuggingFaceTokenizer with the tokenizer's tokenizer.json")
 
 
+def _norm_epsilon(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    return _set(args, explicit, "model", "norm_epsilon", float(value), f"--layernorm-epsilon {value}")
+
+
+def _llama3_rope_scaling(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    """Megatron-LM's ``--use-rope-scaling``: Llama 3.1's frequency scaling with ``--rope-scaling-factor`` and the
+    fixed low/high-frequency factors 1 and 4 and original context 8192 of its rotary embedding."""
+    m = args.model
+    problem = _set(args, explicit, "model", "rope_scaling_type", "llama3", "--use-rope-scaling")
+    if problem:
+        return problem
+    fixed = {"rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
+             "rope_scaling_original_max_position_embeddings": 8192}
+    for name, megatrons in fixed.items():
+        if name in explicit and getattr(m, name) != megatrons:
+            return (f"--use-rope-scaling scales with Megatron-LM's fixed --{name.replace('_', '-')} {megatrons}, but "
+                    f"{getattr(m, name)} is given: drop --use-rope-scaling and give --rope-scaling-type llama3")
+        setattr(m, name, megatrons)
+    return None
+
+
+def _fp32_grad_reduction(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    t = args.training
+    if t.fp16:
+        return ("--accumulate-allreduce-grads-in-fp32 with --fp16 is not supported: DeepSpeed's fp16 optimizer "
+                "accumulates and reduces gradients in fp16; use --bf16, which does both in fp32")
+    if getattr(t, "grad_reduce_in_bf16", False):
+        return "--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16: give one"
+    return None  # bf16: fp32 gradient accumulation and reduction (DeepSpeed's grad_accum_dtype); fp32: all fp32
+
+
+def _no_initialization(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    if args.checkpoint.load:
+        return None  # the loaded checkpoint replaces every initial weight (a missing one is an error)
+    return ("--no-initialization without --load (weights left uninitialised) is not supported: it only saves time "
+            "when a checkpoint replaces the weights; add --load DIR or drop the flag")
+
+
+def _exit_signal_handler(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    return _set(args, explicit, "training", "exit_signal_handler", True, "--exit-signal-handler-for-training")
+
+
+def _value_is(flag: str, allowed: tuple[str, ...], instead: str) -> Apply:
+    def check(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+        if str(value) in allowed:
+            return None
+        return f"{flag} {value} is not supported: {instead}"
+    return check
+
+
+def _value_zero(flag: str, instead: str) -> Apply:
+    def check(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+        if float(value) == 0:
+            return None
+        return f"{flag} {value} is not supported: {instead}"
+    return check
+
+
+def _embedding_init_std(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    if float(value) == args.model.init_method_std:
+        return None
+    return (f"--embedding-init-method-std {value} is not supported: the embedding is drawn from N(0, "
+            f"--init-method-std {args.model.init_method_std}) like every weight; give the same value or drop the flag")
+
+
+_FP32_STATE = "Adam's moments, the master weights and the main gradients are fp32 here: use fp32 (or drop the flag)"
+
+
 _NO_FUSION = "a fused kernel's switch: the same result, computed by another kernel"
 _LOGGING_LATER = ("a logging switch: it changes nothing that is computed; this scalar is not written yet (the "
                   "train line, TensorBoard and metrics.jsonl have loss, LR, grad norm, throughput and memory)")
@@ -169,6 +239,40 @@ TABLE: tuple[MegatronFlag, ...] = (
                  "own here, whatever the method (uniform or block) and --recompute-num-layers: the same losses and "
                  "gradients (recomputation never changes them); activation memory as uniform with 1 layer"),
     MegatronFlag("--recompute-num-layers", SPELLING, 1, "see --recompute-method"),
+    MegatronFlag("--layernorm-epsilon", SPELLING, 1, "= --norm-epsilon", _norm_epsilon, "DS"),
+    MegatronFlag("--use-rope-scaling", SPELLING, 0, "= --rope-scaling-type llama3 with --rope-scaling-factor and "
+                 "Megatron-LM's fixed low/high-frequency factors 1 and 4 and original context 8192",
+                 _llama3_rope_scaling, "LM"),
+    MegatronFlag("--universal-checkpoint", SPELLING, 0, "what --load does here: it reads a checkpoint saved at any "
+                 "TP x PP x DP x ZeRO", lambda args, value, explicit: None, "DS"),
+    MegatronFlag("--accumulate-allreduce-grads-in-fp32", SPELLING, 0, "what --bf16 does here (DeepSpeed's "
+                 "grad_accum_dtype fp32); with --fp16 refused", _fp32_grad_reduction),
+    MegatronFlag("--lr-warmup-init", SPELLING, 1, "0 (warmup from zero) is what runs here; more is refused",
+                 _value_zero("--lr-warmup-init", "the warmup here rises from 0 to --lr; use --lr-warmup-init 0"), "LM"),
+    MegatronFlag("--weight-decay-incr-style", SPELLING, 1, "constant is what runs here; linear and cosine are refused",
+                 _value_is("--weight-decay-incr-style", ("constant",), "weight decay here is the constant "
+                           "--weight-decay; use --weight-decay-incr-style constant")),
+    MegatronFlag("--softmax-type", SPELLING, 1, "vanilla (the standard softmax) is what runs here; the off-by-one "
+                 "and learnable variants are refused", _value_is("--softmax-type", ("vanilla",), "only the "
+                                                                  "standard attention softmax is available"), "LM"),
+    MegatronFlag("--glu-linear-offset", SPELLING, 1, "0 is what runs here; an offset is refused",
+                 _value_zero("--glu-linear-offset", "the gated linear unit here has no offset; use 0"), "LM"),
+    MegatronFlag("--embedding-init-method-std", SPELLING, 1, "the value of --init-method-std is what runs here; "
+                 "another is refused", _embedding_init_std, "LM"),
+    MegatronFlag("--exp-avg-dtype", SPELLING, 1, "fp32 is what runs here; others are refused",
+                 _value_is("--exp-avg-dtype", ("fp32",), _FP32_STATE), "LM"),
+    MegatronFlag("--exp-avg-sq-dtype", SPELLING, 1, "see --exp-avg-dtype",
+                 _value_is("--exp-avg-sq-dtype", ("fp32",), _FP32_STATE), "LM"),
+    MegatronFlag("--main-grads-dtype", SPELLING, 1, "see --exp-avg-dtype",
+                 _value_is("--main-grads-dtype", ("fp32",), _FP32_STATE), "LM"),
+    MegatronFlag("--main-params-dtype", SPELLING, 1, "see --exp-avg-dtype",
+                 _value_is("--main-params-dtype", ("fp32",), _FP32_STATE), "LM"),
+    MegatronFlag("--exit-signal-handler-for-training", SPELLING, 0, "= --exit-signal-handler (SIGTERM/SIGUSR1: save "
+                 "and exit)", _exit_signal_handler, "LM"),
+    MegatronFlag("--exit-signal-handler-for-dataloader", SPELLING, 0, "= --exit-signal-handler, which here covers "
+                 "the whole run, data loading included", _exit_signal_handler, "LM"),
+    MegatronFlag("--no-initialization", NO_EFFECT, 0, "skips initialising weights that --load replaces: the same "
+                 "model; without --load refused", _no_initialization),
     # ---- no effect --------------------------------------------------------------------------------
     MegatronFlag("--use-mcore-models", NO_EFFECT, 0, "one model implementation here", source="LM"),
     MegatronFlag("--transformer-impl", NO_EFFECT, 1, "one transformer implementation here (local and "
@@ -216,7 +320,7 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--tiktoken-pattern", NO_EFFECT, 1, "read only by --tokenizer-type TikTokenizer, which here cuts "
                  "text with LLaMA-3's pattern: with TikTokenizer, Megatron's v1/v2 patterns are refused",
                  _tiktoken, "LM"),
-    MegatronFlag("--profile", NO_EFFECT, 0, "Nsight/torch profiler ranges: use torch.profiler or nsys around "
+    MegatronFlag("--profile", NO_EFFECT, "?", "Nsight/torch profiler ranges: use torch.profiler or nsys around "
                  "pretrain_gpt.py", source="LM"),
     MegatronFlag("--profile-step-start", NO_EFFECT, 1, "see --profile", source="LM"),
     MegatronFlag("--profile-step-end", NO_EFFECT, 1, "see --profile", source="LM"),
@@ -259,7 +363,7 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--fp8-format", REFUSED, 1, "FP8 training is not available: use --bf16"),
     MegatronFlag("--fp8-recipe", REFUSED, 1, "see --fp8-format", source="LM"),
     MegatronFlag("--fp8-param-gather", REFUSED, 0, "see --fp8-format", source="LM"),
-    MegatronFlag("--num-experts", REFUSED, 1, "mixture-of-experts layers are not available: dense models only"),
+    MegatronFlag("--num-experts", REFUSED, "+", "mixture-of-experts layers are not available: dense models only"),
     MegatronFlag("--expert-model-parallel-size", REFUSED, 1, "see --num-experts", source="LM"),
     MegatronFlag("--moe-router-topk", REFUSED, 1, "see --num-experts", source="LM"),
     MegatronFlag("--cpu-offload", REFUSED, 0, "CPU offload is not available: use a higher --zero-stage", source="DS"),
@@ -272,6 +376,9 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--encoder-num-layers", REFUSED, 1, "encoder-decoder models are not available: GPT/LLaMA only"),
 )
 
+TABLE += tuple(MegatronFlag(flag, kind, arity, note, source=source)
+               for kind, note, flags in REST for flag, arity, source in flags)
+
 BY_FLAG = {f.flag: f for f in TABLE}
 
 
@@ -283,8 +390,10 @@ def add_to_parser(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"dest": f.dest, "default": None, "help": f"[{f.kind}] {f.note}"}
         if f.arity == 0:
             kwargs["action"] = "store_true"
-        elif f.arity == "+":
-            kwargs.update(nargs="+", metavar="VALUE")
+        elif f.arity in ("+", "*"):
+            kwargs.update(nargs=f.arity, metavar="VALUE")
+        elif f.arity == "?":  # Megatron-LM's switch, Megatron-DeepSpeed's flag with a value
+            kwargs.update(nargs="?", const=True, metavar="VALUE")
         else:
             kwargs["metavar"] = "VALUE"
         group.add_argument(f.flag, **kwargs)
@@ -310,6 +419,9 @@ def apply_megatron_flags(args: "Arguments", values: dict[str, Any], explicit: se
     return problems
 
 
+_VALUES: dict[Arity, str] = {0: "", 1: " N", "+": " ...", "*": " ...", "?": " [N]"}
+
+
 def markdown(same: list[str]) -> str:
     """docs/megatron_flags.md: ``same`` (our parser's flags) and the table."""
     lines = ["# Megatron-LM and Megatron-DeepSpeed flags in megatron_ru", "",
@@ -325,7 +437,7 @@ def markdown(same: list[str]) -> str:
     for kind in (SPELLING, NO_EFFECT, REFUSED):
         rows = [f for f in TABLE if f.kind == kind]
         lines += [f"## {kind} ({len(rows)})", "", "| flag | from | here |", "|---|---|---|"]
-        lines += [f"| `{f.flag}`{' N' if f.arity == 1 else ' ...' if f.arity == '+' else ''} | {f.source} | "
+        lines += [f"| `{f.flag}`{_VALUES[f.arity]} | {f.source} | "
                   f"{f.note} |" for f in rows]
         lines.append("")
     return "\n".join(lines)

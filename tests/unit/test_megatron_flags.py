@@ -59,6 +59,15 @@ def test_every_flag_is_in_exactly_one_class():
     (["--ckpt-format", "torch_dist"], ["--ckpt-format", "megatron_ru"], ()),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
      ["--recompute-granularity", "full"], ()),
+    (["--layernorm-epsilon", "1e-6", "--accumulate-allreduce-grads-in-fp32", "--universal-checkpoint"],
+     ["--norm-epsilon", "1e-6"], ()),
+    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "32"],
+     ["--position-embedding-type", "rope", "--rope-scaling-type", "llama3", "--rope-scaling-factor", "32",
+      "--rope-scaling-low-freq-factor", "1", "--rope-scaling-high-freq-factor", "4",
+      "--rope-scaling-original-max-position-embeddings", "8192"], ("--position-embedding-type",)),
+    (["--save", "ckpt", "--exit-signal-handler-for-training", "--lr-warmup-init", "0", "--softmax-type", "vanilla",
+      "--exp-avg-dtype", "fp32", "--main-params-dtype", "fp32", "--weight-decay-incr-style", "constant"],
+     ["--save", "ckpt", "--exit-signal-handler"], ()),
 ])
 def test_a_spelling_is_exactly_the_flags_it_stands_for(corpus, spelling, ours, drop, monkeypatch):
     monkeypatch.setattr("megatron_ru.config.training.wandb_installed", lambda: True)
@@ -68,8 +77,8 @@ def test_a_spelling_is_exactly_the_flags_it_stands_for(corpus, spelling, ours, d
 def test_no_effect_flags_change_nothing_and_are_listed(corpus):
     flags = []
     for f in TABLE:
-        if f.kind == NO_EFFECT and f.flag != "--tiktoken-pattern":
-            flags += [f.flag] + (["1"] if f.arity == 1 else [])
+        if f.kind == NO_EFFECT and f.flag not in ("--tiktoken-pattern", "--no-initialization"):
+            flags += [f.flag] + (["1"] if f.arity in (1, "+") else [])
     args = _parse(corpus, *flags)
     assert _configs(args) == _configs(_parse(corpus))
     assert sorted(args.megatron_no_effect) == sorted(f for f in flags if f.startswith("--"))
@@ -77,18 +86,32 @@ def test_no_effect_flags_change_nothing_and_are_listed(corpus):
 
 def test_refused_flags_say_so_in_one_line_each(corpus):
     with pytest.raises(ValueError) as e:
-        _parse(corpus, "--rampup-batch-size", "4", "4", "100", "--context-parallel-size", "2", "--data-impl", "lazy",
-               "--num-experts", "8")
+        _parse(corpus, "--context-parallel-size", "2", "--data-impl", "lazy", "--num-experts", "8")
     lines = str(e.value).splitlines()
-    assert lines[0] == "invalid configuration (4 problems):"
+    assert lines[0] == "invalid configuration (3 problems):"
     assert lines[1:] == [  # in the table's order
         "  - --data-impl lazy is not supported: megatron_ru reads the mmap format (.bin/.idx, MMIDIDX) that "
         "tools/preprocess_data.py writes; use --data-impl mmap (or drop the flag)",
         "  - --context-parallel-size 2 is not supported: context parallelism splits the sequence across ranks, which "
         "megatron_ru does not do; use --sequence-parallel with TP > 1 to split activations, or a shorter --seq-length",
-        "  - --rampup-batch-size is not supported: batch-size ramp-up is not available yet: use a constant "
-        "--global-batch-size",
         "  - --num-experts is not supported: mixture-of-experts layers are not available: dense models only"]
+
+
+def test_the_vocabulary_s_refusals_and_value_checks(corpus):
+    with pytest.raises(ValueError) as e:
+        _parse(corpus, "--fp8-margin", "0", "--inprocess-restart", "--lr-warmup-init", "1e-5", "--no-initialization",
+               "--softmax-type", "learnable", "--accumulate-allreduce-grads-in-fp32", "--fp16")
+    lines = str(e.value).splitlines()[1:]
+    assert "  - --fp8-margin is not supported: low-precision (FP8/FP4/MXFP8) training is not available: use --bf16" \
+        in lines
+    assert any(line.startswith("  - --inprocess-restart is not supported: in-process restart is not available")
+               for line in lines)
+    assert "  - --lr-warmup-init 1e-5 is not supported: the warmup here rises from 0 to --lr; use --lr-warmup-init 0" \
+        in lines
+    assert any(line.startswith("  - --no-initialization without --load") for line in lines)
+    assert any(line.startswith("  - --softmax-type learnable is not supported") for line in lines)
+    assert any(line.startswith("  - --accumulate-allreduce-grads-in-fp32 with --fp16 is not supported") for line in lines)
+    assert all(line.startswith("  - ") for line in lines)
 
 
 def test_a_spelling_that_contradicts_our_flag_is_an_error(corpus):
