@@ -150,6 +150,9 @@ def _zero_rule(a: Arguments) -> list[str]:
         return [f"--zero-stage {a.training.zero_stage} cannot be combined with --pipeline-model-parallel-size "
                 f"{a.pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; use --zero-stage 1 or "
                 f"--pipeline-model-parallel-size 1"]
+    if a.logging.log_params_norm and a.training.zero_stage == 3:
+        return ["--log-params-norm cannot be combined with --zero-stage 3: the weights are partitioned over the "
+                "data-parallel ranks (each rank holds a slice); drop --log-params-norm or use --zero-stage 2 or lower"]
     return []
 
 

@@ -327,13 +327,7 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--use-pytorch-profiler", NO_EFFECT, 0, "see --profile", source="LM"),
     MegatronFlag("--log-throughput", NO_EFFECT, 0, "throughput (tokens/s, TFLOP/s, MFU) is logged at every "
                  "--log-interval here already"),
-    MegatronFlag("--log-timers-to-tensorboard", NO_EFFECT, 0, _LOGGING_LATER),
-    MegatronFlag("--log-params-norm", NO_EFFECT, 0, _LOGGING_LATER),
     MegatronFlag("--log-num-zeros-in-grad", NO_EFFECT, 0, _LOGGING_LATER),
-    MegatronFlag("--log-validation-ppl-to-tensorboard", NO_EFFECT, 0, _LOGGING_LATER),
-    MegatronFlag("--log-batch-size-to-tensorboard", NO_EFFECT, 0, _LOGGING_LATER),
-    MegatronFlag("--log-memory-to-tensorboard", NO_EFFECT, 0, _LOGGING_LATER),
-    MegatronFlag("--log-world-size-to-tensorboard", NO_EFFECT, 0, _LOGGING_LATER),
     MegatronFlag("--log-learning-rate-to-tensorboard", NO_EFFECT, 0, "the learning rate is written at every "
                  "--log-interval here already"),
     MegatronFlag("--log-loss-scale-to-tensorboard", NO_EFFECT, 0, "the loss scale is written at every --log-interval "

@@ -241,6 +241,21 @@ class LoggingConfig:
                                         "continues that run (Megatron-DeepSpeed's flag).")
     wandb_save_dir: Optional[str] = arg(
         None, "Directory for the Weights & Biases run files (default: --save/wandb, else ./wandb).")
+    # Megatron-LM's optional scalars, under its tag names, to TensorBoard, W&B and --metrics-file
+    # (megatron_ru.training.metrics.MEGATRON_TRAIN_TAGS; docs/training.md)
+    log_params_norm: bool = arg(
+        False, "Log the L2 norm of all model weights ('params-norm', each element once across TP and PP; one "
+               "all-reduce over the model-parallel group per logged iteration). Not with --zero-stage 3.")
+    log_timers_to_tensorboard: bool = arg(
+        False, "Log the wall time per iteration in seconds ('iteration-time'); Megatron's other timers are not "
+               "kept.")
+    log_validation_ppl_to_tensorboard: bool = arg(
+        False, "Log the validation perplexity exp(min(loss, 20)) as 'lm loss validation ppl' (and vs samples).")
+    log_batch_size_to_tensorboard: bool = arg(False, "Log the global batch size ('batch-size', and vs samples).")
+    log_memory_to_tensorboard: bool = arg(
+        False, "Log memory: on a GPU 'mem-reserved-bytes', 'mem-allocated-bytes', 'mem-max-allocated-bytes' "
+               "(torch.cuda.memory_stats); on CPU this process's peak RSS as 'mem-max-rss-bytes'.")
+    log_world_size_to_tensorboard: bool = arg(False, "Log the number of ranks ('world-size', and vs samples).")
 
     def problems(self) -> list[str]:
         out = []

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from megatron_ru.parallel.state import ParallelState
     from megatron_ru.config.lr_schedule import LRSchedule
 
-__all__ = ["build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine",
+__all__ = ["build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine", "params_norm_tp_aware",
            "optimizer_param_groups"]
 
 log = get_logger(__name__)
@@ -118,6 +118,22 @@ def grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], tp_rank: int, mp_gr
     if dist.is_initialized() and mp_group is not None and dist.get_world_size(mp_group) > 1:
         dist.all_reduce(sq, group=mp_group)
     return sq.sqrt().float()
+
+
+def params_norm_tp_aware(params: Iterable[torch.nn.Parameter], tp_rank: int, mp_group: Any) -> float:
+    """L2 norm of all the weights of one model replica spread over the TP × PP group (--log-params-norm),
+    each element counted once as :func:`grad_norm_tp_aware` counts gradients (TP-replicated parameters on TP
+    rank 0, pipeline-tied copies once); the model's own parameters (bf16 under --bf16), summed in float64.
+    Every rank of the model-parallel group must call it. Not for ZeRO 3 (partitioned weights; validation
+    refuses the pair)."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    norms = [torch.linalg.vector_norm(p.detach(), 2, dtype=torch.float32) for p in params if _counts_here(p, tp_rank)]
+    sq = (torch.stack(norms).double().pow(2).sum() if norms
+          else torch.zeros((), dtype=torch.float64, device=device))
+    if dist.is_initialized() and mp_group is not None and dist.get_world_size(mp_group) > 1:
+        dist.all_reduce(sq, group=mp_group)
+    return float(sq.sqrt())
 
 
 def clip_grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], max_norm: float, tp_rank: int,

@@ -21,7 +21,7 @@ from megatron_ru.parallel.comm_audit import audit_for_run
 from megatron_ru.parallel.state import ParallelState
 from megatron_ru.training import checkpoint as ckpt
 from megatron_ru.training.data import Batch, SampleDataset, micro_batches, pipeline_items
-from megatron_ru.training.metrics import EtaClock, MetricsWriter, peak_memory_mib
+from megatron_ru.training.metrics import EtaClock, MetricsWriter, memory_bytes, peak_memory_mib
 from megatron_ru.training.signals import ExitSignal
 from megatron_ru.utils.logging import get_logger, log_rank0
 
@@ -241,7 +241,7 @@ class Trainer:
         peak = self.throughput.peak_tflops
         label, mem = peak_memory_mib()
         eta = self._eta.update(it, time.perf_counter())
-        self.metrics.log_train({
+        rec = {
             "iteration": it, "train_iters": self.plan.train_iters,
             "consumed_samples": self.progress.consumed_train_samples,
             "consumed_tokens": self.progress.consumed_train_samples * self.plan.seq_length,
@@ -250,10 +250,31 @@ class Trainer:
             "lm_loss": sum(losses) / n, "loss_scale": loss_scale_of(self.engine), "grad_norm": grad_norm,
             "skipped_iterations": skipped, "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
             "mfu": (tflops / peak) if peak else None, "memory_label": label,
-            "peak_memory_mib": mem, "eta_seconds": eta})
+            "peak_memory_mib": mem, "eta_seconds": eta}
+        rec.update(self._megatron_scalars(per_iter, rec["global_batch_size"]))
+        self.metrics.log_train(rec)
         if not self._logged_memory:
             self._logged_memory = True
             self._log_memory(label, mem)
+
+    def _megatron_scalars(self, per_iter: float, batch: int) -> dict[str, float]:
+        """The record keys of the --log-*-to-tensorboard / --log-params-norm switches that are on
+        (:data:`megatron_ru.training.metrics.MEGATRON_TRAIN_TAGS` names their tags). Called on every rank:
+        the params norm is an all-reduce over the model-parallel group."""
+        lg, out = self.logging, {}
+        if lg.log_params_norm:
+            from megatron_ru.training.engine import params_norm_tp_aware
+            out["params_norm"] = params_norm_tp_aware(self.engine.module.parameters(), self.state.tp_rank,
+                                                      self.state.mp_group)
+        if lg.log_batch_size_to_tensorboard:
+            out["batch_size"] = batch
+        if lg.log_world_size_to_tensorboard:
+            out["world_size"] = self.state.world_size
+        if lg.log_timers_to_tensorboard:
+            out["iteration_time"] = per_iter  # seconds, the mean over the logged window (Megatron's)
+        if lg.log_memory_to_tensorboard:
+            out.update(memory_bytes(self.device))
+        return out
 
     def _log_memory(self, label: str, measured_mib: float) -> None:
         """The measured peak after the first logged iteration (its optimizer steps allocated the optimizer
@@ -319,4 +340,5 @@ class Trainer:
         if val is not None:
             tokens = self.progress.consumed_train_samples * self.plan.seq_length
             result.evals.append(self.metrics.log_eval(self.progress.iteration, val, text=self.text_metrics(val),
-                                                      consumed_tokens=tokens))
+                                                      consumed_tokens=tokens,
+                                                      consumed_samples=self.progress.consumed_train_samples))

@@ -94,9 +94,28 @@ def format_train_line(rec: dict[str, Any]) -> str:
 #: the scalars of a train record, under ``train/<key>``, against the iteration
 TRAIN_SCALAR_KEYS = ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device", "mfu",
                      "elapsed_ms", "peak_memory_mib", "consumed_samples", "consumed_tokens")
+#: the optional scalars of a train record (present only under their --log-* flag), under Megatron-LM's tag
+#: names: record key -> tag. ``mem_max_rss_bytes`` is the CPU stand-in for Megatron's CUDA allocator numbers
+#: (this process's peak resident set size; Megatron has no CPU tag).
+MEGATRON_TRAIN_TAGS = {"batch_size": "batch-size", "world_size": "world-size", "params_norm": "params-norm",
+                       "iteration_time": "iteration-time", "mem_reserved_bytes": "mem-reserved-bytes",
+                       "mem_allocated_bytes": "mem-allocated-bytes",
+                       "mem_max_allocated_bytes": "mem-max-allocated-bytes", "mem_max_rss_bytes": "mem-max-rss-bytes"}
 #: the tag of the consumed-samples axis, and the scalars plotted against it instead of the iteration
 SAMPLES_TAG = "train/consumed_samples"
-VS_SAMPLES_TAGS = ("train/lm_loss_vs_samples",)
+VS_SAMPLES_TAGS = ("train/lm_loss_vs_samples", "batch-size vs samples", "world-size vs samples",
+                   "params-norm vs samples", "lm loss validation ppl vs samples")
+
+
+def memory_bytes(device: torch.device) -> dict[str, float]:
+    """--log-memory-to-tensorboard: Megatron's CUDA allocator numbers (reserved, allocated, peak allocated
+    bytes) on a GPU; on CPU this process's peak RSS (``mem_max_rss_bytes``), the one honest number there."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {"mem_reserved_bytes": float(stats.get("reserved_bytes.all.current", 0)),
+                "mem_allocated_bytes": float(stats.get("allocated_bytes.all.current", 0)),
+                "mem_max_allocated_bytes": float(stats.get("allocated_bytes.all.peak", 0))}
+    return {"mem_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0}  # KiB on Linux
 
 
 @dataclass(frozen=True)
@@ -121,18 +140,30 @@ def train_scalars(rec: dict[str, Any]) -> Scalars:
     values = {f"train/{key}": float(rec[key]) for key in TRAIN_SCALAR_KEYS if rec.get(key) is not None}
     values["train/lm_loss_vs_samples"] = float(rec["lm_loss"])
     values[SAMPLES_TAG] = float(rec["consumed_samples"])
+    for key, tag in MEGATRON_TRAIN_TAGS.items():
+        if rec.get(key) is not None:
+            values[tag] = float(rec[key])
+            if f"{tag} vs samples" in VS_SAMPLES_TAGS:
+                values[f"{tag} vs samples"] = float(rec[key])
     return Scalars(rec["iteration"], values, samples=int(rec["consumed_samples"]))
 
 
-def eval_scalars(rec: dict[str, Any]) -> Scalars:
+def eval_scalars(rec: dict[str, Any], megatron_ppl: bool = False) -> Scalars:
     """The scalars of an eval record (:meth:`MetricsWriter.log_eval`): ``<split>/loss``, ``<split>/ppl`` and,
-    for a tokenizer with text, ``<split>/bits_per_byte`` and ``<split>/bits_per_char``."""
+    for a tokenizer with text, ``<split>/bits_per_byte`` and ``<split>/bits_per_char``. ``megatron_ppl``
+    (--log-validation-ppl-to-tensorboard): also Megatron-LM's ``lm loss <split> ppl`` (exp(min(loss, 20))),
+    against the iteration and, as ``... vs samples``, against the consumed training samples."""
     split = rec["split"]
     values = {f"{split}/loss": float(rec["val_loss"]), f"{split}/ppl": float(rec["val_ppl"])}
     for key in ("val_bits_per_byte", "val_bits_per_char"):
         if rec.get(key) is not None:
             values[f"{split}/{key[4:]}"] = float(rec[key])
-    return Scalars(rec["iteration"], values)
+    samples = rec.get("consumed_samples")
+    if megatron_ppl:
+        values[f"lm loss {split} ppl"] = float(rec["val_ppl"])
+        if samples is not None and split == "validation":
+            values["lm loss validation ppl vs samples"] = float(rec["val_ppl"])
+    return Scalars(rec["iteration"], values, samples=samples)
 
 
 class TensorBoardSink:
@@ -160,6 +191,7 @@ class MetricsWriter:
     def __init__(self, log_cfg: Any, active: bool, run_config: Optional[dict[str, Any]] = None,
                  save_dir: Optional[str] = None) -> None:
         self.active = active
+        self._megatron_ppl = bool(getattr(log_cfg, "log_validation_ppl_to_tensorboard", False))
         self._jsonl = None
         self._sinks: list[Any] = []
         if not active:
@@ -192,14 +224,18 @@ class MetricsWriter:
         self._write_scalars(train_scalars(rec))
 
     def log_eval(self, iteration: int, val_loss: float, split: str = "validation",
-                 text: Optional[dict[str, float]] = None, consumed_tokens: Optional[int] = None) -> dict[str, Any]:
+                 text: Optional[dict[str, float]] = None, consumed_tokens: Optional[int] = None,
+                 consumed_samples: Optional[int] = None) -> dict[str, Any]:
         """Log a validation loss and its perplexity (``exp(min(loss, 20))`` like Megatron); ``text``:
         bits per byte / per character and the counts behind them (:func:`bits_per_text`);
-        ``consumed_tokens``: training tokens consumed so far (kept in the JSONL record, for plots)."""
+        ``consumed_tokens`` / ``consumed_samples``: training tokens / samples consumed so far (kept in the
+        JSONL record, for plots; the samples are the step of ``lm loss validation ppl vs samples``)."""
         rec = {"type": "eval", "split": split, "iteration": iteration, "val_loss": val_loss,
                "val_ppl": math.exp(min(20.0, val_loss)), **(text or {})}
         if consumed_tokens is not None:
             rec["consumed_tokens"] = consumed_tokens
+        if consumed_samples is not None:
+            rec["consumed_samples"] = consumed_samples
         if not self.active:
             return rec
         extra = ""
@@ -209,7 +245,7 @@ class MetricsWriter:
         log.info(f" {split} loss at iteration {iteration} | lm loss value: {val_loss:.6E} | "
                  f"lm loss PPL: {rec['val_ppl']:.6E} |{extra}")
         self._write_json(rec)
-        self._write_scalars(eval_scalars(rec))
+        self._write_scalars(eval_scalars(rec, self._megatron_ppl))
         return rec
 
     def close(self) -> None:
