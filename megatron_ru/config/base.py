@@ -10,7 +10,7 @@ A config is a plain dataclass whose fields are declared with :func:`arg`::
 The flag is the field name with dashes (``--tensor-model-parallel-size``); ``flags=`` adds
 aliases or replaces it (``flags=("--checkpoint-activations",)``). A ``bool`` field with a
 False default is a switch; one defaulting to True needs an explicit negative flag and
-``action="store_false"``. ``Optional[list[...]]``/``list`` fields take ``nargs='+'``.
+``action="store_false"``. ``Optional[list[...]]``/``list`` fields take ``nargs='+'`` (or ``nargs=`` given to ``arg``).
 
 Validation: a config may define ``problems(self) -> list[str]``; cross-config rules are plain
 functions ``rule(configs: dict) -> list[str]`` passed to :func:`validate_all`, which raises a
@@ -39,10 +39,11 @@ def arg(
     action: str | None = None,
     default_factory: Callable[[], Any] | None = None,
     metavar: str | None = None,
+    nargs: int | str | None = None,
 ) -> Any:
     """Declare a config field: its default, its help text (the field's docstring) and flags."""
     meta = {"help": help, "flags": tuple(flags) if flags else None, "choices": choices,
-            "action": action, "metavar": metavar}
+            "action": action, "metavar": metavar, "nargs": nargs}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -81,7 +82,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any) ->
         origin = typing.get_origin(base)
         if origin in (list, tuple, Sequence, typing.Sequence):
             (elem,) = typing.get_args(base)[:1] or (str,)
-            kwargs["nargs"] = "+"
+            kwargs["nargs"] = meta.get("nargs") or "+"
             kwargs["type"] = elem if elem in (int, float, str) else str
         elif typing.get_origin(base) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(base))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class LRSchedule:
     #: WSD: the decay phase's length (the last steps of the decay length) and shape
     wsd_decay_steps: int = 0
     wsd_decay_style: str = "exponential"
+    #: what a step counts: "iterations" (one per optimizer step), or "samples" (the step's global batch; under
+    #: --rampup-batch-size, where every length is in samples and the scheduler advances by the current batch, as
+    #: Megatron's scheduler always does)
+    unit: str = "iterations"
 
     def __post_init__(self) -> None:
         if self.decay_style not in ("constant", "linear", "cosine", "WSD"):
@@ -81,9 +85,14 @@ class LRSchedule:
         return 2.0 * math.pow(0.5, r) - 1.0  # exponential
 
 
-def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int) -> LRSchedule:
+def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int, *, in_samples: bool = False,
+                         train_samples: Optional[int] = None) -> LRSchedule:
     """Resolve warmup/decay lengths from ``OptimizerConfig`` flags (Megatron's precedence:
-    samples flags are divided by the global batch; the warmup fraction is of the decay length)."""
+    samples flags are divided by the global batch; the warmup fraction is of the decay length).
+    ``in_samples`` (a batch ramp): every length in samples instead, iteration flags times the global batch
+    (``train_samples``: the decay length when no decay flag is given, else ``train_iters`` global batches)."""
+    if in_samples:
+        return _schedule_in_samples(opt_cfg, train_iters, global_batch_size, train_samples)
     if opt_cfg.lr_decay_samples is not None:
         decay = opt_cfg.lr_decay_samples // global_batch_size
     elif opt_cfg.lr_decay_iters is not None:
@@ -103,3 +112,32 @@ def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int)
     return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup,
                       decay_steps=decay, decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
                       wsd_decay_style=opt_cfg.lr_wsd_decay_style)
+
+
+def _schedule_in_samples(opt_cfg: Any, train_iters: int, global_batch_size: int,
+                         train_samples: Optional[int]) -> LRSchedule:
+    """Megatron's ``get_optimizer_param_scheduler``: lengths in samples (``--lr-*-iters`` x the final global
+    batch), stepped by each step's batch, so a ramp's smaller batches move along the curve more slowly."""
+    g = global_batch_size
+    if opt_cfg.lr_decay_samples is not None:
+        decay = opt_cfg.lr_decay_samples
+    elif opt_cfg.lr_decay_iters is not None:
+        decay = opt_cfg.lr_decay_iters * g
+    else:
+        decay = train_samples if train_samples is not None else train_iters * g
+    if opt_cfg.lr_warmup_fraction is not None:
+        warmup = int(opt_cfg.lr_warmup_fraction * decay)
+    elif opt_cfg.lr_warmup_samples:
+        warmup = opt_cfg.lr_warmup_samples
+    else:
+        warmup = opt_cfg.lr_warmup_iters * g
+    wsd = 0
+    if opt_cfg.lr_decay_style == "WSD":
+        wsd = (opt_cfg.lr_wsd_decay_samples if opt_cfg.lr_wsd_decay_samples is not None
+               else (opt_cfg.lr_wsd_decay_iters or 0) * g)
+    try:
+        return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup, decay_steps=decay,
+                          decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
+                          wsd_decay_style=opt_cfg.lr_wsd_decay_style, unit="samples")
+    except ValueError as e:
+        raise ValueError(f"{e} (under --rampup-batch-size these lengths are in samples)") from None

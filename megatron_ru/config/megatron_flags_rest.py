@@ -638,7 +638,8 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
         ("--decrease-batch-size-if-needed", 0, "LM"),
     )),
     (REFUSED,
-     "see --rampup-batch-size", (
+     "Megatron-LM's schedule of batch sizes at sample thresholds is not available: use --rampup-batch-size START "
+     "INCREMENT SAMPLES (Megatron's linear ramp to --global-batch-size)", (
         ("--step-batch-size-schedule", 1, "LM"),
     )),
     (NO_EFFECT,

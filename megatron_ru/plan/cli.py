@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("Training")
     g.add_argument("--seq-length", type=int, help="Sequence length (default --max-position-embeddings).")
     g.add_argument("--global-batch-size", type=int, required=True, help="Samples per optimizer step.")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, metavar="N",
+                   help="START INCREMENT SAMPLES of pretrain_gpt.py's batch ramp: only layouts that can run it; the "
+                        "best one's time over the ramp (memory: the full batch's is the run's peak).")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true", help="bf16 (default except on V100).")
     prec.add_argument("--fp16", action="store_true", help="fp16 (default on V100).")
@@ -153,6 +156,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         if ns.num_gpus < 1 or ns.gpus_per_node < 1 or ns.global_batch_size < 1:
             raise ValueError("--num-gpus, --gpus-per-node and --global-batch-size must be >= 1")
         precision = _precision(ns, gpu.generation)
+        from megatron_ru.config.batch_ramp import BatchRamp, ramp_problems
+        problems = ramp_problems(ns.rampup_batch_size, ns.global_batch_size, 1, 1)
+        if problems:
+            raise ValueError("; ".join(problems))
+        ramp = BatchRamp.of(ns.rampup_batch_size, ns.global_batch_size)
         space = SearchSpace(recompute=("full",) if cfg.recompute else None,
                             sequence_parallel={"auto": None, "on": (True,), "off": (False,)}[ns.sequence_parallel],
                             zero_stages=tuple(ns.zero_stage) if ns.zero_stage else None,
@@ -160,7 +168,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         model_cfg = dataclasses.replace(cfg, recompute_granularity=None, checkpoint_activations=False)
         plan = plan_layouts(model_cfg, vocab, gpu, ns.num_gpus, ns.global_batch_size, seq, precision,
                             gpus_per_node=ns.gpus_per_node, optimizer=ns.optimizer, space=space,
-                            attention=ns.attention_kernel)
+                            attention=ns.attention_kernel, ramp=ramp)
     except (ValueError, FileNotFoundError) as e:
         cli.error(str(e))
         return 2
@@ -179,5 +187,17 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         with open(ns.json, "w", encoding="utf-8") as f:
             f.write(text + "\n")
-    cli.emit(format_plan(plan, gpu, ns.num_gpus, ns.gpus_per_node, model_line, ns.top))
+    ramp_line = _ramp_line(plan, model_cfg, vocab, gpu, ns.gpus_per_node, ramp)
+    cli.emit(format_plan(plan, gpu, ns.num_gpus, ns.gpus_per_node, model_line, ns.top)
+             + (f"\n{ramp_line}" if ramp_line else ""))
     return 0
+
+
+def _ramp_line(plan, cfg, vocab: int, gpu, gpus_per_node: int, ramp) -> Optional[str]:
+    """The best layout's predicted time over --rampup-batch-size (None without a ramp or a fitting layout)."""
+    if ramp is None or plan.best is None:
+        return None
+    from megatron_ru.plan.ramp import ramp_time
+    best = plan.best
+    t = ramp_time(cfg, vocab, best.layout, gpu, ramp, gpus_per_node=gpus_per_node, memory=best.memory)
+    return f"{t.summary()} on the best layout ({best.layout.short()})"

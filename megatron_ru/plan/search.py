@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_ru.config.batch_ramp import BatchRamp
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
 from megatron_ru.parallel.topology import data_parallel_size
 from megatron_ru.plan.activations import Runtime
@@ -63,8 +64,10 @@ def _zero_stages(pp: int, precision: str, space: SearchSpace) -> list[int]:
 
 
 def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_length: int, precision: str,
-                      gpus_per_node: int, space: SearchSpace = SearchSpace()) -> tuple[list[Layout], list[str]]:
-    """Valid layouts and, per (TP, PP) that cannot run at all, why."""
+                      gpus_per_node: int, space: SearchSpace = SearchSpace(), ramp: Optional[BatchRamp] = None
+                      ) -> tuple[list[Layout], list[str]]:
+    """Valid layouts and, per (TP, PP) that cannot run at all, why. ``ramp``: only micro batches that divide
+    every batch of the batch-size ramp (``megatron_ru.plan.ramp``)."""
     out, invalid = [], []
     max_tp = space.max_tp or gpus_per_node
     for tp in _divisors(num_gpus):
@@ -79,7 +82,11 @@ def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_le
             if global_batch % dp:
                 invalid.append(f"TP {tp} x PP {pp}: --global-batch-size {global_batch} is not divisible by DP {dp}")
                 continue
-            micro = [mb for mb in (1, 2, 4, 8, 16, 32) if mb <= space.max_micro_batch and global_batch % (mb * dp) == 0]
+            micro = [mb for mb in (1, 2, 4, 8, 16, 32) if mb <= space.max_micro_batch and global_batch % (mb * dp) == 0
+                     and (ramp is None or (ramp.start % (mb * dp) == 0 and ramp.increment % (mb * dp) == 0))]
+            if not micro and ramp is not None:
+                invalid.append(f"TP {tp} x PP {pp}: --rampup-batch-size {ramp.start} {ramp.increment} "
+                               f"{ramp.samples}: START and INCREMENT are not multiples of micro batch x DP {dp}")
             for mb in micro:
                 for sp in (False, True) if tp > 1 else (False,):
                     if space.sequence_parallel is not None and sp not in space.sequence_parallel:
@@ -102,11 +109,12 @@ def _largest_terms(pred: MemoryPrediction, n: int = 3) -> str:
 def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int, global_batch: int, seq_length: int,
                  precision: str, *, gpus_per_node: int = 8, optimizer: str = "adam",
                  buckets: Optional[BucketSizes] = None, space: SearchSpace = SearchSpace(),
-                 overlap: Overlap = OURS, attention: str = "fused") -> Plan:
+                 overlap: Overlap = OURS, attention: str = "fused", ramp: Optional[BatchRamp] = None) -> Plan:
     """Predict every candidate; rank those that fit by tokens/s per GPU (then by memory). ``attention``:
     "fused" (PyTorch's flash / memory-efficient SDPA) or "math" (kernels that keep the s x s scores)."""
     gpu.peak(precision)  # a precision the GPU has, or a clear error
-    layouts, invalid = candidate_layouts(cfg, num_gpus, global_batch, seq_length, precision, gpus_per_node, space)
+    layouts, invalid = candidate_layouts(cfg, num_gpus, global_batch, seq_length, precision, gpus_per_node, space,
+                                         ramp)
     capacity = gpu.memory_bytes
     cands: list[Candidate] = []
     for layout in layouts:

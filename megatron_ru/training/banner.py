@@ -97,6 +97,8 @@ def banner_lines(args: "Arguments", counts: ParameterCounts, dataset_sizes: Sequ
     t, m = args.training, args.model
     seq = args.data.seq_length
     tokens_per_step = args.global_batch_size * seq
+    ramp = args.batch_ramp
+    samples = args.train_iters * args.global_batch_size if ramp is None else ramp.consumed_after(args.train_iters)
     recompute = "full" if m.recompute else "none"
     lines = [
         f"layout: TP {args.tp} x PP {args.pp} x DP {args.dp} = {args.layout.world_size} ranks | micro batch "
@@ -106,11 +108,12 @@ def banner_lines(args: "Arguments", counts: ParameterCounts, dataset_sizes: Sequ
         f"parameters: {_n(counts.total)} total, {_n(counts.trainable)} trainable | per rank: "
         + ", ".join(f"stage {s} {_n(n)}" for s, n in enumerate(counts.per_rank)),
         f"tokens per step: {tokens_per_step:,} (global batch {args.global_batch_size} x sequence {seq}) | "
-        f"training: {args.train_iters:,} iterations = {args.train_iters * args.global_batch_size:,} samples = "
-        f"{args.train_iters * tokens_per_step:,} tokens",
+        f"training: {args.train_iters:,} iterations = {samples:,} samples = {samples * seq:,} tokens",
         "datasets (samples): " + ", ".join(f"{name} {'none' if n is None else f'{n:,}'}"
                                            for name, n in zip(("train", "valid", "test"), dataset_sizes)),
     ]
+    if ramp is not None:
+        lines.append(f"batch size ramp-up (--rampup-batch-size): {ramp.describe()}")
     lines.append(f"memory (planner): {'not available' if prediction is None else prediction.summary()}")
     return lines
 

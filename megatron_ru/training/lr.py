@@ -37,9 +37,22 @@ class MegatronLRScheduler:
     def get_last_lr(self) -> list[float]:
         return self.get_lr()
 
+    #: what the next applied step adds to ``num_steps``: 1, or under a schedule in samples (--rampup-batch-size)
+    #: the step's global batch, which the training loop sets before each step
+    increment: int = 1
+    #: set by a load whose checkpoint counted steps in another unit (--rampup-batch-size added or dropped): the
+    #: caller puts the position right with :meth:`set_position`
+    unit_changed: bool = False
+
     def step(self, *_: Any, **__: Any) -> None:
-        """One applied optimizer step (arguments DeepSpeed may pass are ignored: we count steps)."""
-        self.num_steps += 1
+        """One applied optimizer step (arguments DeepSpeed may pass are ignored: we count steps, or samples)."""
+        self.num_steps += self.increment
+        self._apply()
+
+    def set_position(self, iteration: int, consumed_samples: int) -> None:
+        """The position of a run at ``iteration`` after ``consumed_samples`` samples, in the schedule's unit."""
+        self.num_steps = consumed_samples if self.schedule.unit == "samples" else iteration
+        self.unit_changed = False
         self._apply()
 
     def state_dict(self) -> dict[str, Any]:
@@ -56,8 +69,10 @@ class MegatronLRScheduler:
         self.num_steps = int(state["num_steps"])
         saved = state.get("schedule")
         if saved is not None:
-            saved_schedule = LRSchedule(**{**asdict(self.schedule), **saved})
+            saved_schedule = LRSchedule(**{**asdict(self.schedule), "unit": "iterations", **saved})
             changes = schedule_changes(saved_schedule, self.schedule)
+            if saved_schedule.unit != self.schedule.unit and not self.use_checkpoint_schedule:
+                self.unit_changed = True
             if self.use_checkpoint_schedule:
                 if changes:
                     log_rank0(log, f"--use-checkpoint-opt-param-scheduler: continuing the checkpoint's learning-rate "
@@ -75,7 +90,7 @@ def schedule_changes(saved: LRSchedule, flags: LRSchedule) -> list[str]:
     """What differs between two schedules, in the flags' names: ``--lr 3e-4 -> 1e-4``."""
     names = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "warmup iterations", "decay_steps":
              "decay iterations", "decay_style": "--lr-decay-style", "wsd_decay_steps": "WSD decay iterations",
-             "wsd_decay_style": "--lr-wsd-decay-style"}
+             "wsd_decay_style": "--lr-wsd-decay-style", "unit": "steps counted in (--rampup-batch-size)"}
     a, b = asdict(saved), asdict(flags)
     return [f"{names[k]} {a[k]} -> {b[k]}" for k in names if a[k] != b[k] and
             not (k.startswith("wsd") and "WSD" not in (saved.decay_style, flags.decay_style))]

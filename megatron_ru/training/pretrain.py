@@ -36,7 +36,7 @@ def batch_plan(args: Arguments) -> BatchPlan:
     """The resolved batch numbers of ``args`` (what the loop runs by)."""
     return BatchPlan(train_iters=args.train_iters, global_batch_size=args.global_batch_size,
                      micro_batch_size=args.training.micro_batch_size, grad_accum=args.grad_accum,
-                     seq_length=args.data.seq_length, num_workers=args.data.num_workers)
+                     seq_length=args.data.seq_length, num_workers=args.data.num_workers, ramp=args.batch_ramp)
 
 
 def throughput(args: Arguments, vocab_size: int) -> Throughput:
@@ -169,9 +169,10 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
         return Progress()
     if rng is not None and not c.no_load_rng:
         set_rng_state(rng)
-    if c.no_load_optim:
-        # weights only, but the position in training (iteration, data, LR curve) continues
-        engine.lr_scheduler.load_state_dict({"num_steps": meta.iteration})
+    if c.no_load_optim or engine.lr_scheduler.unit_changed:
+        # weights only, but the position in training (iteration, data, LR curve) continues; or the checkpoint
+        # counted the schedule's steps in another unit (--rampup-batch-size added or dropped)
+        engine.lr_scheduler.set_position(meta.iteration, meta.consumed_train_samples)
     return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
 
 
@@ -252,7 +253,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
                        freeze=args.training.freeze, group=pp_group)
         apply_lora_freezing(model, args.model, group=pp_group)
         init_dora_magnitudes(model)
-        schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size)
+        schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size,
+                                        in_samples=args.batch_ramp is not None, train_samples=args.training.train_samples)
         engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
     from megatron_ru.config.checkpoint_args import read_checkpoint_meta
