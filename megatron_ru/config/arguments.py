@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megatron_ru.config.base import explicit_dests, parse_configs, validate_all
+from megatron_ru.config.batch_ramp import BatchRamp, ramp_problems
 from megatron_ru.config.data import DataConfig, parse_data_path, parse_split
 from megatron_ru.config.lora import LoraConfig, LoraSpec
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
@@ -101,12 +102,21 @@ class Arguments:
         return micro_batches_per_step(self.global_batch_size, self.training.micro_batch_size, self.dp)
 
     @property
+    def batch_ramp(self) -> Optional[BatchRamp]:
+        """--rampup-batch-size as a :class:`BatchRamp` to --global-batch-size (None: a constant batch)."""
+        return BatchRamp.of(self.training.rampup_batch_size, self.global_batch_size)
+
+    @property
     def train_iters(self) -> int:
         """--train-iters, or --train-samples in whole global batches (validation refuses fewer
-        samples than one global batch, and requires exactly one of the two flags)."""
+        samples than one global batch, and requires exactly one of the two flags); with a batch ramp,
+        the ramp's steps and then whole global batches (Megatron's count)."""
         t = self.training
         if t.train_iters is not None:
             return t.train_iters
+        ramp = self.batch_ramp
+        if ramp is not None:
+            return ramp.train_iters(t.train_samples)
         return t.train_samples // self.global_batch_size
 
     @property
@@ -136,6 +146,8 @@ def _derivable(a: Arguments) -> bool:
     if t.global_batch_size is not None and (t.global_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * a.dp)):
         return False
     if (t.train_iters is None) == (t.train_samples is None):
+        return False
+    if ramp_problems(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, a.dp):
         return False
     length = t.train_iters if t.train_iters is not None else t.train_samples
     return length >= 1 and (t.train_samples is None or t.train_samples >= a.global_batch_size)
@@ -191,6 +203,13 @@ def _batch_rule(a: Arguments) -> list[str]:
     if t.train_samples is not None and t.train_samples < a.global_batch_size:
         return [f"--train-samples ({t.train_samples}) is smaller than one global batch ({a.global_batch_size})"]
     return []
+
+
+def _rampup_rule(a: Arguments) -> list[str]:
+    t = a.training
+    if t.micro_batch_size < 1 or a.tp < 1 or a.pp < 1 or a.world_size < 1 or a.world_size % (a.tp * a.pp):
+        return []  # reported by other rules
+    return ramp_problems(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, a.dp)
 
 
 def _sequence_rule(a: Arguments) -> list[str]:
@@ -259,7 +278,8 @@ def _lr_rule(a: Arguments) -> list[str]:
     if not _derivable(a):
         return []
     try:
-        schedule_from_config(a.optimizer, a.train_iters, a.global_batch_size)
+        schedule_from_config(a.optimizer, a.train_iters, a.global_batch_size, in_samples=a.batch_ramp is not None,
+                             train_samples=a.training.train_samples)
     except ValueError as e:
         return [str(e)]
     return []
@@ -375,7 +395,7 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
 
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
-    _layout_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _sequence_rule, _lr_rule,
+    _layout_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _rampup_rule, _sequence_rule, _lr_rule,
     _freeze_rule, _lora_rule, _checkpoint_rule, _output_paths_rule, _deepspeed_config_rule, _data_rule)
 
 

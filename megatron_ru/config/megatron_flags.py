@@ -335,8 +335,6 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--timing-log-level", NO_EFFECT, 1, "Megatron's timers; step time is logged here already",
                  source="LM"),
     # ---- refused ----------------------------------------------------------------------------------
-    MegatronFlag("--rampup-batch-size", REFUSED, "+", "batch-size ramp-up is not available yet: use a constant "
-                 "--global-batch-size"),
     MegatronFlag("--distribute-checkpointed-activations", REFUSED, 0, "splitting recomputed activations across the "
                  "tensor-parallel group is not available yet: use --sequence-parallel, which splits them along the "
                  "sequence", source="DS"),

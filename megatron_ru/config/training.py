@@ -23,6 +23,11 @@ class TrainingConfig:
     train_samples: Optional[int] = arg(
         None, "Total samples to train for (alternative to --train-iters; converted to iterations "
               "by dividing by --global-batch-size).")
+    rampup_batch_size: Optional[list[int]] = arg(
+        None, "Batch-size ramp-up (Megatron's): START INCREMENT SAMPLES. The global batch starts at START and grows by "
+              "INCREMENT, in equal shares of the first SAMPLES samples, up to --global-batch-size; each step runs the "
+              "batch of the samples consumed before it (docs/training.md). START and INCREMENT are multiples of "
+              "--micro-batch-size x DP.", nargs=3, metavar="N")
     seed: int = arg(1234, "Random seed for weights, dropout and data order.")
     eval_interval: int = arg(1000, "Evaluate on the validation set every N iterations (0: never).")
     eval_iters: int = arg(100, "Validation micro-batch steps per evaluation (x global batch samples).")

@@ -3,7 +3,9 @@
 One iteration = one optimizer step over the global batch (gradient accumulation inside). The
 logged loss is the mean over the global batch (micro batches and data-parallel ranks) and over
 the iterations since the last logged one, like Megatron; :class:`TrainResult` also keeps the
-loss of every iteration.
+loss of every iteration. Under --rampup-batch-size the global batch of each step is the ramp's at the
+samples consumed before it (:class:`megatron_ru.config.batch_ramp.BatchRamp`): the engine's accumulation
+count follows it, consumed samples and the learning rate advance by it, the log reports it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_ru.config.batch_ramp import BatchRamp
 from megatron_ru.config.training import CheckpointConfig, LoggingConfig, TrainingConfig
 from megatron_ru.deepspeed_bridge.engine import grad_norm_of, loss_scale_of
 from megatron_ru.parallel.comm_audit import audit_for_run
@@ -65,6 +68,12 @@ class BatchPlan:
     seq_length: int
     #: DataLoader worker processes per rank (--num-workers)
     num_workers: int = 0
+    #: --rampup-batch-size (None: every step runs ``global_batch_size``)
+    ramp: Optional[BatchRamp] = None
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the step after ``consumed_samples`` samples."""
+        return self.global_batch_size if self.ramp is None else self.ramp.batch_size_at(consumed_samples)
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,23 @@ class Trainer:
             raise ValueError("the training dataset is empty: check --data-path and --split")
         self._valid_batches: Optional[Iterator[Batch]] = None
         self.comm_audit = audit_for_run(logging.comm_audit, state)  # per-iteration op counts (--comm-audit)
+        #: the global batch (and micro batches per rank) the engine runs now; the ramp changes them between steps
+        self.current_batch, self.grad_accum = plan.global_batch_size, plan.grad_accum
+        self._window_samples = 0  # samples trained since the last logged iteration
+
+    def set_batch(self, global_batch: int) -> None:
+        """Run the next steps with ``global_batch`` samples: DeepSpeed's accumulation count (its loss scaling
+        1/count and, with a pipeline, the micro batches of ``train_batch``) follows; the scheduler advances by
+        the batch when its schedule is in samples."""
+        scheduler = self.engine.lr_scheduler
+        scheduler.increment = global_batch if scheduler.schedule.unit == "samples" else 1
+        if global_batch == self.current_batch:
+            return
+        log_rank0(log, f"batch size ramp-up: global batch {global_batch} from iteration {self.progress.iteration + 1} "
+                       f"(consumed samples {self.progress.consumed_train_samples})")
+        self.engine.set_train_batch_size(global_batch)
+        self.current_batch = global_batch
+        self.grad_accum = global_batch // (self.plan.micro_batch_size * self.state.dp_size)
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -133,13 +159,15 @@ class Trainer:
             return float(loss.item())  # already averaged over micro batches and DP by DeepSpeed
         engine.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for _ in range(self.plan.grad_accum):
+        for i in range(self.grad_accum):
+            if self.plan.ramp is not None:  # DeepSpeed's own count (micro steps % accumulation) breaks when it changes
+                engine.set_gradient_accumulation_boundary(i == self.grad_accum - 1)
             b = next(self.train_batches)
             loss = engine(b.tokens, labels=b.labels)
             engine.backward(loss)
             engine.step()
             total += loss.detach().double()
-        return _dp_mean(total / self.plan.grad_accum, self.state)
+        return _dp_mean(total / self.grad_accum, self.state)
 
     def evaluate(self) -> Optional[float]:
         t = self.training
@@ -153,7 +181,8 @@ class Trainer:
         with torch.no_grad():
             for _ in range(t.eval_iters):
                 if self.is_pipe:
-                    total += self.engine.eval_batch(data_iter=pipeline_items(self._valid_batches)).double().reshape(())
+                    total += self.engine.eval_batch(data_iter=pipeline_items(self._valid_batches),  # full batch
+                                                    num_micro_batches=self.plan.grad_accum).double().reshape(())
                 else:
                     for _ in range(self.plan.grad_accum):
                         b = next(self._valid_batches)
@@ -236,8 +265,10 @@ class Trainer:
     def _log(self, it: int, losses: list[float], elapsed: float, skipped: int, grad_norm: Optional[float]) -> None:
         n = len(losses)
         per_iter = elapsed / n
-        tokens_per_sec = self.plan.global_batch_size * self.plan.seq_length / per_iter
-        tflops = self.throughput.flops_per_iter / per_iter / self.state.world_size / 1e12
+        samples, self._window_samples = self._window_samples, 0  # the ramp's batches of the window, summed
+        tokens_per_sec = samples * self.plan.seq_length / elapsed
+        flops = self.throughput.flops_per_iter * samples / (n * self.plan.global_batch_size)
+        tflops = flops / per_iter / self.state.world_size / 1e12
         peak = self.throughput.peak_tflops
         label, mem = peak_memory_mib()
         eta = self._eta.update(it, time.perf_counter())
@@ -246,7 +277,7 @@ class Trainer:
             "consumed_samples": self.progress.consumed_train_samples,
             "consumed_tokens": self.progress.consumed_train_samples * self.plan.seq_length,
             "elapsed_ms": 1000.0 * per_iter,
-            "lr": self._last_lr, "global_batch_size": self.plan.global_batch_size,
+            "lr": self._last_lr, "global_batch_size": self.current_batch,
             "lm_loss": sum(losses) / n, "loss_scale": loss_scale_of(self.engine), "grad_norm": grad_norm,
             "skipped_iterations": skipped, "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
             "mfu": (tflops / peak) if peak else None, "memory_label": label,
@@ -303,10 +334,12 @@ class Trainer:
         while p.iteration < plan.train_iters:
             self._last_lr = self.engine.lr_scheduler.get_lr()[0]  # the lr this step applies
             skipped_before = self.engine.skipped_steps
+            self.set_batch(plan.batch_size_at(p.consumed_train_samples))
             with self.comm_audit.window(p.iteration + 1):
                 loss = self.train_step()
             p.iteration += 1
-            p.consumed_train_samples += plan.global_batch_size
+            p.consumed_train_samples += self.current_batch
+            self._window_samples += self.current_batch
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at iteration {p.iteration}; lower --lr, raise "
                                          f"--lr-warmup-iters, or use --bf16 instead of --fp16")
