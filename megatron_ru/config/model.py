@@ -60,8 +60,10 @@ class ModelConfig:
         128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
     init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.")
     recompute_granularity: Optional[str] = arg(
-        None, "Activation recomputation: 'full' recomputes each transformer layer in backward.",
-        choices=("full",))
+        None, "Activation recomputation: 'full' recomputes each transformer layer in backward (only its input is "
+              "kept); 'selective' (Megatron's) recomputes the core attention only (its s x s scores, softmax and "
+              "dropout mask are not kept). The same losses and gradients either way.",
+        choices=("full", "selective"))
     checkpoint_activations: bool = arg(False, "Alias of --recompute-granularity full.")
     #: LoRA/DoRA adapters the model is built with (LoraSpec as a dict; set from the --lora-* flags or a
     #: checkpoint's model arguments; not a flag itself). None: no adapters.

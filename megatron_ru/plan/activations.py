@@ -21,6 +21,8 @@ by TP only with sequence parallelism, ``m`` bytes per dropout-mask element):
 * MLP: fc1 output ``e*T*f1/t`` (GELU input) and GELU output ``e*T*f/t``; SwiGLU keeps the fused
   [gate; up] output ``e*T*2f/t``, silu(gate) and the product (``e*T*f/t`` each).
 
+``--recompute-granularity selective`` keeps everything but what the core attention saves inside (its inputs
+q, k, v and the projection's input stay): the math path's s x s tensors, or the fused kernels' log-sum-exp.
 ``--recompute-granularity full`` keeps only each layer's input ``e*T*h/t_sp`` (plus, during the
 backward, one layer's full set, rebuilt). Dropout masks are ``bool`` on CUDA (``m = 1``) and of the
 input dtype on CPU (composite dropout). Checked on CPU with ``saved_tensors_hooks`` in
@@ -82,7 +84,11 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
     attn = e * T * (qw + 2 * kw)                                               # fused QKV output
     if cfg.position_embedding_type == "rope":
         attn += e * T * (qw + kw) + 2 * e * s * d                              # rotated q, k; cos, sin
-    if rt.attention == "fused":
+    if layout.recompute == "selective":
+        # the core attention recomputed: its inputs q, k, v (above) and the projection's input stay, nothing of
+        # what the kernel saves inside (log-sum-exp; the math path's scores, softmax, dropout mask)
+        attn += e * T * qw
+    elif rt.attention == "fused":
         attn += e * T * qw + 4 * b * (a // t) * s                              # output, log-sum-exp
     else:
         scores = b * (a // t) * s * s

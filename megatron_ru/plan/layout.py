@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from megatron_ru.parallel.topology import micro_batches_per_step
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class Layout:
                "--seq-length", str(self.seq_length), "--zero-stage", str(self.zero_stage)]
         if self.sequence_parallel:
             out.append("--sequence-parallel")
-        if self.recompute == "full":
-            out += ["--recompute-granularity", "full"]
+        if self.recompute != "none":
+            out += ["--recompute-granularity", self.recompute]
         if self.precision != "fp32":
             out.append(f"--{self.precision}")
         return out
@@ -73,7 +73,7 @@ class Layout:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", f"mb{self.micro_batch}"]
         if self.sequence_parallel:
             parts.append("SP")
-        if self.recompute == "full":
-            parts.append("recompute")
+        if self.recompute != "none":
+            parts.append("recompute" if self.recompute == "full" else "selective")
         parts.append(f"ZeRO{self.zero_stage}")
         return " ".join(parts)

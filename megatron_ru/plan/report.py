@@ -14,8 +14,8 @@ def job_variables(layout: Layout, num_gpus: int, gpus_per_node: int) -> dict[str
     extra = []
     if layout.sequence_parallel:
         extra.append("--sequence-parallel")
-    if layout.recompute == "full":
-        extra += ["--recompute-granularity", "full"]
+    if layout.recompute != "none":
+        extra += ["--recompute-granularity", layout.recompute]
     nodes = -(-num_gpus // gpus_per_node)
     return {"TP": str(layout.tp), "PP": str(layout.pp), "ZERO_STAGE": str(layout.zero_stage),
             "PRECISION": layout.precision, "MICRO_BATCH_SIZE": str(layout.micro_batch),
