@@ -112,7 +112,7 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
               architecture: Optional[str] = None, tokenizer: Optional[TokenizerSource] = None,
               force: bool = False, lora: Optional[str] = None, lora_save: Optional[str] = None) -> ExportReport:
     from megatron_ru.checkpointing import read_checkpoint
-    from megatron_ru.convert.hf_mapping import SUPPORTED_ARCHITECTURES, architecture_for, export_problems
+    from megatron_ru.convert.hf_mapping import export_architecture
     from megatron_ru.model.spec import parameter_specs
 
     if not os.path.isdir(load):
@@ -138,14 +138,8 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
         lora_cfg, cfg = cfg, base_config(cfg)
         if lora == "merge":
             reader = _Merged(merged_weights(reader.get, lora_cfg))
-    problems = export_problems(cfg)
-    if problems:
-        raise ValueError(f"--load {load}: this model cannot be expressed as a Hugging Face Llama/Mistral/Qwen2 "
-                         "model: it has " + "; ".join(problems))
     source, source_path = _source_config(load, hf_config)
-    arch = architecture or ((source or {}).get("architectures") or [None])[0] or architecture_for(cfg)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = export_architecture(cfg, architecture, source)
     tok = tokenizer or recorded_tokenizer(load, source_reader.meta)
 
     specs = parameter_specs(cfg, vocab_size)
@@ -155,10 +149,13 @@ def export_hf(load: str, save: str, *, iteration: Optional[int] = None, dtype: O
         log.warning("no tokenizer found for %s (none imported, none recorded by its run): the export has none; "
                     "pass --tokenizer-type/--tokenizer-model", load)
     with staged_directory(save, force) as tmp:
-        files = write_hf_files(tmp, cfg, vocab_size, lambda spec: _hf_tensors(reader, spec, cfg, out_dtype),
-                               dtype=out_dtype, architecture=arch, source_config=source, tokenizer=tok,
-                               generation_config=_source_generation_config(source_path),
-                               max_shard_size=shard_bytes)
+        try:
+            files = write_hf_files(tmp, cfg, vocab_size, lambda spec: _hf_tensors(reader, spec, cfg, out_dtype),
+                                   dtype=out_dtype, architecture=arch, source_config=source, tokenizer=tok,
+                                   generation_config=_source_generation_config(source_path),
+                                   max_shard_size=shard_bytes)
+        except ModelNotExpressible as e:
+            raise ValueError(f"--load {load}: {e}") from None
         if lora == "peft":
             from megatron_ru.convert.lora_export import peft_adapter, write_peft_adapter
             tensors, adapter_config = peft_adapter(source_reader.get, lora_cfg, save, out_dtype)
@@ -239,6 +236,10 @@ def _source_generation_config(source_path: Optional[str]) -> Optional[dict[str, 
     return None
 
 
+class ModelNotExpressible(ValueError):
+    """The model has no Hugging Face equivalent of the architecture asked for (the message lists why)."""
+
+
 def write_hf_files(out_dir: str, cfg: Any, vocab_size: int, tensors_of: Callable[[Any], dict[str, Any]], *,
                    dtype: torch.dtype, architecture: str, source_config: Optional[dict[str, Any]] = None,
                    tokenizer: Optional[TokenizerSource] = None, generation_config: Optional[dict[str, Any]] = None,
@@ -259,6 +260,10 @@ def write_hf_files(out_dir: str, cfg: Any, vocab_size: int, tensors_of: Callable
     for key, value in tok_ids.items():
         if value is not None and key not in extra:
             extra[key] = value
+    try:  # the one check that the model can be written as ``architecture``: before any tensor is written
+        config = hf_config_from_model(cfg, vocab_size, architecture, extra)
+    except ValueError as e:
+        raise ModelNotExpressible(str(e)) from None
     writer = ShardedSafetensorsWriter(out_dir, export_plan(cfg, vocab_size, lambda name: dtype), max_shard_size)
     try:
         for spec in parameter_specs(cfg, vocab_size):
@@ -268,7 +273,7 @@ def write_hf_files(out_dir: str, cfg: Any, vocab_size: int, tensors_of: Callable
     except BaseException:
         writer.abort()
         raise
-    _write_json(os.path.join(out_dir, "config.json"), hf_config_from_model(cfg, vocab_size, architecture, extra))
+    _write_json(os.path.join(out_dir, "config.json"), config)
     gen = dict(generation_config or {})
     if tokenizer_ids_win or not generation_config:  # the source's generation settings are kept as they are
         gen.update({k: extra[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if extra.get(k) is not None})

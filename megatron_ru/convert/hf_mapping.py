@@ -196,20 +196,26 @@ def export_problems(cfg: ModelConfig) -> list[str]:
 
 def architecture_for(cfg: ModelConfig) -> str:
     """The HF architecture that expresses ``cfg`` (Qwen2 when Q/K/V have biases, Mistral with a
-    sliding window, else Llama)."""
-    problems = export_problems(cfg)
-    if problems:
-        raise ValueError("this model cannot be written as a Hugging Face Llama/Mistral/Qwen2 model: it has "
-                         + "; ".join(problems))
+    sliding window, else Llama); whether it can is :func:`hf_config_from_model`'s check."""
     if cfg.add_qkv_bias:
         return "Qwen2ForCausalLM"
     return "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM"
 
 
+def export_architecture(cfg: ModelConfig, requested: Optional[str] = None,
+                        source_config: Optional[dict[str, Any]] = None) -> str:
+    """The architecture an export writes: the one asked for, else the source config.json's (the model it was
+    imported from), else :func:`architecture_for`. Never replaced by another: one the model cannot be written
+    as is refused by :func:`hf_config_from_model`."""
+    return requested or ((source_config or {}).get("architectures") or [None])[0] or architecture_for(cfg)
+
+
 def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Optional[str] = None,
                          extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """config.json for ``cfg`` (transformers 5 form). ``extra``: fields kept from the imported
-    config.json or set by the caller (token ids, dtype, ...); the model's own fields win."""
+    """config.json for ``cfg`` (transformers 5 form), or the one ValueError that lists why ``cfg`` cannot be
+    written as ``architecture`` (every writer of a Hugging Face directory checks here, before any tensor is
+    written). ``extra``: fields kept from the imported config.json or set by the caller (token ids, dtype,
+    ...); the model's own fields win."""
     architecture = architecture or architecture_for(cfg)
     problems = export_problems(cfg)
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -222,7 +228,7 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
     if architecture == "Qwen2ForCausalLM" and not cfg.add_qkv_bias:
         problems.append("no Q/K/V biases, which Qwen2ForCausalLM always has (export as LlamaForCausalLM)")
     if problems:
-        raise ValueError(f"this model cannot be written as {architecture}: it has " + "; ".join(problems))
+        raise ValueError(f"this model cannot be expressed as {architecture}: it has " + "; ".join(problems))
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
                             "rope_theta": float(cfg.rotary_base)}
     if cfg.rope_scaling_type in ("linear", "llama3"):

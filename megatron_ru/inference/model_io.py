@@ -231,17 +231,10 @@ def _save_checkpoint(out: str, cfg: ModelConfig, vocab_size: int, get_tensor: Ca
 def _save_hf(out: str, cfg: ModelConfig, vocab_size: int, get_tensor: Callable[[str], torch.Tensor],
              tokenizer: Optional[TokenizerSource], dtype: Optional[torch.dtype], hf_config: Optional[dict[str, Any]],
              generation_config: Optional[dict[str, Any]], extra_files: Optional[Callable[[str], None]], force: bool) -> None:
-    from megatron_ru.convert.export_hf import write_hf_files
-    from megatron_ru.convert.hf_mapping import (SUPPORTED_ARCHITECTURES, architecture_for, export_problems,
-                                                from_canonical)
+    from megatron_ru.convert.export_hf import ModelNotExpressible, write_hf_files
+    from megatron_ru.convert.hf_mapping import export_architecture, from_canonical
     from megatron_ru.utils.staging import staged_directory
-    problems = export_problems(cfg)
-    if problems:
-        raise ValueError("this model cannot be expressed as a Hugging Face Llama/Mistral/Qwen2 model: it has "
-                         + "; ".join(problems) + "; write --output-format megatron")
-    arch = ((hf_config or {}).get("architectures") or [None])[0] or architecture_for(cfg)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        arch = architecture_for(cfg)
+    arch = export_architecture(cfg, source_config=hf_config)
     first = get_tensor(WORD_EMBEDDING_WEIGHT)
     out_dtype = dtype or first.dtype
     cache = {WORD_EMBEDDING_WEIGHT: first}
@@ -252,9 +245,12 @@ def _save_hf(out: str, cfg: ModelConfig, vocab_size: int, get_tensor: Callable[[
         return from_canonical(spec.name, t.to(out_dtype), cfg)
 
     with staged_directory(out, force) as tmp:
-        write_hf_files(tmp, cfg, vocab_size, tensors_of, dtype=out_dtype, architecture=arch, source_config=hf_config,
-                       tokenizer=tokenizer, generation_config=generation_config,
-                       tokenizer_ids_win=tokenizer is not None)
+        try:
+            write_hf_files(tmp, cfg, vocab_size, tensors_of, dtype=out_dtype, architecture=arch,
+                           source_config=hf_config, tokenizer=tokenizer, generation_config=generation_config,
+                           tokenizer_ids_win=tokenizer is not None)
+        except ModelNotExpressible as e:
+            raise ValueError(f"{e}; write --output-format megatron") from None
         if extra_files is not None:
             extra_files(tmp)
 

@@ -74,3 +74,28 @@ def test_bad_paths_name_the_flag(tmp_path):
         open_model(str(tmp_path / "empty"), "--base")
     with pytest.raises(FileNotFoundError, match="--new-tokenizer .*no Hugging Face tokenizer files"):
         open_tokenizer(str(tmp_path / "empty"), "--new-tokenizer")
+
+
+def test_both_hf_writers_refuse_an_architecture_the_model_cannot_be(tmp_path):
+    """The model-to-HF path of the adaptation tools (save_model) and tools/convert_checkpoint.py export-hf go
+    through one writer and one check: a source config.json naming an architecture we cannot write is refused
+    by both (save_model used to replace it by another silently), and nothing is left behind."""
+    from megatron_ru.convert.export_hf import export_hf
+    hf = tiny_llama(str(tmp_path / "hf"), vocab_size=300)
+    src = open_model(hf)
+    ckpt = save_model(str(tmp_path / "ckpt"), kind="megatron", cfg=src.cfg, vocab_size=src.vocab_size,
+                      get_tensor=src.get, tokenizer=None, hf_config={**src.hf_config,
+                                                                       "architectures": ["GPT2LMHeadModel"]})
+    for write in (lambda out: save_model(out, kind="hf", cfg=src.cfg, vocab_size=src.vocab_size, get_tensor=src.get,
+                                         tokenizer=None, hf_config={**src.hf_config,
+                                                                     "architectures": ["GPT2LMHeadModel"]}),
+                  lambda out: export_hf(ckpt, out)):
+        out = str(tmp_path / "out")
+        with pytest.raises(ValueError, match=r"cannot be expressed as GPT2LMHeadModel: it has architecture "
+                                             r"'GPT2LMHeadModel' \(supported: LlamaForCausalLM, MistralForCausalLM"):
+            write(out)
+        assert not os.path.exists(out) and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    # the architecture the source names, when the model can be it, is kept
+    out = save_model(str(tmp_path / "mistral"), kind="hf", cfg=src.cfg, vocab_size=src.vocab_size, get_tensor=src.get,
+                     tokenizer=None, hf_config={**src.hf_config, "architectures": ["MistralForCausalLM"]})
+    assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["MistralForCausalLM"]
