@@ -76,6 +76,14 @@ class DataConfig:
                                  "flag): every sample is seq-length + 1 ids drawn uniformly from the vocabulary by a "
                                  "generator seeded with --seed and the sample's index, so any layout and a resume "
                                  "read the same samples.")
+    reset_position_ids: bool = arg(
+        False, "Documents packed into one sample (separated by the tokenizer's end-of-document token) restart "
+               "their position ids at 0 after each EOD (Megatron's flag).")
+    reset_attention_mask: bool = arg(
+        False, "Tokens attend only within their own document of a packed sample: a block-diagonal causal mask "
+               "that ends each document with its EOD token (Megatron's flag).")
+    eod_mask_loss: bool = arg(
+        False, "Mask the loss at positions whose input token is the end-of-document token (Megatron's flag).")
     num_workers: int = arg(2, "DataLoader worker processes per rank.")
     mmap_warmup: bool = arg(False, "Read the dataset indices once at start-up to warm the page cache.")
 

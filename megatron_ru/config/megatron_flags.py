@@ -289,9 +289,6 @@ TABLE: tuple[MegatronFlag, ...] = (
                  source="LM"),
     MegatronFlag("--cross-entropy-loss-fusion", NO_EFFECT, 0, "the vocabulary-parallel cross entropy is fused here "
                  "already", source="LM"),
-    MegatronFlag("--calculate-per-token-loss", NO_EFFECT, 0, "every micro batch here counts all its tokens (no loss "
-                 "mask), so the mean over the global batch's tokens equals the mean of the micro batches' means",
-                 source="LM"),
     MegatronFlag("--no-gradient-accumulation-fusion", NO_EFFECT, 0, _NO_FUSION),
     MegatronFlag("--no-bias-dropout-fusion", NO_EFFECT, 0, _NO_FUSION),
     MegatronFlag("--no-bias-gelu-fusion", NO_EFFECT, 0, _NO_FUSION),

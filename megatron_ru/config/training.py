@@ -42,6 +42,10 @@ class TrainingConfig:
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
     loss_scale_window: int = arg(1000, "Iterations without overflow before the loss scale grows.")
     hysteresis: int = arg(2, "Overflows tolerated before the dynamic loss scale shrinks.")
+    calculate_per_token_loss: bool = arg(
+        False, "The loss of a step is the mean over every unmasked token of the global batch (all micro batches "
+               "and data-parallel ranks; Megatron-LM's flag), not the mean of the micro batches' means. They "
+               "differ only with a loss mask (--eod-mask-loss).")
     torch_compile: bool = arg(
         False, "Run each transformer layer (and, at TP 1, the loss) through torch.compile: fused norms, RoPE, "
                "SwiGLU and residual adds; numerics equal the eager reference to rounding, not bit for bit. "

@@ -5,8 +5,11 @@ output head — the same layer objects serve DeepSpeed's PipelineModule (via
 Interfaces between layers: the embedding takes token ids [b, s] (or a tuple
 ``(tokens, position_ids)``) and returns hidden states [s, b, h] ([s/tp, b, h] with sequence
 parallelism); the output head returns vocab-parallel logits [b, s, padded_vocab/tp];
-:class:`GPTLoss` turns them and labels [b, s] (optionally ``(labels, loss_mask)``) into the
-mean loss over unmasked tokens.
+:class:`GPTLoss` turns them and labels [b, s] (optionally ``(labels, loss_mask[, denominator])``) into the
+mean loss over unmasked tokens. In a pipeline with packed documents (``--reset-position-ids``,
+``--reset-attention-mask``) the stages pass ``(hidden, position_ids[, document_ids])`` tuples: the embedding
+built with ``pipeline_carry=True`` forwards the ids it was given, each transformer layer passes them on, the
+final norm drops them.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init
 from megatron_ru.model.spec import (EMBEDDING, OUTPUT_LAYER, TIED_KEY, WORD_EMBEDDINGS, build_layer,
                                     layer_constructor, model_description)
-from megatron_ru.model.transformer import Norm, TransformerLayer, split_region_rng
+from megatron_ru.model.transformer import Norm, TransformerLayer, document_causal_mask, split_region_rng
 from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ru.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from megatron_ru.parallel.mappings import scatter_to_sequence_parallel_region
@@ -47,9 +50,10 @@ class EmbeddingLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
-                 dtype: torch.dtype = torch.float32, output_only: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, output_only: bool = False, pipeline_carry: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.pipeline_carry = pipeline_carry
         # one source: the validated configuration allows sequence parallelism only with TP > 1
         assert not sequence_parallel or group_size(tp_group) > 1, "sequence parallelism needs TP > 1"
         self.sequence_parallel = sequence_parallel
@@ -71,7 +75,9 @@ class EmbeddingLayer(nn.Module):
             with torch.no_grad():
                 self.position_embeddings.weight.copy_(full)
 
-    def forward(self, inputs: Any) -> torch.Tensor:
+    def forward(self, inputs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Hidden states [s, b, h]; with ``pipeline_carry`` and a tuple ``(tokens, position_ids[, document_ids])``,
+        ``(hidden, position_ids[, document_ids])`` for the next layers."""
         tokens, position_ids = _unpack_inputs(inputs)
         if self.output_only and self.has_position_table:
             raise RuntimeError("this EmbeddingLayer was built output_only (last pipeline stage) and has no "
@@ -87,6 +93,8 @@ class EmbeddingLayer(nn.Module):
         if self.training and self.dropout > 0:
             with split_region_rng(self.sequence_parallel):
                 x = F.dropout(x, self.dropout, training=True)
+        if self.pipeline_carry and isinstance(inputs, (tuple, list)):
+            return (x, *inputs[1:])
         return x
 
 
@@ -120,10 +128,18 @@ class FinalNorm(Norm):
         super().__init__(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, tp_group=tp_group,
                          sequence_parallel=sequence_parallel, device=device, dtype=dtype)
 
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if isinstance(x, tuple):  # a pipeline's (hidden, position_ids[, document_ids]): the ids end here
+            x = x[0]
+        return super().forward(x)
+
 
 class GPTLoss:
     """``loss_fn(logits, labels)`` -> mean cross-entropy over unmasked tokens. ``labels`` is
-    [b, s] token ids, or ``(labels, loss_mask)`` with loss_mask [b, s] (1 = counts)."""
+    [b, s] token ids, or ``(labels, loss_mask)`` with loss_mask [b, s] (1 = counts), or
+    ``(labels, loss_mask, denominator)``: the masked sum divided by that scalar instead of the micro batch's
+    unmasked count (``--calculate-per-token-loss``: the global batch's count, see
+    :func:`megatron_ru.training.data.per_token_denominators`)."""
 
     def __init__(self, vocab_size: int, tp_group: ProcessGroup | None = None) -> None:
         self.vocab_size = vocab_size
@@ -138,16 +154,22 @@ class GPTLoss:
             self._compiled = torch.compile(mean_token_loss, dynamic=False)
 
     def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
-        loss_mask = None
+        loss_mask = denominator = None
         if isinstance(labels, (tuple, list)):
-            labels, loss_mask = labels
+            labels, loss_mask, *rest = labels
+            denominator = rest[0] if rest else None
         if self._compiled is not None:
-            return self._compiled(logits, labels, loss_mask, self.vocab_size)
+            return self._compiled(logits, labels, loss_mask, self.vocab_size, denominator)
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.vocab_size)
-        return masked_mean(losses, loss_mask)
+        return masked_mean(losses, loss_mask, denominator)
 
 
-def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None,
+                denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``losses`` over unmasked positions; with ``denominator``, their sum divided by it."""
+    if denominator is not None:
+        total = losses.sum() if loss_mask is None else (losses * loss_mask.to(losses.dtype)).sum()
+        return total / denominator.to(losses.dtype)
     if loss_mask is None:
         return losses.mean()
     mask = loss_mask.to(losses.dtype)
@@ -155,12 +177,12 @@ def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.T
 
 
 def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None,
-                    vocab_size: int) -> torch.Tensor:
+                    vocab_size: int, denominator: torch.Tensor | None = None) -> torch.Tensor:
     """The loss of :class:`GPTLoss` for unsplit logits [b, s, padded_vocab] (TP = 1), written for
     ``torch.compile``: fp32 log-sum-exp over the real ``vocab_size`` columns minus the target's logit."""
     work = logits[..., :vocab_size].float()
     losses = torch.logsumexp(work, dim=-1) - work.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return masked_mean(losses, loss_mask)
+    return masked_mean(losses, loss_mask, denominator)
 
 
 @dataclass(frozen=True)
@@ -196,6 +218,8 @@ def pipeline_layers(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | 
         # the full embedding, on a separate last stage the word-embeddings-only output head
         cls, args, kwargs = layer_constructor(desc, cfg, vocab_size, tp_group, sequence_parallel, seed=seed,
                                               device=device, dtype=dtype, output_only=desc.tied_output)
+        if desc.kind == "embedding":
+            kwargs = {**kwargs, "pipeline_carry": True}
         if desc.kind == "embedding" and cfg.tied_embeddings:
             layers.append(PipelineLayer(cls, args, kwargs, TIED_KEY, WORD_EMBEDDINGS))
         elif desc.tied_output:
@@ -242,12 +266,16 @@ class GPTModel(nn.Module):
             self.output_layer = None  # tied: the output head reuses the word embeddings
         self.loss_fn = GPTLoss(vocab_size, tp_group)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Vocab-parallel logits [b, s, padded_vocab/tp], or the mean loss when ``labels`` is given."""
+    def forward(self, tokens: torch.Tensor, labels: Any = None,
+                position_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel logits [b, s, padded_vocab/tp], or the mean loss when ``labels`` is given (a tensor
+        or :class:`GPTLoss`'s tuple). ``document_ids`` [b, s]: attention within each packed document."""
         x = self.embedding((tokens, position_ids))
+        # built once for all layers, additive in the activations' dtype (see document_causal_mask)
+        mask = None if document_ids is None else document_causal_mask(document_ids, x.dtype)
         for layer in self.decoder.layers:
-            x = layer(x, position_ids)
+            x = layer(x, position_ids, attention_mask=mask)
         x = self.decoder.final_layernorm(x)
         if self.output_layer is None:
             logits = tied_output_logits(self.embedding, x)

@@ -7,6 +7,7 @@ column-parallel inputs gather the sequence; the row-parallel outputs reduce-scat
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,41 @@ class Norm(nn.Module):
         return F.layer_norm(x, self.shape, weight, bias, self.eps)
 
 
+def document_causal_mask(document_ids: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """[b, 1, s, s]: query i sees key j <= i of the same document. ``document_ids`` [b, s] never decrease
+    along a sample (:func:`megatron_ru.data.documents.document_ids_and_positions`). ``dtype`` bool: True = may
+    attend; a floating dtype: the additive form (0 or -inf) that SDPA takes as it is. SDPA turns a bool mask
+    into that form itself, in every layer, and keeps each copy for the backward pass; one additive mask
+    shared by the layers is kept once."""
+    s = document_ids.shape[-1]
+    same = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)          # [b, s, s]
+    allowed = (same & torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()).unsqueeze(1)
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+class _LastDocumentMask:
+    """The additive mask of the last ``document_ids`` tensor seen: the transformer layers of a pipeline stage
+    receive the same tensor for one micro batch and share one mask (held while that tensor lives)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._mask: torch.Tensor | None = None
+
+    def __call__(self, document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = self._key
+        if (key is not None and key[0]() is document_ids and key[1] == document_ids._version and key[2] == dtype
+                and self._mask is not None):
+            return self._mask
+        self._mask = document_causal_mask(document_ids, dtype)
+        self._key = (weakref.ref(document_ids), document_ids._version, dtype)
+        return self._mask
+
+
+_last_document_mask = _LastDocumentMask()
+
+
 def split_region_rng(active: bool) -> contextlib.AbstractContextManager:
     """Dropout on activations that differ between TP ranks draws from the TP stream."""
     return tp_random.get_rng_tracker().fork() if active else contextlib.nullcontext()
@@ -124,8 +160,9 @@ class Attention(nn.Module):
         """``position_ids`` [s] or [b, s] (default: the s positions after any cached ones);
         ``kv_cache``: this layer's cache for incremental decoding (this step's keys/values are
         appended, attention covers all cached);
-        ``attention_mask`` bool, broadcastable to [b, heads, s, s_k], True = may attend (replaces
-        the causal rule; needed for left-padded batches). With ``--sliding-window`` W, attention never
+        ``attention_mask`` bool, broadcastable to [b, heads, s, s_k], True = may attend, or its additive
+        form in q's dtype (0 / -inf; :func:`document_causal_mask`) (replaces the causal rule; needed for
+        left-padded batches and packed documents). With ``--sliding-window`` W, attention never
         reaches a key W or more positions (cache slots) back, mask or not. ``rope_tables``: (cos, sin) of
         :meth:`rope_tables` for positions 0..s-1, which a compiled layer passes in (``position_ids`` None)."""
         qkv = self.linear_qkv(x)                           # [s, b, groups/tp * (r + 2) * d]
@@ -152,7 +189,10 @@ class Attention(nn.Module):
             # query i (position s_k - s + i) sees only the last `window` keys up to itself (transformers:
             # q - k < window); a given mask is narrowed to the window too, never widened beyond it
             band = torch.ones(s, s_k, dtype=torch.bool, device=x.device).triu(diagonal=s_k - s - window + 1)
-            mask = band.tril(diagonal=s_k - s) if mask is None else mask & band
+            if mask is None:
+                mask = band.tril(diagonal=s_k - s)
+            else:
+                mask = mask & band if mask.dtype == torch.bool else mask.masked_fill(~band, float("-inf"))
             causal = False
         elif mask is None and s_k != s:  # cached keys before these queries: query i sees keys <= s_k - s + i
             mask = torch.ones(s, s_k, dtype=torch.bool, device=x.device).tril(diagonal=s_k - s)
@@ -245,9 +285,21 @@ class TransformerLayer(nn.Module):
         x = x + self._dropout(attn)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``kv_cache``/``attention_mask``: incremental decoding (see :meth:`Attention.forward`)."""
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], position_ids: torch.Tensor | None = None, *,
+                kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``kv_cache``/``attention_mask``: incremental decoding (see :meth:`Attention.forward`).
+        ``document_ids`` [b, s]: attention stays inside each packed document (:func:`document_causal_mask`).
+        In a pipeline ``x`` may be the tuple ``(hidden, position_ids[, document_ids])`` that the embedding
+        passes on; the same tuple comes out, with this layer's hidden states."""
+        if isinstance(x, tuple):
+            hidden, positions, *rest = x
+            out = self.forward(hidden, positions, document_ids=rest[0] if rest else None)
+            return (out, *x[1:])
+        if document_ids is not None and attention_mask is None:
+            attention_mask = _last_document_mask(document_ids, x.dtype)
+        elif document_ids is not None:
+            attention_mask = attention_mask & document_causal_mask(document_ids)
         run, tables = self._forward, None
         if self._compiled is not None and kv_cache is None:
             run = self._compiled

@@ -10,10 +10,13 @@ reads), so no broadcast is needed. Position in the data = consumed samples, stor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
+
+from megatron_ru.data.documents import DocumentMasking
 
 if TYPE_CHECKING:
     from megatron_ru.config.arguments import Arguments
@@ -31,19 +34,70 @@ class SampleDataset(Protocol):
 class Batch:
     tokens: torch.Tensor   # [b, s] inputs
     labels: torch.Tensor   # [b, s] next tokens
+    #: packed documents (:class:`~megatron_ru.data.documents.DocumentMasking`), each [b, s]; None when off
+    position_ids: Optional[torch.Tensor] = None
+    document_ids: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
+    #: --calculate-per-token-loss: the scalar the micro batch's masked loss sum is divided by
+    loss_denominator: Optional[torch.Tensor] = None
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
+        return Batch(*(None if t is None else fn(t) for t in (
+            self.tokens, self.labels, self.position_ids, self.document_ids, self.loss_mask, self.loss_denominator)))
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(self.tokens.to(device, non_blocking=True), self.labels.to(device, non_blocking=True))
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> "Batch":
         """Page-locked copies (the DataLoader calls this with ``pin_memory=True``), so that :meth:`to` a GPU
         is an asynchronous copy that overlaps the previous step instead of a host-blocking one."""
-        return Batch(self.tokens.pin_memory(), self.labels.pin_memory())
+        return self._map(lambda t: t.pin_memory())
+
+    def model_inputs(self) -> Any:
+        """The first pipeline stage's input: ``tokens``, or ``(tokens, position_ids[, document_ids])``."""
+        if self.position_ids is None:
+            return self.tokens
+        return (self.tokens, self.position_ids) + (() if self.document_ids is None else (self.document_ids,))
+
+    def loss_targets(self) -> Any:
+        """The loss's ``labels`` argument (:class:`~megatron_ru.model.gpt.GPTLoss`): ``labels``, or
+        ``(labels, loss_mask[, denominator])``."""
+        if self.loss_mask is None and self.loss_denominator is None:
+            return self.labels
+        mask = self.loss_mask if self.loss_mask is not None else torch.ones_like(self.labels, dtype=torch.float32)
+        return (self.labels, mask) + (() if self.loss_denominator is None else (self.loss_denominator,))
+
+    def scored_tokens(self) -> int:
+        """Tokens whose loss counts."""
+        return self.labels.numel() if self.loss_mask is None else int(self.loss_mask.sum().item())
 
 
-def collate(samples: list[dict[str, np.ndarray]]) -> Batch:
+def collate(samples: list[dict[str, np.ndarray]], documents: Optional[DocumentMasking] = None) -> Batch:
     tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
-    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    inputs = tokens[:, :-1].contiguous()
+    batch = Batch(inputs, tokens[:, 1:].contiguous())
+    if documents is not None and documents.active:
+        batch.position_ids, batch.document_ids, batch.loss_mask = documents.apply(inputs)
+    return batch
+
+
+def document_masking(args: "Arguments", eod: int) -> Optional[DocumentMasking]:
+    """The run's document flags (None when none is given)."""
+    d = args.data
+    documents = DocumentMasking(eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    return documents if documents.active else None
+
+
+def per_token_denominators(batches: list[Batch], global_tokens: float, dp_size: int) -> list[Batch]:
+    """``--calculate-per-token-loss``: each of this step's micro batches divides its masked loss sum by
+    ``global_tokens / (micro batches x dp_size)`` (``global_tokens``: the unmasked tokens of the whole global
+    batch). DeepSpeed averages the micro batches' losses and gradients over the accumulation steps and the
+    data-parallel ranks, so the step's loss and gradient are those of the sum over all tokens divided by
+    ``global_tokens``: Megatron-LM's per-token loss."""
+    share = torch.tensor(max(global_tokens, 1.0) / (len(batches) * dp_size), dtype=torch.float32)
+    for b in batches:
+        b.loss_denominator = share.to(b.tokens.device)
+    return batches
 
 
 def validation_pass_samples(prefixes: Sequence[str], split: Sequence[float], seq_length: int) -> int:
@@ -159,9 +213,11 @@ def build_datasets(args: "Arguments", is_builder_rank: bool, barrier: Optional[C
 
 
 def micro_batches(dataset: Optional[SampleDataset], consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                  dp_size: int, device: torch.device, num_workers: int = 0) -> Optional[Iterator[Batch]]:
+                  dp_size: int, device: torch.device, num_workers: int = 0,
+                  documents: Optional[DocumentMasking] = None) -> Optional[Iterator[Batch]]:
     """Endless-enough iterator of this rank's micro batches starting after ``consumed_samples``
-    (None when there is no dataset, e.g. no validation split)."""
+    (None when there is no dataset, e.g. no validation split); ``documents``: the position ids, document
+    ids and loss mask of packed documents, computed in the loader's workers."""
     if dataset is None or len(dataset) == 0:
         return None
     from megatron_ru.data.sampler import MegatronPretrainingSampler
@@ -170,7 +226,7 @@ def micro_batches(dataset: Optional[SampleDataset], consumed_samples: int, micro
     # its own generator: creating a loader iterator draws a seed, which must not shift the global
     # RNG stream that dropout uses (a resumed run creates its loaders at a different point)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate, generator=torch.Generator().manual_seed(0),
+                                         collate_fn=functools.partial(collate, documents=documents), generator=torch.Generator().manual_seed(0),
                                          pin_memory=device.type == "cuda")
     if isinstance(dataset, VocabCheckedDataset):
         # the loader yields batches in the sampler's order, so the second pass names each batch's samples
@@ -183,7 +239,8 @@ def _checked(dataset: VocabCheckedDataset, batch: Batch, indices: list[int]) -> 
     return batch
 
 
-def pipeline_items(batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, labels) tuples as DeepSpeed's pipeline engine reads them."""
+def pipeline_items(batches: Iterable[Batch]) -> Iterator[tuple[Any, Any]]:
+    """(inputs, labels) tuples as DeepSpeed's pipeline engine reads them (:meth:`Batch.model_inputs`,
+    :meth:`Batch.loss_targets`)."""
     for b in batches:
-        yield b.tokens, b.labels
+        yield b.model_inputs(), b.loss_targets()

@@ -23,7 +23,8 @@ from megatron_ru.deepspeed_bridge.engine import grad_norm_of, loss_scale_of
 from megatron_ru.parallel.comm_audit import audit_for_run
 from megatron_ru.parallel.state import ParallelState
 from megatron_ru.training import checkpoint as ckpt
-from megatron_ru.training.data import Batch, SampleDataset, micro_batches, pipeline_items
+from megatron_ru.data.documents import DocumentMasking
+from megatron_ru.training.data import Batch, SampleDataset, micro_batches, per_token_denominators, pipeline_items
 from megatron_ru.training.metrics import EtaClock, MetricsWriter, memory_bytes, peak_memory_mib
 from megatron_ru.training.signals import ExitSignal
 from megatron_ru.utils.logging import get_logger, log_rank0
@@ -104,8 +105,10 @@ class Trainer:
                  run_config: Optional[dict[str, Any]] = None,
                  checkpoint_record: Optional[dict[str, Any]] = None,
                  text_tables: Optional[torch.Tensor] = None,
-                 predicted_memory_mib: Optional[float] = None) -> None:
-        """``checkpoint_record``: what every saved checkpoint records about the model (``model_args``,
+                 predicted_memory_mib: Optional[float] = None,
+                 documents: Optional[DocumentMasking] = None) -> None:
+        """``documents``: packed documents' position ids, attention and loss masks (--reset-position-ids,
+        --reset-attention-mask, --eod-mask-loss). ``checkpoint_record``: what every saved checkpoint records about the model (``model_args``,
         ``vocab_size``, ``tokenizer``: fields of :class:`CheckpointMeta`). ``text_tables``: [2, V] int64
         on the device, UTF-8 bytes and characters per token id (validation then reports bits per byte
         and per character; None for a tokenizer without text). ``predicted_memory_mib``: the planner's
@@ -123,11 +126,12 @@ class Trainer:
         self.predicted_memory_mib = predicted_memory_mib
         self._eta = EtaClock(plan.train_iters)
         self._logged_memory = False
-        self._text_counts = torch.zeros(2, dtype=torch.int64, device=state.device)
+        self._text_counts = torch.zeros(3, dtype=torch.int64, device=state.device)  # bytes, characters, tokens
         self.device = state.device
         self.is_pipe = state.pp_size > 1
+        self.documents = documents
         self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, plan.micro_batch_size,
-                                           state.dp_rank, state.dp_size, self.device, plan.num_workers)
+                                           state.dp_rank, state.dp_size, self.device, plan.num_workers, documents)
         self._last_lr = engine.lr_scheduler.get_lr()[0]
         if self.train_batches is None:
             raise ValueError("the training dataset is empty: check --data-path and --split")
@@ -154,20 +158,34 @@ class Trainer:
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self) -> float:
         engine = self.engine
+        batches, _ = self._this_step(self.train_batches, self.grad_accum)
         if self.is_pipe:
-            loss = engine.train_batch(data_iter=pipeline_items(self.train_batches))
+            loss = engine.train_batch(data_iter=pipeline_items(batches))
             return float(loss.item())  # already averaged over micro batches and DP by DeepSpeed
         engine.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(self.grad_accum):
             if self.plan.ramp is not None:  # DeepSpeed's own count (micro steps % accumulation) breaks when it changes
                 engine.set_gradient_accumulation_boundary(i == self.grad_accum - 1)
-            b = next(self.train_batches)
-            loss = engine(b.tokens, labels=b.labels)
+            b = next(batches)
+            loss = engine(b.tokens, labels=b.loss_targets(), position_ids=b.position_ids, document_ids=b.document_ids)
             engine.backward(loss)
             engine.step()
             total += loss.detach().double()
         return _dp_mean(total / self.grad_accum, self.state)
+
+    def _this_step(self, batches: Iterator[Batch], count: int) -> tuple[Iterator[Batch], float]:
+        """The step's ``count`` micro batches and the step's weight in an average over steps. Without
+        --calculate-per-token-loss: ``batches`` itself, read as the engine goes, weight 1. With it: read ahead,
+        their unmasked tokens summed over the data-parallel ranks, each given its share of that count
+        (:func:`per_token_denominators`); the weight is the count (Megatron-LM's sums of losses and tokens)."""
+        if not self.training.calculate_per_token_loss:
+            return batches, 1.0
+        step = [next(batches) for _ in range(count)]
+        tokens = torch.tensor([float(sum(b.scored_tokens() for b in step))], dtype=torch.float64, device=self.device)
+        if self.state.dp_size > 1:
+            dist.all_reduce(tokens, group=self.state.dp_group)
+        return iter(per_token_denominators(step, float(tokens.item()), self.state.dp_size)), float(tokens.item())
 
     def evaluate(self) -> Optional[float]:
         t = self.training
@@ -177,19 +195,24 @@ class Trainer:
             self._valid_batches = self._counted(self._cycle_valid())
         self._text_counts.zero_()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        weights = 0.0
         self.engine.eval()
         with torch.no_grad():
             for _ in range(t.eval_iters):
+                batches, weight = self._this_step(self._valid_batches, self.plan.grad_accum)
+                weights += weight
                 if self.is_pipe:
-                    total += self.engine.eval_batch(data_iter=pipeline_items(self._valid_batches),  # full batch
-                                                    num_micro_batches=self.plan.grad_accum).double().reshape(())
+                    total += weight * self.engine.eval_batch(data_iter=pipeline_items(batches),  # full batch
+                                                             num_micro_batches=self.plan.grad_accum).double().reshape(())
                 else:
                     for _ in range(self.plan.grad_accum):
-                        b = next(self._valid_batches)
-                        total += self.engine(b.tokens, labels=b.labels).detach().double() / self.plan.grad_accum
+                        b = next(batches)
+                        loss = self.engine(b.tokens, labels=b.loss_targets(), position_ids=b.position_ids,
+                                           document_ids=b.document_ids)
+                        total += weight * loss.detach().double() / self.plan.grad_accum
                 self.progress.consumed_valid_samples += self.plan.global_batch_size
         self.engine.train()
-        mean = total / t.eval_iters
+        mean = total / weights
         return float(mean.item()) if self.is_pipe else _dp_mean(mean, self.state)
 
     def _counted(self, batches: Iterator[Batch]) -> Iterator[Batch]:
@@ -197,20 +220,21 @@ class Trainer:
         the running counts (the first and the last pipeline stage read every micro batch)."""
         for b in batches:
             if self.text_tables is not None:
-                self._text_counts += self.text_tables[:, b.labels.reshape(-1)].sum(dim=1)
+                labels = b.labels.reshape(-1) if b.loss_mask is None else b.labels[b.loss_mask > 0]
+                self._text_counts[:2] += self.text_tables[:, labels].sum(dim=1)
+                self._text_counts[2] += labels.numel()
             yield b
 
     def text_metrics(self, mean_loss: float) -> Optional[dict[str, float]]:
         """Bits per byte / character of the last evaluation (counts summed over the data-parallel ranks;
-        every micro batch scores all its ``b × s`` tokens)."""
+        only the tokens whose loss counts: all ``b × s`` of a micro batch without --eod-mask-loss)."""
         if self.text_tables is None:
             return None
         from megatron_ru.training.metrics import bits_per_text
         counts = self._text_counts.clone()
         if self.state.dp_size > 1:
             dist.all_reduce(counts, group=self.state.dp_group)
-        tokens = self.training.eval_iters * self.plan.global_batch_size * self.plan.seq_length
-        nbytes, nchars = (int(x) for x in counts.tolist())
+        nbytes, nchars, tokens = (int(x) for x in counts.tolist())
         return bits_per_text(mean_loss, tokens, nbytes, nchars)
 
     def _cycle_valid(self) -> Iterator[Batch]:
@@ -222,7 +246,7 @@ class Trainer:
         while True:
             got = 0
             for batch in micro_batches(self.valid_ds, start, self.plan.micro_batch_size, self.state.dp_rank,
-                                       self.state.dp_size, self.device):
+                                       self.state.dp_size, self.device, documents=self.documents):
                 got += 1
                 yield batch
             if got == 0 and start == 0:

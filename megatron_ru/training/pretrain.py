@@ -219,7 +219,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
     registered (default: at the process's exit, or at the next run in this process)."""
     from megatron_ru.parallel.env import init_distributed
     from megatron_ru.parallel.random import model_parallel_seed, set_keyed_dropout_data_parallel
-    from megatron_ru.training.data import build_datasets
+    from megatron_ru.training.data import build_datasets, document_masking
     from megatron_ru.deepspeed_bridge.engine import attach_comm, quiet
     from megatron_ru.training.engine import initialize_engine
     from megatron_ru.model.lora import init_dora_magnitudes
@@ -272,7 +272,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
                    throughput(args, vocab_size), metrics, progress, exit_signal, run_config=args.to_dict(),
                    checkpoint_record=checkpoint_record(args, vocab_size, loaded),
                    text_tables=text_tables(tokenizer, vocab_size, state.device) if valid_ds is not None else None,
-                   predicted_memory_mib=None if prediction is None else prediction.total_bytes / 2 ** 20)
+                   predicted_memory_mib=None if prediction is None else prediction.total_bytes / 2 ** 20,
+                   documents=document_masking(args, tokenizer.eod))
 
 
 def text_tables(tokenizer: Any, vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
