@@ -105,14 +105,17 @@ def test_packed_documents_at_tp2_pp2(tmp_path) -> None:
                  "--micro-batch-size", "2")                         # micro 2 x accumulation 2 (global 4)
     per_token = [*base, "--calculate-per-token-loss"]
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    ref, ref_per_token_one_micro, ref_per_token = run_distributed(_body, 1, args=([
+    positions_only = [a for a in base if a != "--reset-attention-mask"]  # the stages pass (hidden, position_ids)
+    ref, ref_positions, ref_per_token_one_micro, ref_per_token = run_distributed(_body, 1, args=([
         (False, base),
+        (False, positions_only),
         (False, _with(per_token, "--micro-batch-size", "4")),       # one micro batch: per-token = default
         (False, _with(per_token, "--micro-batch-size", "1")),       # 4 micro batches
     ],), timeout=600, env=ENV)[0]
     results = run_distributed(_body, 4, args=([
         (True, [*base, *layout]),
         (True, [*base, *layout, "--sequence-parallel", "--recompute-granularity", "full"]),
+        (False, [*positions_only, *layout]),
         (False, _with([*per_token, "--pipeline-model-parallel-size", "2"], "--micro-batch-size", "1")),  # DP 2
     ],), timeout=900, env=ENV)
     for rank, per_run in enumerate(results):
@@ -120,7 +123,9 @@ def test_packed_documents_at_tp2_pp2(tmp_path) -> None:
             if rank >= 2:                                           # the last stage
                 assert res["token_loss_diff"] <= TOL, (rank, name, res["token_loss_diff"])
                 assert res["masked_mean_diff"] <= TOL, (rank, name, res["masked_mean_diff"])
-    tp2pp2, sp, dp2 = results[0]
+    tp2pp2, sp, positions, dp2 = results[0]
+    assert relative_diff(positions["losses"], ref_positions["losses"]) <= FP32_RTOL
+    assert relative_diff(ref_positions["losses"], ref["losses"]) > FP32_RTOL   # the mask matters
     assert len(ref["evals"]) == 2                                   # iterations 2 and 3
     for res in (tp2pp2, sp):
         assert relative_diff(res["losses"], ref["losses"]) <= FP32_RTOL
