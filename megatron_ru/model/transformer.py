@@ -107,6 +107,14 @@ class _LastDocumentMask:
 _last_document_mask = _LastDocumentMask()
 
 
+def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+                    causal: bool, gqa: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v with attention dropout (drawn from the TP stream: heads differ per rank)."""
+    with split_region_rng(dropout > 0):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                              **({"enable_gqa": True} if gqa else {}))
+
+
 def split_region_rng(active: bool) -> contextlib.AbstractContextManager:
     """Dropout on activations that differ between TP ranks draws from the TP stream."""
     return tp_random.get_rng_tracker().fork() if active else contextlib.nullcontext()
@@ -132,6 +140,7 @@ class Attention(nn.Module):
         self.rope = RopeSpec.from_config(cfg) if cfg.position_embedding_type == "rope" else None
         self.dropout = cfg.attention_dropout
         self.sliding_window = cfg.sliding_window
+        self.recompute_core = cfg.recompute_granularity == "selective"
         qkv, proj = LINEARS["linear_qkv"], LINEARS["linear_proj"]
         std = cfg.init_method_std
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
@@ -203,8 +212,12 @@ class Attention(nn.Module):
             gqa = {"enable_gqa": True}
         elif r > 1:
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-        with split_region_rng(dropout > 0):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, **gqa)
+        if self.recompute_core and self.training and torch.is_grad_enabled() and kv_cache is None:
+            # --recompute-granularity selective: the core attention's saved tensors (the math path's s x s scores,
+            # softmax, dropout mask) are rebuilt in backward from q, k, v; the dropout draws are replayed
+            out = tp_random.checkpoint(_core_attention, q, k, v, mask, dropout, causal, bool(gqa))
+        else:
+            out = _core_attention(q, k, v, mask, dropout, causal, bool(gqa))
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         return self.linear_proj(out)
 
