@@ -54,6 +54,9 @@ class Arguments:
     """``--data-path`` as dataset prefixes and weights (None: blended by token count)."""
     split: Optional[tuple[float, float, float]] = None
     """``--split`` as normalised train/valid/test shares of each dataset's documents."""
+    split_blends: Optional[tuple[Optional[DataBlend], ...]] = None
+    """--train/valid/test-data-path (or --per-split-data-args-path): each split's datasets, all their documents
+    (None: no per-split data; a None entry: no dataset for that split). ``blend`` is None then."""
     model_vocab_size: Optional[int] = None
     """The model's vocabulary rows from the checkpoint (``--use-checkpoint-args``); None: the tokenizer's size."""
     megatron_no_effect: list[str] = field(default_factory=list)
@@ -251,26 +254,43 @@ def _data_rule(a: Arguments) -> list[str]:
         return out  # missing files, a bad --split or batch sizes are reported by their own rules
     t = a.training
     sizes = dataset_sizes(a.train_iters, a.global_batch_size, t.eval_interval, t.eval_iters)
+    if a.split_blends is not None:  # each split's own datasets, all their documents
+        for s, blend in enumerate(a.split_blends):
+            if blend is not None:
+                whole = tuple(1.0 if k == s else 0.0 for k in range(3))
+                out += data_problems(blend, whole, "(per-split data)", tuple(n if k == s else 0 for k, n in
+                                                                             enumerate(sizes)), vocab_size)
+        return out
     assert a.blend is not None and a.split is not None  # resolved whenever DataConfig has no problems
     return out + data_problems(a.blend, a.split, a.data.split, sizes, vocab_size)
 
 
-def _resolve_data_flags(cfg: DataConfig) -> tuple[Optional[DataBlend], Optional[tuple[float, float, float]]]:
-    """``--data-path`` and ``--split`` parsed once; None where a flag is invalid (DataConfig.problems
-    says why)."""
+def _blend_of(tokens: Optional[list[str]]) -> Optional[DataBlend]:
+    if tokens is None:
+        return None
+    prefixes, weights = parse_data_path(tokens)
+    return DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
+
+
+def _resolve_data_flags(cfg: DataConfig) -> tuple[Optional[DataBlend], Optional[tuple[float, float, float]],
+                                                  Optional[tuple[Optional[DataBlend], ...]]]:
+    """``--data-path`` (or ``--data-args-path``), ``--split`` and the per-split data parsed once; None where a
+    flag is invalid (DataConfig.problems says why)."""
+    blend: Optional[DataBlend] = None
+    per_split: Optional[tuple[Optional[DataBlend], ...]] = None
     try:
-        if cfg.mock_data:
-            raise ValueError("synthetic data: no blend")
-        prefixes, weights = parse_data_path(list(cfg.data_path or []))
-        blend: Optional[DataBlend] = DataBlend(tuple(prefixes), None if weights is None else tuple(weights))
-    except ValueError:
-        blend = None
+        if cfg.per_split:
+            per_split = tuple(_blend_of(t) for t in cfg.split_path_tokens())
+        elif not cfg.mock_data:
+            blend = _blend_of(cfg.data_path_tokens())
+    except (ValueError, OSError):
+        blend, per_split = None, None
     try:
         a, b, c = parse_split(cfg.split)
         split: Optional[tuple[float, float, float]] = (a, b, c)
     except ValueError:
         split = None
-    return blend, split
+    return blend, split, per_split
 
 
 def _lr_rule(a: Arguments) -> list[str]:
@@ -438,7 +458,14 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
     if args.checkpoint.use_checkpoint_args:
         from megatron_ru.config.checkpoint_args import apply_checkpoint_args
         apply_checkpoint_args(args, explicit)
-    args.blend, args.split = _resolve_data_flags(args.data)
+    args.blend, args.split, args.split_blends = _resolve_data_flags(args.data)
+    if args.split_blends is not None:
+        if "split" in explicit:
+            args.notices.append(f"--split {args.data.split} is not used: each split reads all the documents of its "
+                                f"own --train/valid/test-data-path datasets")
+        if args.split_blends[1] is None and args.training.eval_iters > 0:
+            args.notices.append("no validation datasets (--valid-data-path): no evaluation")
+            args.training.eval_iters = 0
     if validate:
         validate_all(args.configs(), [lambda a: megatron_problems, *RULES], context=args)
     if args.training.bf16 and args.training.zero_stage == 0:

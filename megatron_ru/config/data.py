@@ -16,20 +16,25 @@ from megatron_ru.config.base import arg
 SAMPLE_START_MODES = ("any", "document", "paragraph")
 
 
-def parse_data_path(tokens: list[str]) -> tuple[list[str], Optional[list[float]]]:
-    """(prefixes, weights) from ``--data-path`` tokens; weights is None for prefixes alone."""
+#: the keys of --per-split-data-args-path's JSON, in split order
+SPLIT_KEYS = ("train", "valid", "test")
+
+
+def parse_data_path(tokens: list[str], flag: str = "--data-path") -> tuple[list[str], Optional[list[float]]]:
+    """(prefixes, weights) from ``--data-path`` tokens (or another flag's of the same syntax, named ``flag`` in
+    errors); weights is None for prefixes alone."""
     if not tokens:
-        raise ValueError("--data-path is required: give dataset prefixes (e.g. 'corpus_text_document') "
+        raise ValueError(f"{flag} is required: give dataset prefixes (e.g. 'corpus_text_document') "
                          "or weight/prefix pairs ('0.7 ru_text_document 0.3 en_text_document')")
     numeric = [_is_number(t) for t in tokens]
     if not any(numeric):
         return list(tokens), None
     if len(tokens) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
-        raise ValueError(f"--data-path {' '.join(tokens)!r}: mix of weights and prefixes; give either prefixes "
-                         "alone or weight/prefix pairs, e.g. '--data-path 0.7 ru_text_document 0.3 en_text_document'")
+        raise ValueError(f"{flag} {' '.join(tokens)!r}: mix of weights and prefixes; give either prefixes "
+                         f"alone or weight/prefix pairs, e.g. '{flag} 0.7 ru_text_document 0.3 en_text_document'")
     weights = [float(t) for t in tokens[0::2]]
     if any(w < 0 or w != w or w == float("inf") for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} must be finite, non-negative and not all zero")
+        raise ValueError(f"{flag} weights {weights} must be finite, non-negative and not all zero")
     return list(tokens[1::2]), weights
 
 
@@ -64,6 +69,21 @@ class DataConfig:
         None, "Dataset prefixes (without .bin/.idx), optionally as weight/prefix pairs for blending: "
               "'0.7 ru_text_document 0.3 en_text_document'. Prefixes alone are blended by token count.")
     split: str = arg("969,30,1", "Train,valid,test proportions of each dataset's documents (Megatron syntax).")
+    data_args_path: Optional[str] = arg(
+        None, "A file holding --data-path's tokens (weights and prefixes separated by white space), for blends too "
+              "long for a command line (Megatron-LM's flag; exclusive with --data-path).")
+    train_data_path: Optional[list[str]] = arg(
+        None, "The training datasets, as --data-path (weights and prefixes): every document of them trains; "
+              "--split is not used. With --valid-data-path and --test-data-path, instead of --data-path "
+              "(Megatron's separate per-split data).")
+    valid_data_path: Optional[list[str]] = arg(
+        None, "The validation datasets, as --data-path; all their documents (no --split). Without it and with "
+              "--train-data-path there is no validation.")
+    test_data_path: Optional[list[str]] = arg(
+        None, "The test datasets, as --data-path (training reads no test samples; accepted and checked).")
+    per_split_data_args_path: Optional[str] = arg(
+        None, "A JSON file with keys train, valid, test, each --train/valid/test-data-path's tokens (a list or one "
+              "white-space separated string): Megatron-LM's flag, exclusive with those three.")
     data_cache_path: Optional[str] = arg(
         None, "Directory for the cached sample indices (.npy), shared by all nodes. Default: "
               "'index-cache/' next to the data when writable, else a directory under the system temp dir.")
@@ -87,19 +107,87 @@ class DataConfig:
     num_workers: int = arg(2, "DataLoader worker processes per rank.")
     mmap_warmup: bool = arg(False, "Read the dataset indices once at start-up to warm the page cache.")
 
+    @property
+    def per_split(self) -> bool:
+        """Separate datasets per split (--train/valid/test-data-path or --per-split-data-args-path)."""
+        return self.per_split_data_args_path is not None or any(
+            p is not None for p in (self.train_data_path, self.valid_data_path, self.test_data_path))
+
+    def data_path_tokens(self) -> list[str]:
+        """--data-path's tokens, or those of the --data-args-path file (OSError when it cannot be read)."""
+        if self.data_args_path is not None:
+            with open(self.data_args_path, encoding="utf-8") as f:
+                return f.read().split()
+        return list(self.data_path or [])
+
+    def split_path_tokens(self) -> list[Optional[list[str]]]:
+        """The train, valid and test tokens of the per-split data (None: that split has none); a ValueError or
+        OSError names a --per-split-data-args-path file that cannot be read or lacks a key."""
+        if self.per_split_data_args_path is None:
+            return [None if p is None else list(p) for p in (self.train_data_path, self.valid_data_path,
+                                                             self.test_data_path)]
+        import json
+        where = f"--per-split-data-args-path {self.per_split_data_args_path}"
+        with open(self.per_split_data_args_path, encoding="utf-8") as f:
+            try:
+                record = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e})") from None
+        if not isinstance(record, dict) or not all(k in record for k in SPLIT_KEYS):
+            raise ValueError(f"{where}: expected a JSON object with the keys {', '.join(SPLIT_KEYS)} (each a list of "
+                             f"weights and prefixes, or one string of them)")
+        out: list[Optional[list[str]]] = []
+        for key in SPLIT_KEYS:
+            v = record[key]
+            tokens = v.split() if isinstance(v, str) else v
+            if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+                raise ValueError(f"{where}: {key!r} must be a list of strings or one string (got {v!r})")
+            out.append(tokens or None)
+        return out
+
+    def _source_problems(self) -> list[str]:
+        """Exactly one way to name the data (Megatron-LM's exclusions)."""
+        ways = [name for name, given in (
+            ("--data-path", self.data_path is not None), ("--data-args-path", self.data_args_path is not None),
+            ("--train/valid/test-data-path", any(p is not None for p in (self.train_data_path, self.valid_data_path,
+                                                                          self.test_data_path))),
+            ("--per-split-data-args-path", self.per_split_data_args_path is not None),
+            ("--mock-data", self.mock_data)) if given]
+        if ways == ["--data-path", "--mock-data"]:
+            return ["--mock-data trains on synthetic tokens and --data-path on a dataset: give one of them"]
+        if len(ways) > 1:
+            return [f"{' and '.join(ways)} each name the training data: give one of them"]
+        return []
+
     def problems(self) -> list[str]:
-        out: list[str] = []
-        if self.mock_data and self.data_path:
-            out.append("--mock-data trains on synthetic tokens and --data-path on a dataset: give one of them")
+        out: list[str] = self._source_problems()
+        if out:
+            return out
+        flags_and_tokens: list[tuple[str, list[str]]] = []
         try:
-            prefixes, _ = parse_data_path(list(self.data_path or [])) if not self.mock_data else ([], None)
+            if self.per_split:
+                names = ("--train-data-path", "--valid-data-path", "--test-data-path")
+                tokens = self.split_path_tokens()
+                if tokens[0] is None:
+                    out.append(f"{'--per-split-data-args-path has no train datasets' if self.per_split_data_args_path else '--valid-data-path or --test-data-path without --train-data-path'}: "
+                               "training needs --train-data-path (or use --data-path with --split)")
+                flags_and_tokens = [(n, t) for n, t in zip(names, tokens) if t is not None]
+            elif not self.mock_data:
+                flags_and_tokens = [("--data-path", self.data_path_tokens())]
+        except (ValueError, OSError) as exc:
+            out.append(str(exc) if isinstance(exc, ValueError) else
+                       f"{self.data_args_path or self.per_split_data_args_path}: cannot be read ({exc})")
+        for flag, tokens in flags_and_tokens:
+            try:
+                prefixes, _ = parse_data_path(tokens, flag)
+            except ValueError as exc:
+                out.append(str(exc))
+                continue
             for prefix in prefixes:
                 missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.exists(p)]
                 if missing:
-                    out.append(f"--data-path: dataset {prefix!r} not found ({', '.join(missing)} missing); "
+                    out.append(f"{flag}: dataset {prefix!r} not found ({', '.join(missing)} missing); "
                                "give the prefix written by tools/preprocess_data.py, without .bin/.idx")
-        except ValueError as exc:
-            out.append(str(exc))
         try:
             parse_split(self.split)
         except ValueError as exc:

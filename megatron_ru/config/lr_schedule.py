@@ -21,6 +21,7 @@ checkpoint so a resumed run continues on the same curve.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,6 +37,10 @@ class LRSchedule:
     #: WSD: the decay phase's length (the last steps of the decay length) and shape
     wsd_decay_steps: int = 0
     wsd_decay_style: str = "exponential"
+    #: --decoupled-lr / --decoupled-min-lr: the input word embedding's and the output layer's peak and end
+    #: (None: ``max_lr`` / ``min_lr``); the same warmup and decay shape
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
     #: what a step counts: "iterations" (one per optimizer step), or "samples" (the step's global batch; under
     #: --rampup-batch-size, where every length is in samples and the scheduler advances by the current batch, as
     #: Megatron's scheduler always does)
@@ -52,6 +57,15 @@ class LRSchedule:
             raise ValueError(
                 f"the LR decay length ({self.decay_steps} iterations) must exceed the warmup "
                 f"({self.warmup_steps}): raise --lr-decay-iters/--train-iters or lower the warmup")
+
+    def decoupled(self) -> "LRSchedule":
+        """The schedule of the input word embedding and the output layer (Megatron-LM's decoupled learning rate:
+        its own peak and end, the same warmup from 0 and the same decay shape); itself without --decoupled-lr."""
+        if self.decoupled_lr is None:
+            return self
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        return dataclasses.replace(self, max_lr=self.decoupled_lr, min_lr=low, decoupled_lr=None,
+                                   decoupled_min_lr=None)
 
     def lr(self, step: int) -> float:
         if self.warmup_steps > 0 and step <= self.warmup_steps:
@@ -111,7 +125,8 @@ def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int,
                else opt_cfg.lr_wsd_decay_iters or 0)
     return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup,
                       decay_steps=decay, decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
-                      wsd_decay_style=opt_cfg.lr_wsd_decay_style)
+                      wsd_decay_style=opt_cfg.lr_wsd_decay_style, decoupled_lr=opt_cfg.decoupled_lr,
+                      decoupled_min_lr=opt_cfg.decoupled_min_lr if opt_cfg.decoupled_lr is not None else None)
 
 
 def _schedule_in_samples(opt_cfg: Any, train_iters: int, global_batch_size: int,
@@ -138,6 +153,8 @@ def _schedule_in_samples(opt_cfg: Any, train_iters: int, global_batch_size: int,
     try:
         return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup, decay_steps=decay,
                           decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
-                          wsd_decay_style=opt_cfg.lr_wsd_decay_style, unit="samples")
+                          wsd_decay_style=opt_cfg.lr_wsd_decay_style, decoupled_lr=opt_cfg.decoupled_lr,
+                          decoupled_min_lr=opt_cfg.decoupled_min_lr if opt_cfg.decoupled_lr is not None else None,
+                          unit="samples")
     except ValueError as e:
         raise ValueError(f"{e} (under --rampup-batch-size these lengths are in samples)") from None

@@ -88,6 +88,10 @@ def _distributed_optimizer(args: "Arguments", value: Any, explicit: set[str]) ->
     return None
 
 
+def _recompute_activations(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    return _set(args, explicit, "model", "recompute_granularity", "selective", "--recompute-activations")
+
+
 def _wandb_name(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
     return _set(args, explicit, "logging", "wandb_exp_name", value, f"--wandb-name {value}")
 
@@ -239,6 +243,8 @@ TABLE: tuple[MegatronFlag, ...] = (
                  "own here, whatever the method (uniform or block) and --recompute-num-layers: the same losses and "
                  "gradients (recomputation never changes them); activation memory as uniform with 1 layer"),
     MegatronFlag("--recompute-num-layers", SPELLING, 1, "see --recompute-method"),
+    MegatronFlag("--recompute-activations", SPELLING, 0, "= --recompute-granularity selective (Megatron's meaning: "
+                 "the core attention recomputed)", _recompute_activations),
     MegatronFlag("--layernorm-epsilon", SPELLING, 1, "= --norm-epsilon", _norm_epsilon, "DS"),
     MegatronFlag("--use-rope-scaling", SPELLING, 0, "= --rope-scaling-type llama3 with --rope-scaling-factor and "
                  "Megatron-LM's fixed low/high-frequency factors 1 and 4 and original context 8192",
@@ -335,12 +341,6 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--distribute-checkpointed-activations", REFUSED, 0, "splitting recomputed activations across the "
                  "tensor-parallel group is not available yet: use --sequence-parallel, which splits them along the "
                  "sequence", source="DS"),
-    MegatronFlag("--decoupled-lr", REFUSED, 1, "a separate learning rate for the embedding and output layer is not "
-                 "available yet: train them alone with --train-only-embeddings, or at the common --lr", source="LM"),
-    MegatronFlag("--decoupled-min-lr", REFUSED, 1, "see --decoupled-lr", source="LM"),
-    MegatronFlag("--grad-reduce-in-bf16", REFUSED, 0, "gradients are reduced in fp32 here (DeepSpeed's "
-                 "grad_accum_dtype fp32 under --bf16); reducing them in bf16 changes the result: drop the flag",
-                 source="LM"),
     MegatronFlag("--no-save-optim", REFUSED, 0, "checkpoints here always hold the optimizer state (a resume is "
                  "exact); convert one to weights only with tools/convert_checkpoint.py reshard"),
     MegatronFlag("--no-save-rng", REFUSED, 0, "checkpoints here always hold every rank's RNG state (a resume is "

@@ -673,8 +673,9 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
         ("--disable-bf16-reduced-precision-matmul", 0, "LM"),
     )),
     (REFUSED,
-     "see --recompute-granularity", (
-        ("--recompute-activations", 0, "LM, DS"), ("--recompute-modules", "+", "LM"),
+     "recomputing a chosen list of modules is not available: --recompute-granularity selective recomputes the core "
+     "attention, full every layer", (
+        ("--recompute-modules", "+", "LM"),
     )),
     (REFUSED,
      "Megatron's manifold hyper-connections are not available: hyper-connections (several residual streams) "

@@ -37,6 +37,9 @@ class TrainingConfig:
         False, "On SIGTERM/SIGUSR1 (sent by Slurm/ABCI before the time limit) save and exit 0.")
     bf16: bool = arg(False, "Train in bfloat16 (fp32 master weights).")
     fp16: bool = arg(False, "Train in float16 with dynamic loss scaling (GPU only).")
+    grad_reduce_in_bf16: bool = arg(
+        False, "With --bf16: accumulate and reduce gradients in bfloat16 (DeepSpeed's grad_accum_dtype bf16), as "
+               "Megatron-LM's flag; less memory and traffic, fewer digits in the gradient sums. Default: fp32.")
     loss_scale: Optional[float] = arg(None, "Static loss scale for --fp16 (default: dynamic).")
     initial_loss_scale: float = arg(2.0 ** 32, "Initial dynamic loss scale for --fp16.")
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
@@ -82,6 +85,8 @@ class TrainingConfig:
                 out.append(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
         if self.bf16 and self.fp16:
             out.append("--bf16 and --fp16 are exclusive: choose one precision")
+        if self.grad_reduce_in_bf16 and not self.bf16:
+            out.append("--grad-reduce-in-bf16 reduces bfloat16 gradients: add --bf16 (or drop the flag)")
         if self.eval_interval < 0 or self.eval_iters < 0:
             out.append("--eval-interval and --eval-iters must be >= 0")
         if self.exit_interval is not None and self.exit_interval < 1:
@@ -109,6 +114,13 @@ class OptimizerConfig:
                          choices=("adam", "sgd"))
     lr: float = arg(1e-4, "Peak learning rate (reached at the end of warmup).")
     min_lr: float = arg(0.0, "Learning rate at the end of decay (and after it).")
+    decoupled_lr: Optional[float] = arg(
+        None, "Peak learning rate of the input word embedding and the output layer (Megatron-LM's): they follow "
+              "the same warmup and decay as the other parameters, between --decoupled-lr and --decoupled-min-lr. "
+              "The embedding stage of a vocabulary adaptation trains new rows fast and the body slowly with it.")
+    decoupled_min_lr: Optional[float] = arg(
+        None, "End-of-decay learning rate of the input word embedding and the output layer (with --decoupled-lr; "
+              "default --min-lr).")
     lr_decay_style: str = arg("linear", "Decay after warmup. WSD (warmup-stable-decay): --lr until the last "
                                         "--lr-wsd-decay-iters/-samples of the decay length, then down to --min-lr "
                                         "in --lr-wsd-decay-style.", choices=("constant", "linear", "cosine", "WSD"))
@@ -141,6 +153,15 @@ class OptimizerConfig:
             out.append("--lr and --min-lr must be >= 0")
         if self.min_lr > self.lr:
             out.append(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            out.append("--decoupled-min-lr needs --decoupled-lr (the peak it decays from)")
+        if self.decoupled_lr is not None:
+            low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            if self.decoupled_lr < 0 or low < 0:
+                out.append("--decoupled-lr and --decoupled-min-lr must be >= 0")
+            elif low > self.decoupled_lr:
+                out.append(f"the embedding and output layer's end-of-decay learning rate ({low}, --decoupled-min-lr or "
+                           f"--min-lr) must not exceed --decoupled-lr ({self.decoupled_lr})")
         if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
             out.append("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
         if self.lr_warmup_fraction is not None:

@@ -123,11 +123,13 @@ def cap_eval_iters(args: "Arguments") -> None:
     cost, without a better estimate. Lowers ``args.training.eval_iters`` (never below 1), with a
     one-line notice; every rank computes the same from the same index files."""
     t = args.training
-    if t.eval_iters == 0 or args.blend is None or args.split is None:
+    blend, split = args.blend, args.split
+    if args.split_blends is not None:  # the validation datasets' documents, all of them
+        blend, split = args.split_blends[1], (0.0, 1.0, 0.0)
+    if t.eval_iters == 0 or blend is None or split is None:
         return
-    prefixes = [p for d, p in enumerate(args.blend.prefixes)
-                if args.blend.weights is None or args.blend.weights[d] > 0]
-    one_pass = validation_pass_samples(prefixes, args.split, args.data.seq_length)
+    prefixes = [p for d, p in enumerate(blend.prefixes) if blend.weights is None or blend.weights[d] > 0]
+    one_pass = validation_pass_samples(prefixes, split, args.data.seq_length)
     wanted = t.eval_iters * args.global_batch_size
     if wanted <= one_pass:
         return
@@ -204,8 +206,9 @@ def build_datasets(args: "Arguments", is_builder_rank: bool, barrier: Optional[C
         vocab = vocab_size if vocab_size is not None else args.built_tokenizer().vocab_size
         return tuple(MockDataset(n, args.data.seq_length, vocab, args.training.seed, split)  # type: ignore[return-value]
                      for split, n in enumerate(sizes))
-    train, valid, test = build_train_valid_test_datasets(args.data, args.blend, args.split, sizes, args.training.seed,
-                                                         is_builder_rank=is_builder_rank, barrier=barrier)
+    train, valid, test = build_train_valid_test_datasets(args.data, args.blend, args.split or (1.0, 0.0, 0.0), sizes,
+                                                         args.training.seed, is_builder_rank=is_builder_rank,
+                                                         barrier=barrier, blend_per_split=args.split_blends)
     if vocab_size is not None:
         train = VocabCheckedDataset(train, vocab_size, "train") if train is not None else None
         valid = VocabCheckedDataset(valid, vocab_size, "valid") if valid is not None else None

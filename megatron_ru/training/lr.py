@@ -17,8 +17,13 @@ from megatron_ru.utils.logging import get_logger, log_rank0
 log = get_logger(__name__)
 
 
+#: the key that marks an optimizer param group of the input word embedding and the output layer (--decoupled-lr)
+DECOUPLED = "decoupled_lr"
+
+
 class MegatronLRScheduler:
-    """Sets ``lr`` of every param group from an :class:`LRSchedule`; DeepSpeed calls ``step()``."""
+    """Sets ``lr`` of every param group from an :class:`LRSchedule`; DeepSpeed calls ``step()``. ``get_lr`` is
+    the lr of the other parameters (what Megatron-LM logs as the learning rate)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule, num_steps: int = 0) -> None:
         self.optimizer = optimizer
@@ -27,9 +32,12 @@ class MegatronLRScheduler:
         self._apply()
 
     def _apply(self) -> None:
+        """Every group's ``lr`` at this step; a group marked ``decoupled`` (the input word embedding and the output
+        layer under --decoupled-lr) follows the schedule's decoupled peak and end."""
         lr = self.schedule.lr(self.num_steps)
+        decoupled = self.schedule.decoupled().lr(self.num_steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled if group.get(DECOUPLED) else lr
 
     def get_lr(self) -> list[float]:
         return [self.schedule.lr(self.num_steps)]
@@ -90,7 +98,8 @@ def schedule_changes(saved: LRSchedule, flags: LRSchedule) -> list[str]:
     """What differs between two schedules, in the flags' names: ``--lr 3e-4 -> 1e-4``."""
     names = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "warmup iterations", "decay_steps":
              "decay iterations", "decay_style": "--lr-decay-style", "wsd_decay_steps": "WSD decay iterations",
-             "wsd_decay_style": "--lr-wsd-decay-style", "unit": "steps counted in (--rampup-batch-size)"}
+             "wsd_decay_style": "--lr-wsd-decay-style", "decoupled_lr": "--decoupled-lr",
+             "decoupled_min_lr": "--decoupled-min-lr", "unit": "steps counted in (--rampup-batch-size)"}
     a, b = asdict(saved), asdict(flags)
     return [f"{names[k]} {a[k]} -> {b[k]}" for k in names if a[k] != b[k] and
             not (k.startswith("wsd") and "WSD" not in (saved.decay_style, flags.decay_style))]

@@ -140,8 +140,7 @@ def scripts(d, data: str, cache: str, sp: str, vocab: str, merges: str, hf: str)
 
 
 #: what each script meets here: None (it trains), or the flags its refusal must name
-REFUSED = {"lm_train_llama3_8b_h200_bf16": ("--decoupled-lr", "--decoupled-min-lr", "--grad-reduce-in-bf16"),
-           "abci_mds_fork_13b": ("--distribute-checkpointed-activations",)}
+REFUSED = {"abci_mds_fork_13b": ("--distribute-checkpointed-activations",)}
 FP16 = ("mds_pretrain_gpt_distributed_with_mp", "lm_train_gpt3_175b_distributed")
 
 

@@ -16,6 +16,7 @@ FP32_RTOL = 1e-5
 # documented in docs/training.md ("bf16 tolerance"); measured 1.9e-4 (loss) and 4.9e-3 (grad norm)
 BF16_RTOL, BF16_NORM_RTOL = 2e-3, 3e-2
 ENV = {"DS_ACCELERATOR": "cpu"}
+DECOUPLED = ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
 
 
 def _runs(prefix, cache):
@@ -32,6 +33,19 @@ def _runs(prefix, cache):
     runs.append(tiny_argv(prefix, cache, extra=[
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
         "--eval-iters", "0", "--sequence-parallel", "--recompute-granularity", "full"]))
+    # --decoupled-lr (the word embedding and output layer on their own peak and end), on the stages that hold
+    # them at TP 2 x PP 2: compared with its own single-process run
+    names.append((2, 2, 1, 1, "fp32 --decoupled-lr"))
+    runs.append(tiny_argv(prefix, cache, extra=[
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+        "--eval-iters", "0", *DECOUPLED]))
+    # selective recomputation (the core attention) with attention dropout on: bit for bit the run without it
+    for granularity in ("none", "selective"):
+        names.append((2, 2, 1, 1, f"fp32 --attention-dropout 0.1 recompute {granularity}"))
+        runs.append(tiny_argv(prefix, cache, extra=[
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+            "--eval-iters", "0", "--attention-dropout", "0.1",
+            *(["--recompute-granularity", "selective"] if granularity == "selective" else [])]))
     for tp, pp, stage in ((2, 2, 1), (1, 1, 2)):
         names.append((tp, pp, 4 // (tp * pp), stage, "bf16"))
         runs.append(tiny_argv(prefix, cache, extra=[
@@ -42,17 +56,28 @@ def _runs(prefix, cache):
 
 def test_every_layout_matches_single_process(tmp_path):
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
-    (ref,) = run_distributed(train_body, 1, args=([tiny_argv(prefix, cache, extra=["--eval-iters", "0"])],),
-                             timeout=300, env=ENV)[0]
+    ref, ref_decoupled = run_distributed(train_body, 1, args=([tiny_argv(prefix, cache, extra=["--eval-iters", "0"]),
+                                                               tiny_argv(prefix, cache, extra=["--eval-iters", "0",
+                                                                                               *DECOUPLED])],),
+                                         timeout=300, env=ENV)[0]
     assert len(ref["losses"]) == 10 and ref["losses"][10] < ref["losses"][1] - 0.3  # it learns
+    # the embedding's own learning rate changes the run (from the second update: the first is at lr 0)
+    assert relative_diff(ref_decoupled["losses"], ref["losses"]) > 1e-3
     names, runs = _runs(prefix, cache)
     results = run_distributed(train_body, 4, args=(runs,), timeout=900, env=ENV)[0]
+    by_name = dict(zip((n[-1] for n in names), results))
+    plain, selective = (by_name[f"fp32 --attention-dropout 0.1 recompute {g}"] for g in ("none", "selective"))
+    assert plain["losses"] == selective["losses"] and plain["grad_norms"] == selective["grad_norms"]
+    assert relative_diff(plain["losses"], ref["losses"]) > 1e-4  # the dropout is drawn
     failures = []
     for name, res in zip(names, results):
+        if "--attention-dropout" in name[-1]:
+            continue  # compared with each other above (the reference runs without dropout)
         fp32 = name[-1].startswith("fp32")
         tol = FP32_RTOL if fp32 else BF16_RTOL
-        d_loss = relative_diff(res["losses"], ref["losses"])
-        d_norm = relative_diff(res["grad_norms"], ref["grad_norms"])
+        want = ref_decoupled if "--decoupled-lr" in name[-1] else ref
+        d_loss = relative_diff(res["losses"], want["losses"])
+        d_norm = relative_diff(res["grad_norms"], want["grad_norms"])
         if d_loss > tol or d_norm > (1e-4 if fp32 else BF16_NORM_RTOL):
             failures.append(f"(TP,PP,DP)={name[:3]} ZeRO {name[3]} {name[4]}: loss rel diff {d_loss:.2e}, "
                             f"grad-norm rel diff {d_norm:.2e}")

@@ -11,7 +11,7 @@ from megatron_ru.training.lr import MegatronLRScheduler
 def _opt_cfg(**kw):
     base = dict(lr=1e-3, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_iters=0, lr_warmup_fraction=None,
                 lr_warmup_samples=0, lr_decay_iters=None, lr_decay_samples=None, lr_wsd_decay_style="exponential",
-                lr_wsd_decay_iters=None, lr_wsd_decay_samples=None)
+                lr_wsd_decay_iters=None, lr_wsd_decay_samples=None, decoupled_lr=None, decoupled_min_lr=None)
     base.update(kw)
     return SimpleNamespace(**base)
 

@@ -59,6 +59,7 @@ def test_every_flag_is_in_exactly_one_class():
     (["--ckpt-format", "torch_dist"], ["--ckpt-format", "megatron_ru"], ()),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
      ["--recompute-granularity", "full"], ()),
+    (["--recompute-activations"], ["--recompute-granularity", "selective"], ()),
     (["--layernorm-epsilon", "1e-6", "--accumulate-allreduce-grads-in-fp32", "--universal-checkpoint"],
      ["--norm-epsilon", "1e-6"], ()),
     (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "32"],
