@@ -63,7 +63,6 @@ def layout_problems(cfg: ModelConfig, tp: int, pp: int, tp_flag: str = "--target
             for p in model_parallel_problems(cfg, tp, pp)]
 
 
-padded_rows = padded_vocab_rows  # the model description's padding rule
 
 
 def derive_layers_expected(cfg: ModelConfig, vocab_size: int, tp: int, pp: int, dp: int,

@@ -38,7 +38,7 @@ import torch
 
 from megatron_ru.checkpointing.files import CheckpointError, check_files, list_files, safe_load
 from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
-                                              mp_model_file, mp_rank_of, optim_fragment_file, padded_rows,
+                                              mp_model_file, mp_rank_of, optim_fragment_file,
                                               specs_by_name, stage_of)
 from megatron_ru.checkpointing.lora_base import verify
 from megatron_ru.checkpointing.meta import (TRACKER_FILE, CheckpointMeta, iteration_dir_name,
@@ -97,7 +97,7 @@ class CheckpointReader:
         self.tp = meta.tensor_model_parallel_size
         self.pp = meta.pipeline_model_parallel_size
         self.specs = specs_by_name(self.cfg, self.vocab_size)
-        self.rows = padded_rows(self.cfg, self.vocab_size, self.tp)
+        self.rows = padded_vocab_rows(self.cfg, self.vocab_size, self.tp)
         self.kind = "layers" if meta.format == LAYERS_FORMAT else "ds_pipe" if self.pp > 1 else "ds_mp"
         if meta.format not in (None, LAYERS_FORMAT):
             raise CheckpointError(f"{ckpt_dir}: unknown checkpoint format {meta.format!r} (this megatron_ru reads "

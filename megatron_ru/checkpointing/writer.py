@@ -17,9 +17,10 @@ import torch
 
 from megatron_ru.checkpointing.files import CheckpointSaveError, describe_write_failure
 from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
-                                              layout_problems, padded_rows)
+                                              layout_problems)
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import ParamSpec, layer_parameter_specs, layout_shard, model_args_dict, model_description
+from megatron_ru.model.spec import (ParamSpec, layer_parameter_specs, layout_shard, model_args_dict, model_description,
+                                    padded_vocab_rows)
 from megatron_ru.utils.logging import get_logger
 from megatron_ru.utils.memory import own_storage
 
@@ -125,7 +126,7 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
         ckpt = os.path.join(tmp, f"iter_{iteration:07d}")
         os.makedirs(ckpt)
         files: dict[str, int] = {}
-        rows = padded_rows(cfg, vocab_size, tp)
+        rows = padded_vocab_rows(cfg, vocab_size, tp)
         for desc in model_description(cfg):
             specs = layer_parameter_specs(desc, cfg, vocab_size)
             if specs:  # (a tied output head has nothing of its own)

@@ -433,8 +433,3 @@ def _build(cfg: TokenizerConfig) -> Tokenizer:
         return TikTokenizer(cfg.tokenizer_model, cfg.tokenizer_num_threads)
     return NullTokenizer(cfg.vocab_size)
 
-
-def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
-    """Megatron's padded vocabulary: the next multiple of ``divisible_by × TP`` (embedding rows)."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from megatron_ru.config.tokenizer import TokenizerConfig
-from megatron_ru.data.tokenizer import NullTokenizer, build_tokenizer, vocab_size_with_padding
+from megatron_ru.data.tokenizer import NullTokenizer, build_tokenizer
+from megatron_ru.parallel.utils import pad_vocab_size
 from megatron_ru.data.tokenizers.train import symbols_per_token, train_sentencepiece
 from tests.fixtures.tokenizers import (make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece,
                                       make_tiktoken_file, sample_texts, tricky_text)
@@ -187,10 +188,10 @@ def test_mismatched_gpt2_files(files, tmp_path):
         build_tokenizer(TokenizerConfig("GPT2BPETokenizer", vocab_file=files["vocab"], merge_file=str(tmp_path / "m.txt")))
 
 
-def test_vocab_padding():
-    assert vocab_size_with_padding(50257, 128, 1) == 50304
-    assert vocab_size_with_padding(50257, 128, 8) == 51200
-    assert vocab_size_with_padding(1024, 128, 2) == 1024
+def test_vocab_padding():  # Megatron's rule, written once (parallel/utils.pad_vocab_size)
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(50257, 128, 8) == 51200
+    assert pad_vocab_size(1024, 128, 2) == 1024
 
 
 def test_train_unigram_and_symbols_per_token(tmp_path):
