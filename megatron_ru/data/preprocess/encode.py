@@ -78,6 +78,7 @@ STREAM_PIECES = 4
 POOLED_PIECES_PER_TASK = 4
 STREAM_CHUNK_BYTES = 1 << 20
 STREAM_STR_CHUNK_BYTES = 1 << 18
+CHECK_ARRAYS_TOGETHER = 1024  # id arrays per vocabulary check (Encoder._checked)
 WRITE_PIECES_OVER = 1 << 22  # tokens of one output of a batch: written array by array (Encoder._assemble)
 _NON_SPACE = re.compile(r"\S")
 _NON_SPACE_BYTES = re.compile(rb"\S")
@@ -339,6 +340,7 @@ class Encoder:
         chunks: list = []
         counts: list[int] = []
         streamed: list = []  # ids of the Span segments, in order
+        chunk_chars = self.opts.chunk_chars
         try:
             for _, _, _, segs in docs:
                 for j, seg in enumerate(segs):
@@ -347,8 +349,13 @@ class Encoder:
                         segs[j] = [seg]
                         counts.append(0)
                         continue
+                    if len(seg) <= chunk_chars:  # (the usual case, inline: once per sentence with --split-sentences)
+                        counts.append(1)
+                        chunks.append(seg)
+                        segs[j] = [seg]
+                        continue
                     pieces = self._chunks(seg)
-                    res.uncut += len(pieces) == 1 and len(seg) > self.opts.chunk_chars
+                    res.uncut += len(pieces) == 1
                     counts.append(len(pieces))
                     chunks.extend(pieces)
                     segs[j] = pieces
@@ -446,6 +453,21 @@ class Encoder:
 
     def _checked(self, arrays) -> list[np.ndarray]:
         vocab = self.tok.vocab_size
+        arrays = arrays if isinstance(arrays, list) else list(arrays)
+        if len(arrays) > 1:
+            # many short arrays (--split-sentences: one per sentence): their ids checked together,
+            # CHECK_ARRAYS_TOGETHER at a time — two reductions per array cost as much as splitting
+            # (38k sentences of the demo corpus: 0.06 s of 0.45 s)
+            ok = True
+            for i in range(0, len(arrays), CHECK_ARRAYS_TOGETHER):
+                flat = np.concatenate(arrays[i:i + CHECK_ARRAYS_TOGETHER])
+                if flat.size and ((flat.dtype.kind != "u" and flat.min() < 0) or flat.max() >= vocab):
+                    ok = False  # (the loop below names the first array at fault, as before)
+                    break
+            del flat
+            if ok:
+                dtype = self.dtype
+                return [a.astype(dtype, copy=False) for a in arrays]
         out = []
         for a in arrays:
             if a.size and ((a.dtype.kind != "u" and a.min() < 0) or a.max() >= vocab):

@@ -15,7 +15,8 @@ _PARAGRAPH_BREAK = re.compile(r"\n[^\S\n]*\n\s*")
 # Sentence end: terminal punctuation, optional closing quotes/brackets, then whitespace, and the
 # next sentence starting with an upper-case letter, a digit or an opening quote/bracket.
 _SENTENCE_END = re.compile(r"""[.!?…]+[»"'”’)\]]*(\s+)(?=[A-ZА-ЯЁ\d«"'“(\[])""")
-# A single letter before the period is an initial ("А. С. Пушкин"), not a sentence end.
+# A single letter before the period is an initial ("А. С. Пушкин"), not a sentence end. Searched
+# only over the last three characters before a candidate end (see _sentence_cuts).
 _INITIAL = re.compile(r"(?:^|\s)\w\.$")
 
 
@@ -36,9 +37,13 @@ def _sentence_cuts(text: str) -> list[tuple[int, int]]:
     """(end of sentence, start of next) positions: the gap between them is whitespace."""
     cuts = []
     for m in _SENTENCE_END.finditer(text):
-        if _INITIAL.search(text, 0, m.start(1)) and m.start(1) - m.start() == 1:
+        end = m.start(1)
+        # (a match of _INITIAL ending at ``end`` starts at end - 3 or later, or at 0; ``^`` matches
+        # only at the text's real start, so searching from there is the same as from 0 — and
+        # searching from 0 at every candidate made splitting quadratic in the document's length)
+        if end - m.start() == 1 and _INITIAL.search(text, max(0, end - 3), end):
             continue
-        cuts.append((m.start(1), m.end(1)))
+        cuts.append((end, m.end(1)))
     for m in _PARAGRAPH_BREAK.finditer(text):
         if 0 < m.start() and m.end() < len(text):
             cuts.append((m.start(), m.end()))
