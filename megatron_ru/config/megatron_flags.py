@@ -208,8 +208,6 @@ _FP32_STATE = "Adam's moments, the master weights and the main gradients are fp3
 
 
 _NO_FUSION = "a fused kernel's switch: the same result, computed by another kernel"
-_LOGGING_LATER = ("a logging switch: it changes nothing that is computed; this scalar is not written yet (the "
-                  "train line, TensorBoard and metrics.jsonl have loss, LR, grad norm, throughput and memory)")
 
 TABLE: tuple[MegatronFlag, ...] = (
     # ---- spellings --------------------------------------------------------------------------------
@@ -330,7 +328,6 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--use-pytorch-profiler", NO_EFFECT, 0, "see --profile", source="LM"),
     MegatronFlag("--log-throughput", NO_EFFECT, 0, "throughput (tokens/s, TFLOP/s, MFU) is logged at every "
                  "--log-interval here already"),
-    MegatronFlag("--log-num-zeros-in-grad", NO_EFFECT, 0, _LOGGING_LATER),
     MegatronFlag("--log-learning-rate-to-tensorboard", NO_EFFECT, 0, "the learning rate is written at every "
                  "--log-interval here already"),
     MegatronFlag("--log-loss-scale-to-tensorboard", NO_EFFECT, 0, "the loss scale is written at every --log-interval "

@@ -276,6 +276,10 @@ class LoggingConfig:
     log_params_norm: bool = arg(
         False, "Log the L2 norm of all model weights ('params-norm', each element once across TP and PP; one "
                "all-reduce over the model-parallel group per logged iteration). Not with --zero-stage 3.")
+    log_num_zeros_in_grad: bool = arg(
+        False, "Log the number of zero elements in the gradient of each logged iteration's step ('num-zeros': "
+               "unscaled and clipped, before the step; each element once across TP, PP and ZeRO's partitions). "
+               "Not with --zero-stage 3, nor --fp16 at --zero-stage 0.")
     log_timers_to_tensorboard: bool = arg(
         False, "Log the wall time per iteration in seconds ('iteration-time'); Megatron's other timers are not "
                "kept.")

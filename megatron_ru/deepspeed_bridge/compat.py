@@ -31,6 +31,8 @@ takes effect on the installed DeepSpeed:
 * :func:`install_batched_bf16_step` — ``BF16_Optimizer.update_hp_grads``, ``.clear_hp_grads`` and
   ``.step``: the same gradients and updates with multi-tensor kernels instead of per-parameter Python
   loops, no zeroing pass over the fp32 gradients, and no host read of the clipping coefficient.
+* :func:`install_grad_zero_count` — the torch optimizer's ``step`` inside the engine's optimizer: counts
+  the zeros of the gradient it steps with (--log-num-zeros-in-grad), where that gradient lives on each path.
 * :class:`DeepSpeedMpu` — the ``get_*`` interface DeepSpeed calls on ``mpu=`` (PP = 1); a mixin of
   :class:`~megatron_ru.parallel.state.ParallelState`, which passes itself as ``mpu``.
 """
@@ -250,6 +252,106 @@ def _batched_bf16_step(self: Any, closure: Any = None) -> None:
     self._lazy_init_hp_params_optimizer_state()
     self.update_lp_params()
     self.clear_hp_grads()
+
+
+# ---- 1d. the zeros of the gradient each step uses (--log-num-zeros-in-grad) ------------------------------
+
+class GradZeroCount:
+    """This rank's count of zero elements in the gradient its torch optimizer last stepped with (unscaled and
+    clipped, as Megatron-LM's ``count_zeros_fp32``), each parameter's element counted where ``counts(param)``
+    says (the grad norm's rule: TP-replicated parameters on TP rank 0, pipeline-tied copies once). A
+    parameter the step gave no gradient counts as all zeros (Megatron's ``main_grad`` is a zeroed buffer).
+    ``partitioned``: each data-parallel rank holds a disjoint part of the gradient (ZeRO 1/2), so the count
+    is summed over the data-parallel group as well as the model-parallel one."""
+
+    def __init__(self, engine: Any, partitioned: bool) -> None:
+        self.engine, self.partitioned = engine, partitioned
+        self._step, self._local = -1, None
+
+    def add(self, zeros: Any) -> None:
+        step = int(self.engine.global_steps)  # DeepSpeed counts the step after its optimizer step
+        if step != self._step:
+            self._step, self._local = step, zeros
+        else:
+            self._local = self._local + zeros
+
+    def last(self) -> Any:
+        """The count (an int64 tensor on the gradients' device, or an int) of the engine's last step; None when that step ran no optimizer step
+        (a skipped step: the same on every rank)."""
+        return self._local if self._step == int(self.engine.global_steps) - 1 else None
+
+
+def _zeros(t: Any) -> Any:
+    import torch
+    return t.numel() - torch.count_nonzero(t)
+
+
+def install_grad_zero_count(engine: Any, counts: Callable[[Any], bool]) -> GradZeroCount:
+    """Count the zeros of the gradient before every step of the torch optimizer inside the engine's
+    optimizer, where that gradient is final (after DeepSpeed's all-reduce, unscaling and clipping) and not
+    yet freed:
+
+    * no ZeRO, fp32 (the torch optimizer itself): each parameter's ``.grad``, whole on every DP rank;
+    * ``BF16_Optimizer``: its fp32 gradient of each parameter (``fp32_groups_gradients``), whole on every DP
+      rank (it partitions the weights and optimizer state, not this buffer);
+    * ``DeepSpeedZeroOptimizer`` (ZeRO 1/2): it steps one group at a time with this DP rank's flat fp32
+      partition as the only parameter; each parameter's fragment in it (``_hp_mapping``'s address) is
+      counted, never the alignment padding, and the DP ranks' partitions are disjoint.
+
+    Other optimizers (fp16 at ZeRO 0, ZeRO 3) are refused (the flag's validation refuses them first)."""
+    import torch
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    opt = engine.optimizer
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        for attr in ("bit16_groups", "single_partition_of_fp32_groups", "optimizer"):
+            if not hasattr(opt, attr):
+                raise _missing(f"DeepSpeedZeroOptimizer.{attr}")
+
+        def count(inner: Any) -> Any:
+            flats = [p for g in inner.param_groups for p in g["params"]]
+            total: Any = 0
+            for i, flat in enumerate(opt.single_partition_of_fp32_groups):
+                if not any(flat is f for f in flats) or flat.grad is None:
+                    continue
+                grad = flat.grad.view(-1)
+                for p in opt.bit16_groups[i]:
+                    m = getattr(p, "_hp_mapping", None)
+                    if m is not None and counts(p):
+                        at = m.get_hp_fragment_address()
+                        total = total + _zeros(grad.narrow(0, at.start, at.numel))
+            return total
+        partitioned = True
+    elif isinstance(opt, BF16_Optimizer):
+        for attr in ("bf16_groups", "fp32_groups_gradients", "optimizer"):
+            if not hasattr(opt, attr):
+                raise _missing(f"BF16_Optimizer.{attr}")
+
+        def count(inner: Any) -> Any:
+            grads = [g for lps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients)
+                     for lp, g in zip(lps, gs) if counts(lp)]
+            return sum((_zeros(g) for g in grads), 0)
+        partitioned = False
+    elif isinstance(opt, torch.optim.Optimizer):
+        def count(inner: Any) -> Any:
+            total: Any = 0
+            for p in (p for g in inner.param_groups for p in g["params"] if counts(p)):
+                total = total + (_zeros(p.grad) if p.grad is not None else p.numel())
+            return total
+        partitioned = False
+    else:
+        raise ValueError(f"--log-num-zeros-in-grad cannot count the gradient of DeepSpeed's {type(opt).__name__} "
+                         "(fp16 at --zero-stage 0, or --zero-stage 3): use --bf16 or fp32, at --zero-stage 2 or lower")
+    counter = GradZeroCount(engine, partitioned)
+    inner = getattr(opt, "optimizer", opt)
+    step = inner.step
+
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        counter.add(count(inner))
+        return step(*args, **kwargs)
+
+    inner.step = counted_step  # type: ignore[method-assign]
+    return counter
 
 
 # ---- 2. TP/PP-aware fp32 gradient clipping ---------------------------------------------------------

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from megatron_ru.parallel.state import ParallelState
     from megatron_ru.config.lr_schedule import LRSchedule
 
-__all__ = ["build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine", "params_norm_tp_aware",
+__all__ = ["NumZerosInGrad", "build_optimizer", "clip_grad_norm_tp_aware", "initialize_engine", "params_norm_tp_aware",
            "optimizer_param_groups"]
 
 log = get_logger(__name__)
@@ -134,6 +134,32 @@ def params_norm_tp_aware(params: Iterable[torch.nn.Parameter], tp_rank: int, mp_
     if dist.is_initialized() and mp_group is not None and dist.get_world_size(mp_group) > 1:
         dist.all_reduce(sq, group=mp_group)
     return float(sq.sqrt())
+
+
+class NumZerosInGrad:
+    """--log-num-zeros-in-grad: the number of zero elements in the gradient of the last optimizer step
+    (Megatron-LM's 'num-zeros': unscaled, clipped, counted before the step), each element once across the
+    whole run: :func:`_counts_here`'s rule within a model replica (as the grad norm), summed over the
+    model-parallel group and, where ZeRO 1/2 partition the gradient, over the data-parallel group. The count
+    is taken on every step (installed on the engine's optimizer, :func:`install_grad_zero_count`); reading
+    it is one all-reduce, which every rank must call."""
+
+    def __init__(self, engine: Any, state: "ParallelState") -> None:
+        tp_rank = state.tp_rank
+        self._counter = dsc.install_grad_zero_count(engine, lambda p: _counts_here(p, tp_rank))
+        self._groups = [state.mp_group] + ([state.dp_group] if self._counter.partitioned else [])
+        self._device = state.device
+
+    def value(self) -> Any:
+        """The count of the engine's last step (an int), or None when that step was skipped."""
+        local = self._counter.last()
+        if local is None:
+            return None
+        total = torch.as_tensor(local, dtype=torch.int64, device=self._device)
+        for group in self._groups:
+            if dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return int(total)
 
 
 def clip_grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], max_norm: float, tp_rank: int,

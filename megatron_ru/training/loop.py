@@ -130,6 +130,10 @@ class Trainer:
         self.device = state.device
         self.is_pipe = state.pp_size > 1
         self.documents = documents
+        self._num_zeros = None
+        if logging.log_num_zeros_in_grad:  # a count before every optimizer step; nothing installed otherwise
+            from megatron_ru.training.engine import NumZerosInGrad
+            self._num_zeros = NumZerosInGrad(engine, state)
         self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, plan.micro_batch_size,
                                            state.dp_rank, state.dp_size, self.device, plan.num_workers, documents)
         self._last_lr = engine.lr_scheduler.get_lr()[0]
@@ -313,14 +317,18 @@ class Trainer:
             self._log_memory(label, mem)
 
     def _megatron_scalars(self, per_iter: float, batch: int) -> dict[str, float]:
-        """The record keys of the --log-*-to-tensorboard / --log-params-norm switches that are on
-        (:data:`megatron_ru.training.metrics.MEGATRON_TRAIN_TAGS` names their tags). Called on every rank:
-        the params norm is an all-reduce over the model-parallel group."""
+        """The record keys of the --log-*-to-tensorboard / --log-params-norm / --log-num-zeros-in-grad
+        switches that are on (:data:`megatron_ru.training.metrics.MEGATRON_TRAIN_TAGS` names their tags).
+        Called on every rank: the params norm and the zero count are all-reduces."""
         lg, out = self.logging, {}
         if lg.log_params_norm:
             from megatron_ru.training.engine import params_norm_tp_aware
             out["params_norm"] = params_norm_tp_aware(self.engine.module.parameters(), self.state.tp_rank,
                                                       self.state.mp_group)
+        if self._num_zeros is not None:
+            zeros = self._num_zeros.value()  # the logged iteration's step, as Megatron; None: skipped
+            if zeros is not None:
+                out["num_zeros"] = zeros
         if lg.log_batch_size_to_tensorboard:
             out["batch_size"] = batch
         if lg.log_world_size_to_tensorboard:

@@ -98,13 +98,14 @@ TRAIN_SCALAR_KEYS = ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec
 #: names: record key -> tag. ``mem_max_rss_bytes`` is the CPU stand-in for Megatron's CUDA allocator numbers
 #: (this process's peak resident set size; Megatron has no CPU tag).
 MEGATRON_TRAIN_TAGS = {"batch_size": "batch-size", "world_size": "world-size", "params_norm": "params-norm",
+                       "num_zeros": "num-zeros",
                        "iteration_time": "iteration-time", "mem_reserved_bytes": "mem-reserved-bytes",
                        "mem_allocated_bytes": "mem-allocated-bytes",
                        "mem_max_allocated_bytes": "mem-max-allocated-bytes", "mem_max_rss_bytes": "mem-max-rss-bytes"}
 #: the tag of the consumed-samples axis, and the scalars plotted against it instead of the iteration
 SAMPLES_TAG = "train/consumed_samples"
 VS_SAMPLES_TAGS = ("train/lm_loss_vs_samples", "batch-size vs samples", "world-size vs samples",
-                   "params-norm vs samples", "lm loss validation ppl vs samples")
+                   "params-norm vs samples", "num-zeros vs samples", "lm loss validation ppl vs samples")
 
 
 def memory_bytes(device: torch.device) -> dict[str, float]:
