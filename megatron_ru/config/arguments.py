@@ -168,6 +168,12 @@ def _zero_rule(a: Arguments) -> list[str]:
     if a.logging.log_params_norm and a.training.zero_stage == 3:
         return ["--log-params-norm cannot be combined with --zero-stage 3: the weights are partitioned over the "
                 "data-parallel ranks (each rank holds a slice); drop --log-params-norm or use --zero-stage 2 or lower"]
+    stage = a.training.zero_stage
+    if a.logging.log_num_zeros_in_grad and (stage == 3 or (a.training.fp16 and stage == 0)):
+        return [f"--log-num-zeros-in-grad cannot be combined with "
+                f"{'--zero-stage 3' if stage == 3 else '--fp16 at --zero-stage 0'}: DeepSpeed's optimizer there "
+                "does not expose the gradient it steps with per parameter; drop --log-num-zeros-in-grad, or use "
+                "--zero-stage 1 or 2" + (" (or --bf16)" if stage == 0 else "")]
     return []
 
 
@@ -191,12 +197,6 @@ def _precision_rule(a: Arguments) -> list[str]:
         return ["--fp16 needs a GPU: DeepSpeed's CPU accelerator has no float16 training; use --bf16 or "
                 "drop --fp16 (fp32) on this machine"]
     return []
-    stage = a.training.zero_stage
-    if a.logging.log_num_zeros_in_grad and (stage == 3 or (a.training.fp16 and stage == 0)):
-        return [f"--log-num-zeros-in-grad cannot be combined with "
-                f"{'--zero-stage 3' if stage == 3 else '--fp16 at --zero-stage 0'}: DeepSpeed's optimizer there "
-                "does not expose the gradient it steps with per parameter; drop --log-num-zeros-in-grad, or use "
-                "--zero-stage 1 or 2" + (" (or --bf16)" if stage == 0 else "")]
 
 
 def _batch_rule(a: Arguments) -> list[str]:
