@@ -420,8 +420,15 @@ def _deepspeed_config_rule(a: Arguments) -> list[str]:
     return out
 
 
+def _recompute_rule(a: Arguments) -> list[str]:
+    if a.model.distribute_saved_activations and a.parallel.sequence_parallel:
+        return ["--distribute-saved-activations splits each recomputed input across the tensor-parallel ranks, but "
+                "--sequence-parallel already splits it along the sequence: drop one of them (as Megatron requires)"]
+    return []
+
+
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
-    _layout_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _rampup_rule, _sequence_rule, _lr_rule,
+    _recompute_rule, _layout_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _rampup_rule, _sequence_rule, _lr_rule,
     _freeze_rule, _lora_rule, _checkpoint_rule, _output_paths_rule, _deepspeed_config_rule, _data_rule)
 
 

@@ -88,6 +88,14 @@ def _distributed_optimizer(args: "Arguments", value: Any, explicit: set[str]) ->
     return None
 
 
+def _distribute(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    return _set(args, explicit, "model", "distribute_saved_activations", True, "--distribute-checkpointed-activations")
+
+
+def _checkpoint_num_layers(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    return _set(args, explicit, "model", "recompute_num_layers", int(value), f"--checkpoint-num-layers {value}")
+
+
 def _recompute_activations(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
     return _set(args, explicit, "model", "recompute_granularity", "selective", "--recompute-activations")
 
@@ -237,10 +245,12 @@ TABLE: tuple[MegatronFlag, ...] = (
                  "learned absolute embedding); without it refused", _no_position_embedding, "LM, DS"),
     MegatronFlag("--no-pipeline-parallel", SPELLING, 0, "with --pipeline-model-parallel-size 1, what runs here (no "
                  "pipeline module)", _no_pipeline_parallel, "DS"),
-    MegatronFlag("--recompute-method", SPELLING, 1, "with --recompute-granularity full every layer is recomputed on its "
-                 "own here, whatever the method (uniform or block) and --recompute-num-layers: the same losses and "
-                 "gradients (recomputation never changes them); activation memory as uniform with 1 layer"),
-    MegatronFlag("--recompute-num-layers", SPELLING, 1, "see --recompute-method"),
+    MegatronFlag("--distribute-checkpointed-activations", SPELLING, 0, "= --distribute-saved-activations",
+                 _distribute, "DS"),
+    MegatronFlag("--partition-activations", SPELLING, 0, "DeepSpeed's activation partitioning: = "
+                 "--distribute-saved-activations", _distribute, "DS"),
+    MegatronFlag("--checkpoint-num-layers", SPELLING, 1, "= --recompute-num-layers (layers per recomputed chunk "
+                 "under --checkpoint-activations)", _checkpoint_num_layers, "DS"),
     MegatronFlag("--recompute-activations", SPELLING, 0, "= --recompute-granularity selective (Megatron's meaning: "
                  "the core attention recomputed)", _recompute_activations),
     MegatronFlag("--layernorm-epsilon", SPELLING, 1, "= --norm-epsilon", _norm_epsilon, "DS"),
@@ -335,9 +345,6 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--timing-log-level", NO_EFFECT, 1, "Megatron's timers; step time is logged here already",
                  source="LM"),
     # ---- refused ----------------------------------------------------------------------------------
-    MegatronFlag("--distribute-checkpointed-activations", REFUSED, 0, "splitting recomputed activations across the "
-                 "tensor-parallel group is not available yet: use --sequence-parallel, which splits them along the "
-                 "sequence", source="DS"),
     MegatronFlag("--no-save-optim", REFUSED, 0, "checkpoints here always hold the optimizer state (a resume is "
                  "exact); convert one to weights only with tools/convert_checkpoint.py reshard"),
     MegatronFlag("--no-save-rng", REFUSED, 0, "checkpoints here always hold every rank's RNG state (a resume is "

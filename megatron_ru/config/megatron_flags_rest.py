@@ -40,15 +40,6 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
         ("--synchronize-each-layer", 0, "DS"),
     )),
     (REFUSED,
-     "splitting recomputed activations across the tensor-parallel group is not available: use "
-     "--sequence-parallel", (
-        ("--partition-activations", 0, "DS"),
-    )),
-    (REFUSED,
-     "see --partition-activations", (
-        ("--distribute-saved-activations", 0, "LM, DS"),
-    )),
-    (REFUSED,
      "ADLR autoresume is not available: use --exit-signal-handler (save and exit on SIGTERM) and resume with "
      "--load", (
         ("--adlr-autoresume", 0, "LM, DS"), ("--adlr-autoresume-interval", 1, "LM, DS"),
@@ -703,11 +694,6 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
     (REFUSED,
      "document-aware attention over packed documents: see --reset-attention-mask", (
         ("--dataloader-inter-document-masking", 0, "LM"),
-    )),
-    (NO_EFFECT,
-     "how many layers one recomputed chunk holds under --checkpoint-activations: recomputation never changes "
-     "the losses or gradients", (
-        ("--checkpoint-num-layers", 1, "DS"),
     )),
     (NO_EFFECT,
      "Megatron's rerun state machine re-runs a step whose loss is NaN to tell a fault from a bug; here a "

@@ -65,6 +65,17 @@ class ModelConfig:
               "dropout mask are not kept). The same losses and gradients either way.",
         choices=("full", "selective"))
     checkpoint_activations: bool = arg(False, "Alias of --recompute-granularity full.")
+    recompute_method: Optional[str] = arg(
+        None, "With --recompute-granularity full (Megatron's): 'uniform' recomputes the transformer layers of each "
+              "pipeline stage in chunks of --recompute-num-layers (only each chunk's input is kept); 'block' "
+              "recomputes the first --recompute-num-layers layers of each stage one by one and keeps all the "
+              "activations of the others. Default: uniform chunks of 1 layer.", choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = arg(
+        None, "Layers per recomputed chunk (uniform) or recomputed layers per pipeline stage (block); default 1.")
+    distribute_saved_activations: bool = arg(
+        False, "With --recompute-granularity full and TP > 1 (without --sequence-parallel): each tensor-parallel "
+               "rank keeps only its 1/TP of every recomputed chunk's input and they are all-gathered in backward "
+               "(Megatron's flag; Megatron-DeepSpeed's --distribute-checkpointed-activations).")
     #: LoRA/DoRA adapters the model is built with (LoraSpec as a dict; set from the --lora-* flags or a
     #: checkpoint's model arguments; not a flag itself). None: no adapters.
     lora: Optional[dict[str, Any]] = field(default=None, metadata={"cli": False})
@@ -184,7 +195,31 @@ class ModelConfig:
             found.append(f"--init-method-std must be > 0, got {self.init_method_std}")
         if self.rotary_base <= 0:
             found.append(f"--rotary-base must be > 0, got {self.rotary_base}")
+        found += self._recompute_problems()
         return found
+
+    def _recompute_problems(self) -> list[str]:
+        found = []
+        full = self.recompute
+        for flag, given in (("--recompute-method", self.recompute_method is not None),
+                            ("--recompute-num-layers", self.recompute_num_layers is not None),
+                            ("--distribute-saved-activations", self.distribute_saved_activations)):
+            if given and not full:
+                found.append(f"{flag} applies to --recompute-granularity full (or --checkpoint-activations)"
+                             + (f", not {self.recompute_granularity}" if self.recompute_granularity else
+                                ": add it"))
+        n = self.recompute_num_layers
+        if n is not None and (n < 0 or (n == 0 and self.recompute_method != "block")):
+            found.append(f"--recompute-num-layers must be >= 1 (>= 0 with --recompute-method block), got {n}")
+        return found
+
+    @property
+    def recompute_plan(self) -> tuple[str, int]:
+        """("none" | "uniform" | "block", layers): how --recompute-granularity full recomputes a pipeline stage's
+        transformer layers (uniform: chunks of ``layers``; block: its first ``layers``, one by one)."""
+        if not self.recompute:
+            return "none", 0
+        return self.recompute_method or "uniform", 1 if self.recompute_num_layers is None else self.recompute_num_layers
 
 
 def model_parallel_problems(cfg: ModelConfig, tp: int, pp: int = 1) -> list[str]:

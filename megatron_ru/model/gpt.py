@@ -24,7 +24,8 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init
 from megatron_ru.model.spec import (EMBEDDING, OUTPUT_LAYER, TIED_KEY, WORD_EMBEDDINGS, build_layer,
                                     layer_constructor, model_description)
-from megatron_ru.model.transformer import Norm, TransformerLayer, document_causal_mask, split_region_rng
+from megatron_ru.model.transformer import (Norm, TransformerLayer, document_causal_mask, plan_recomputation,
+                                          split_region_rng)
 from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ru.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from megatron_ru.parallel.mappings import scatter_to_sequence_parallel_region
@@ -265,6 +266,7 @@ class GPTModel(nn.Module):
         if OUTPUT_LAYER not in self._modules:
             self.output_layer = None  # tied: the output head reuses the word embeddings
         self.loss_fn = GPTLoss(vocab_size, tp_group)
+        plan_recomputation(list(self.decoder.layers), cfg)
 
     def forward(self, tokens: torch.Tensor, labels: Any = None,
                 position_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,

@@ -268,7 +268,13 @@ class TransformerLayer(nn.Module):
         assert not sequence_parallel or group_size(tp_group) > 1, "sequence parallelism needs TP > 1"
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = cfg.hidden_dropout
-        self.recompute = cfg.recompute
+        #: how this layer is recomputed in training (:func:`plan_recomputation` sets it for a stage): "none",
+        #: "alone" (its own checkpoint), "lead" (the first of a chunk: checkpoints ``_chunk``, itself and the
+        #: layers after it) or "member" (computed by its chunk's lead: passes its input through)
+        self.recompute_role = "alone" if cfg.recompute else "none"
+        self._chunk: tuple["TransformerLayer", ...] = ()
+        #: --distribute-saved-activations: the checkpointed input split across this TP group
+        self._distribute_group = tp_group if cfg.distribute_saved_activations and group_size(tp_group) > 1 else None
         norm = dict(normalization=cfg.normalization, eps=cfg.norm_epsilon, tp_group=tp_group,
                     sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         parts = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, seed=seed, device=device, dtype=dtype)
@@ -319,6 +325,44 @@ class TransformerLayer(nn.Module):
             if position_ids is None:  # the tables as inputs of the graph, not computed in it
                 tp = self.self_attention.linear_qkv.tp_size if self.sequence_parallel else 1
                 tables = self.self_attention.rope_tables(x.shape[0] * tp, x.device, x.dtype)
-        if self.recompute and self.training and torch.is_grad_enabled() and kv_cache is None:
-            return tp_random.checkpoint(run, x, position_ids, None, attention_mask, tables)
-        return run(x, position_ids, kv_cache, attention_mask, tables)
+        role = self.recompute_role if self.training and torch.is_grad_enabled() and kv_cache is None else "none"
+        if role == "member":
+            return x  # its chunk's lead ran it
+        if role == "lead":
+            run = self._run_chunk
+        elif role != "alone":
+            return run(x, position_ids, kv_cache, attention_mask, tables)
+        if self._distribute_group is not None:
+            return tp_random.distributed_checkpoint(run, self._distribute_group, x, position_ids, None,
+                                                    attention_mask, tables)
+        return tp_random.checkpoint(run, x, position_ids, None, attention_mask, tables)
+
+    def _run_chunk(self, x: torch.Tensor, position_ids: torch.Tensor | None, kv_cache: None,
+                   attention_mask: torch.Tensor | None, tables: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> torch.Tensor:
+        for layer in self._chunk:
+            x = (layer._compiled or layer._forward)(x, position_ids, None, attention_mask, tables)
+        return x
+
+
+def plan_recomputation(layers: list[TransformerLayer], cfg: ModelConfig) -> None:
+    """Set how the transformer layers of one pipeline stage (in order) are recomputed, Megatron's way
+    (:attr:`ModelConfig.recompute_plan`): ``uniform`` N: chunks of N layers from the stage's first, each
+    keeping only its input (the last chunk may be shorter); ``block`` N: the first N layers one by one, the
+    others keep all their activations; no full recomputation: none (selective recomputation is inside the
+    attention). Every way computes the same losses and gradients; the forward draws its random numbers
+    in the same order."""
+    method, n = cfg.recompute_plan
+    for i, layer in enumerate(layers):
+        layer._chunk = ()
+        if method == "block":
+            layer.recompute_role = "alone" if i < n else "none"
+        elif method == "uniform" and n == 1:
+            layer.recompute_role = "alone"
+        elif method == "uniform":
+            lead = i - i % n
+            layer.recompute_role = "lead" if i == lead else "member"
+            if i == lead:
+                layer._chunk = tuple(layers[lead:lead + n])
+        else:
+            layer.recompute_role = "none"

@@ -194,3 +194,63 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     replays only the default generators)."""
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=_tracker_contexts, preserve_rng_state=True)
+
+
+def distributed_checkpoint(function: Callable[..., torch.Tensor], group: Any, x: torch.Tensor,
+                           *args: Any) -> torch.Tensor:
+    """:func:`checkpoint` of ``function(x, *args)`` that keeps only this rank's ``1/|group|`` of ``x`` (Megatron's
+    --distribute-saved-activations / Megatron-DeepSpeed's --distribute-checkpointed-activations): the layer input
+    every tensor-parallel rank holds whole is split across them and all-gathered before the recomputation.
+    ``args`` need no gradient (position ids, masks). An ``x`` without a gradient (a frozen embedding below) takes
+    :func:`checkpoint`: the parameters inside must still receive theirs."""
+    if not x.requires_grad or group is None or torch.distributed.get_world_size(group) == 1:
+        return checkpoint(function, x, *args)
+    return _DistributedCheckpoint.apply(function, group, x, *args)
+
+
+def _my_part(x: torch.Tensor, group: Any) -> torch.Tensor:
+    n, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    flat = x.detach().reshape(-1)
+    per = -(-flat.numel() // n)
+    part = flat[rank * per: (rank + 1) * per]
+    if part.numel() < per:  # the last ranks' share of a numel that n does not divide
+        part = torch.cat([part, part.new_zeros(per - part.numel())])
+    return part.clone()  # its own storage: the whole input can be freed
+
+
+def _gather_parts(part: torch.Tensor, group: Any, shape: torch.Size) -> torch.Tensor:
+    parts = [torch.empty_like(part) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, part, group=group)
+    numel = 1
+    for d in shape:
+        numel *= d
+    return torch.cat(parts)[:numel].reshape(shape)
+
+
+class _DistributedCheckpoint(torch.autograd.Function):
+    """Forward without a graph, keeping this rank's part of the input and every generator's state; backward
+    gathers the input, replays the generators, runs ``function`` again with a graph and back-propagates."""
+
+    @staticmethod
+    def forward(ctx: Any, function: Callable[..., torch.Tensor], group: Any, x: torch.Tensor,  # type: ignore[override]
+                *args: Any) -> torch.Tensor:
+        ctx.function, ctx.group, ctx.args, ctx.shape = function, group, args, x.shape
+        ctx.rng = get_rng_state()
+        with torch.no_grad():
+            out = function(x, *args)
+        ctx.save_for_backward(_my_part(x, group))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (part,) = ctx.saved_tensors
+        x = _gather_parts(part, ctx.group, ctx.shape).requires_grad_(True)
+        current = get_rng_state()
+        set_rng_state(ctx.rng)
+        try:
+            with torch.enable_grad():
+                out = ctx.function(x, *ctx.args)
+        finally:
+            set_rng_state(current)
+        torch.autograd.backward(out, grad)
+        return (None, None, x.grad) + (None,) * len(ctx.args)

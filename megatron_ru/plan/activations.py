@@ -119,9 +119,28 @@ def layer_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
 
 
 def recompute_input_bytes(cfg: ModelConfig, layout: Layout) -> int:
+    """What a recomputed chunk keeps: its input (a 1/TP part of it with --distribute-saved-activations)."""
     e = layout.param_bytes
     sp = layout.tp if layout.sequence_parallel else 1
-    return e * layout.seq_length * layout.micro_batch * cfg.hidden_size // sp
+    whole = e * layout.seq_length * layout.micro_batch * cfg.hidden_size // sp
+    if layout.distribute_saved_activations and layout.tp > 1 and not layout.sequence_parallel:
+        return -(-whole // layout.tp)
+    return whole
+
+
+def stage_layer_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime, n_layers: int) -> tuple[int, int]:
+    """(bytes the ``n_layers`` transformer layers of one stage keep per micro batch until their backward, the
+    largest set one backward rebuilds at a time): full recomputation in Megatron's uniform chunks (each chunk's
+    input; a chunk of layers rebuilt) or block (the first layers' inputs, the others' whole activations)."""
+    full_layer = sum(layer_terms(cfg, layout, rt).values())
+    if layout.recompute != "full" or n_layers == 0:
+        return n_layers * layer_bytes(cfg, layout, rt), 0
+    n = layout.recompute_num_layers
+    if layout.recompute_method == "block":
+        k = min(n, n_layers)
+        return k * recompute_input_bytes(cfg, layout) + (n_layers - k) * full_layer, full_layer if k else 0
+    chunks = -(-n_layers // n)
+    return chunks * recompute_input_bytes(cfg, layout), min(n, n_layers) * full_layer
 
 
 def embedding_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:

@@ -22,7 +22,10 @@ def layout_for_arguments(args: "Arguments", world_size: Optional[int] = None) ->
     global_batch = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
     return Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=global_batch,
                   seq_length=args.data.seq_length, sequence_parallel=args.sequence_parallel,
-                  recompute="full" if args.model.recompute else (args.model.recompute_granularity or "none"), zero_stage=t.zero_stage,
+                  recompute="full" if args.model.recompute else (args.model.recompute_granularity or "none"),
+                  recompute_method=args.model.recompute_plan[0] if args.model.recompute else "uniform",
+                  recompute_num_layers=args.model.recompute_plan[1] if args.model.recompute else 1,
+                  distribute_saved_activations=args.model.distribute_saved_activations, zero_stage=t.zero_stage,
                   precision=args.precision)
 
 

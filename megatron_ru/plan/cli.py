@@ -161,7 +161,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         if problems:
             raise ValueError("; ".join(problems))
         ramp = BatchRamp.of(ns.rampup_batch_size, ns.global_batch_size)
-        space = SearchSpace(recompute=("full",) if cfg.recompute else None,
+        space = SearchSpace(recompute=("full",) if cfg.recompute else
+                            ("selective",) if cfg.recompute_granularity == "selective" else None,
                             sequence_parallel={"auto": None, "on": (True,), "off": (False,)}[ns.sequence_parallel],
                             zero_stages=tuple(ns.zero_stage) if ns.zero_stage else None,
                             max_micro_batch=ns.max_micro_batch_size)

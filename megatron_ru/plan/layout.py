@@ -23,6 +23,11 @@ class Layout:
     recompute: str = "none"
     zero_stage: int = 0
     precision: str = "bf16"
+    #: with recompute "full": Megatron's --recompute-method (uniform chunks / block: the first layers of a stage)
+    #: and --recompute-num-layers, and --distribute-saved-activations (each chunk's input split over TP)
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    distribute_saved_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -64,6 +69,11 @@ class Layout:
             out.append("--sequence-parallel")
         if self.recompute != "none":
             out += ["--recompute-granularity", self.recompute]
+        if self.recompute == "full" and (self.recompute_method, self.recompute_num_layers) != ("uniform", 1):
+            out += ["--recompute-method", self.recompute_method, "--recompute-num-layers",
+                    str(self.recompute_num_layers)]
+        if self.recompute == "full" and self.distribute_saved_activations:
+            out.append("--distribute-saved-activations")
         if self.precision != "fp32":
             out.append(f"--{self.precision}")
         return out

@@ -93,7 +93,6 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
     tensors = stage_tensors(cfg, vocab_size, layout.tp, layout.pp)
     shape = stage_layers(cfg, layout.pp)
     per_layer = act.layer_bytes(cfg, layout, rt)
-    full_layer = sum(act.layer_terms(cfg, layout, rt).values())
     e = layout.param_bytes
     T = layout.seq_length * layout.micro_batch
     f1 = cfg.resolved_ffn_hidden_size * (2 if cfg.swiglu else 1)
@@ -104,11 +103,12 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
         states: StateBytes = max((state_bytes(tensors[stage], layout, optimizer, buckets, r, device) for r in dp_ranks),
                                  key=lambda sb: sb.parameters + sb.gradients + sb.optimizer)
         k = in_flight(layout, stage)
-        saved = n_layers * per_layer + (act.embedding_bytes(cfg, layout, rt) if has_embed else 0)
+        layers_saved, rebuilt = act.stage_layer_bytes(cfg, layout, rt, n_layers)
+        saved = layers_saved + (act.embedding_bytes(cfg, layout, rt) if has_embed else 0)
         if has_head:
             saved += act.final_norm_bytes(cfg, layout, rt)
-        # the backward of one layer: rebuilt activations (recomputation) or the gradients it makes
-        working = full_layer if layout.recompute == "full" else 2 * e * T * max(cfg.hidden_size, f1 // layout.tp)
+        # the backward of one layer: rebuilt activations (recomputation: a chunk's) or the gradients it makes
+        working = max(rebuilt, 2 * e * T * max(cfg.hidden_size, f1 // layout.tp))
         activations = k * saved + (working if n_layers else 0)
         buffers = 0
         details: dict[str, int] = {"in_flight": k, "layers": n_layers, "per_layer": per_layer}

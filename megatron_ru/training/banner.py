@@ -99,8 +99,10 @@ def banner_lines(args: "Arguments", counts: ParameterCounts, dataset_sizes: Sequ
     tokens_per_step = args.global_batch_size * seq
     ramp = args.batch_ramp
     samples = args.train_iters * args.global_batch_size if ramp is None else ramp.consumed_after(args.train_iters)
-    recompute = "full" if m.recompute else ("selective (core attention)" if m.recompute_granularity == "selective"
-                                             else "none")
+    method, n = m.recompute_plan
+    recompute = (f"full ({method}, {n} layer{'s' if n != 1 else ''}"
+                 f"{', inputs split over TP' if m.distribute_saved_activations else ''})" if m.recompute else
+                 "selective (core attention)" if m.recompute_granularity == "selective" else "none")
     lines = [
         f"layout: TP {args.tp} x PP {args.pp} x DP {args.dp} = {args.layout.world_size} ranks | micro batch "
         f"{t.micro_batch_size} x gradient accumulation {args.grad_accum} x DP {args.dp} = global batch "

@@ -49,6 +49,7 @@ def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch
     """``GPTModel`` for PP = 1, a DeepSpeed ``PipelineModule`` over our layer list for PP > 1.
     Parameters are created in fp32 (DeepSpeed casts for bf16/fp16 and keeps fp32 masters)."""
     from megatron_ru.model.gpt import GPTLoss, GPTModel, pipeline_layers
+    from megatron_ru.model.transformer import TransformerLayer, plan_recomputation
     common = dict(seed=args.training.seed, device=state.device)
     tp_group = state.tp_group if state.tp_size > 1 else None
     sp = args.parallel.sequence_parallel
@@ -57,9 +58,11 @@ def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch
     else:
         from megatron_ru.deepspeed_bridge.pipeline import pipeline_module
         layers = pipeline_layers(args.model, vocab_size, tp_group, sp, **common)
-        # recomputation happens inside our layers (TP-aware RNG), not in DeepSpeed's pipeline
+        # recomputation happens inside our layers (TP-aware RNG), not in DeepSpeed's pipeline: this stage's
+        # transformer layers, in order, get their part (Megatron's uniform chunks / block count per stage)
         model = pipeline_module(layers, GPTLoss(vocab_size, tp_group), state,
                                 partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
+        plan_recomputation([m for m in model.modules() if isinstance(m, TransformerLayer)], args.model)
     if args.training.torch_compile:
         from megatron_ru.model.compile import compile_model
         compiled = compile_model(model)

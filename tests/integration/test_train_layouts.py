@@ -46,6 +46,14 @@ def _runs(prefix, cache):
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
             "--eval-iters", "0", "--attention-dropout", "0.1",
             *(["--recompute-granularity", "selective"] if granularity == "selective" else [])]))
+    # Megatron's recompute methods per stage (2 layers each here) and the inputs split over TP: bit for bit the
+    # same layout without recomputation
+    for extra in (["--recompute-method", "uniform", "--recompute-num-layers", "2", "--distribute-saved-activations"],
+                  ["--recompute-method", "block", "--recompute-num-layers", "1"]):
+        names.append((2, 2, 1, 1, "fp32 recompute full " + " ".join(extra)))
+        runs.append(tiny_argv(prefix, cache, extra=[
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+            "--eval-iters", "0", "--recompute-granularity", "full", *extra]))
     for tp, pp, stage in ((2, 2, 1), (1, 1, 2)):
         names.append((tp, pp, 4 // (tp * pp), stage, "bf16"))
         runs.append(tiny_argv(prefix, cache, extra=[
@@ -69,6 +77,10 @@ def test_every_layout_matches_single_process(tmp_path):
     plain, selective = (by_name[f"fp32 --attention-dropout 0.1 recompute {g}"] for g in ("none", "selective"))
     assert plain["losses"] == selective["losses"] and plain["grad_norms"] == selective["grad_norms"]
     assert relative_diff(plain["losses"], ref["losses"]) > 1e-4  # the dropout is drawn
+    same_layout = results[names.index((2, 2, 1, 1, "fp32"))]
+    for label, res in by_name.items():
+        if label.startswith("fp32 recompute full"):
+            assert res["losses"] == same_layout["losses"] and res["grad_norms"] == same_layout["grad_norms"], label
     failures = []
     for name, res in zip(names, results):
         if "--attention-dropout" in name[-1]:

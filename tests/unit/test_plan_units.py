@@ -140,7 +140,7 @@ def test_layout_for_arguments_refuses_a_world_size_tp_pp_does_not_divide():
     args = _Args()
     args.training = type("T", (), {"global_batch_size": None, "micro_batch_size": 1, "zero_stage": 1})()
     args.data = type("D", (), {"seq_length": 128})()
-    args.model = type("M", (), {"recompute": False, "recompute_granularity": None})()
+    args.model = type("M", (), {"recompute": False, "recompute_granularity": None, "distribute_saved_activations": False})()
     assert layout_for_arguments(args).dp == 2
     with pytest.raises(ValueError, match=r"WORLD_SIZE=6 is not divisible by TP x PP = 2 x 2 = 4"):
         layout_for_arguments(args, world_size=6)
