@@ -16,10 +16,13 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_ru.config.base import arg
 from megatron_ru.config.linears import LINEARS, hf_module, hf_targets
+
+if TYPE_CHECKING:
+    from megatron_ru.config.model import ModelConfig
 
 #: peft / Hugging Face module names -> (linear layer, part; None = the whole layer)
 HF_TARGETS = hf_targets()
@@ -280,3 +283,25 @@ def is_adapter_parameter(name: str) -> bool:
 def modules_to_save_patterns(spec: LoraSpec) -> list[str]:
     """fnmatch patterns over canonical parameter names of the fully trained modules."""
     return [SAVE_ALIASES[m] + "*" if m in SAVE_ALIASES else m for m in spec.modules_to_save]
+
+
+def adapter_param_shapes(a: AdapterSpec, in_features: int, out_rows: int, column: bool, use_dora: bool,
+                         stride: int) -> list[tuple[str, tuple[int, ...], Optional[int], int]]:
+    """(name, full shape, TP partition dim, stride) of one adapter's parameters; ``out_rows``: the rows
+    of its part of the layer's output."""
+    out = [("lora_A", (a.rank, in_features), None if column else 1, 1),
+           ("lora_B", (out_rows, a.rank), 0 if column else None, stride if column else 1)]
+    if use_dora:
+        out.append(("magnitude", (out_rows,), 0 if column else None, stride if column else 1))
+    return out
+
+
+def model_adapters(cfg: ModelConfig) -> list[AdapterSpec]:
+    """Every adapter of the model ``cfg`` describes (none without ``cfg.lora``)."""
+    spec = cfg.lora_spec
+    return [] if spec is None else resolve_adapters(spec, cfg.num_layers, cfg.swiglu)
+
+
+def b_stride(cfg: ModelConfig, part: str) -> int:
+    """TP split stride of B's rows: the fused [gate; up] rows of a SwiGLU linear_fc1 keep stride 2."""
+    return LINEARS[part].stride(cfg) if part in LINEARS else 1

@@ -19,7 +19,7 @@ import torch
 from megatron_ru.config.linears import LINEARS
 from megatron_ru.config.lora import HF_TARGETS, AdapterSpec, LoraSpec
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.lora import model_adapters
+from megatron_ru.config.lora import model_adapters
 from megatron_ru.model.spec import PartLayout
 
 #: peft's key prefix in adapter_model.safetensors (PeftModelForCausalLM -> LlamaForCausalLM)

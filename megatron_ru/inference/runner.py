@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
-from megatron_ru.model.spec import (LayerDesc, ParamSpec, build_layer, layer_parameter_specs, layout_shard,
+from megatron_ru.model.gpt import build_layer
+from megatron_ru.model.spec import (LayerDesc, ParamSpec, layer_parameter_specs, layout_shard,
                                     model_description, padded_vocab_rows, stage_bounds)
 
 GetTensor = Callable[[str], torch.Tensor]

@@ -1,7 +1,7 @@
 """GPT/LLaMA-family decoder built from tensor-parallel layers (see docs/model.md)."""
 from megatron_ru.model.gpt import (EmbeddingLayer, FinalNorm, GPTLoss, GPTModel, OutputLayer, PipelineLayer,
-                                   padded_vocab_size, pipeline_layers, tied_output_logits)
+                                   pipeline_layers, tied_output_logits)
 from megatron_ru.model.transformer import TransformerLayer
 
 __all__ = ["EmbeddingLayer", "FinalNorm", "GPTLoss", "GPTModel", "OutputLayer", "PipelineLayer", "TransformerLayer",
-           "padded_vocab_size", "pipeline_layers", "tied_output_logits"]
+           "pipeline_layers", "tied_output_logits"]

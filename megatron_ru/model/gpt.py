@@ -14,7 +14,7 @@ final norm drops them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,19 +22,15 @@ from torch import nn
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init
-from megatron_ru.model.spec import (EMBEDDING, OUTPUT_LAYER, TIED_KEY, WORD_EMBEDDINGS, build_layer,
-                                    layer_constructor, model_description)
+from megatron_ru.model.spec import (EMBEDDING, OUTPUT_LAYER, TIED_KEY, WORD_EMBEDDINGS, LayerDesc,
+                                    model_description, padded_vocab_rows)
 from megatron_ru.model.transformer import (Norm, TransformerLayer, document_causal_mask, plan_recomputation,
                                           split_region_rng)
 from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ru.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
 from megatron_ru.parallel.mappings import scatter_to_sequence_parallel_region
-from megatron_ru.parallel.utils import ProcessGroup, group_size, pad_vocab_size
+from megatron_ru.parallel.utils import ProcessGroup, group_size
 
-
-
-def padded_vocab_size(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None) -> int:
-    return pad_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, group_size(tp_group))
 
 
 def _unpack_inputs(inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,7 +60,7 @@ class EmbeddingLayer(nn.Module):
         self.has_position_table = cfg.position_embedding_type == "learned_absolute"
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size(cfg, vocab_size, tp_group), cfg.hidden_size, tp_group=tp_group,
+            padded_vocab_rows(cfg, vocab_size, group_size(tp_group)), cfg.hidden_size, tp_group=tp_group,
             init_method=normal_init(std, seed, f"{EMBEDDING}.{WORD_EMBEDDINGS}", valid_rows=vocab_size),
             device=device, dtype=dtype)
         self.position_embeddings = None
@@ -111,7 +107,7 @@ class OutputLayer(ColumnParallelLinear):
     def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(cfg.hidden_size, padded_vocab_size(cfg, vocab_size, tp_group), tp_group=tp_group,
+        super().__init__(cfg.hidden_size, padded_vocab_rows(cfg, vocab_size, group_size(tp_group)), tp_group=tp_group,
                          bias=False, sequence_parallel=sequence_parallel,
                          init_method=normal_init(cfg.init_method_std, seed, f"{OUTPUT_LAYER}.weight",
                                                  valid_rows=vocab_size),
@@ -204,6 +200,33 @@ class PipelineLayer:
         return self.cls(*self.args, **self.kwargs)
 
 
+def layer_constructor(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,
+                      sequence_parallel: bool = False, *, seed: int = 1234, device: Optional[torch.device] = None,
+                      dtype: torch.dtype = torch.float32, output_only: bool = False
+                      ) -> tuple[type, tuple, dict[str, Any]]:
+    """(class, args, kwargs) of the module of one description entry: what :func:`build_layer`
+    calls and what a DeepSpeed ``LayerSpec`` is made of. ``output_only``: a tied output head on a
+    stage without the input embedding (word embeddings only)."""
+    common = dict(seed=seed, device=device, dtype=dtype)
+    if desc.kind == "embedding" or desc.tied_output:
+        return EmbeddingLayer, (cfg, vocab_size, tp_group, sequence_parallel), {**common, "output_only": output_only}
+    if desc.kind == "transformer":
+        return TransformerLayer, (cfg, desc.layer_number, tp_group, sequence_parallel), common
+    if desc.kind == "final_norm":
+        return FinalNorm, (cfg, tp_group, sequence_parallel), dict(device=device, dtype=dtype)
+    if desc.kind == "output":
+        return OutputLayer, (cfg, vocab_size, tp_group, sequence_parallel), common
+    raise ValueError(f"unknown layer kind {desc.kind!r}")
+
+
+def build_layer(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,
+                sequence_parallel: bool = False, **kwargs: Any) -> nn.Module:
+    """The module of one description entry (its parameters carry the entry's canonical names
+    relative to ``desc.prefix``); keyword arguments as :func:`layer_constructor`."""
+    cls, args, kw = layer_constructor(desc, cfg, vocab_size, tp_group, sequence_parallel, **kwargs)
+    return cls(*args, **kw)
+
+
 def pipeline_layers(cfg: ModelConfig, vocab_size: int, tp_group: ProcessGroup | None = None,
                     sequence_parallel: bool = False, *, seed: int = 1234, device: torch.device | None = None,
                     dtype: torch.dtype = torch.float32) -> list[PipelineLayer]:
@@ -257,7 +280,7 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.padded_vocab_size = padded_vocab_size(cfg, vocab_size, tp_group)
+        self.padded_vocab_size = padded_vocab_rows(cfg, vocab_size, group_size(tp_group))
         self.descriptions = model_description(cfg)
         for desc in self.descriptions:
             if not desc.tied_output:

@@ -33,7 +33,7 @@ from torch import nn
 
 from megatron_ru.config.linears import LINEARS
 from megatron_ru.config.linears import part_rows as _part_rows
-from megatron_ru.config.lora import AdapterSpec, LoraSpec, resolve_adapters
+from megatron_ru.config.lora import AdapterSpec, LoraSpec, adapter_param_shapes, b_stride, model_adapters
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import name_seed
 from megatron_ru.model.spec import PartLayout
@@ -46,17 +46,6 @@ from megatron_ru.parallel.utils import (ProcessGroup, group_rank, group_size, se
 
 #: parameter names inside an adapter (canonical: ``<linear>.lora.<part>.lora_A``)
 PARAMS = ("lora_A", "lora_B", "magnitude")
-
-
-def adapter_param_shapes(a: AdapterSpec, in_features: int, out_rows: int, column: bool, use_dora: bool,
-                         stride: int) -> list[tuple[str, tuple[int, ...], Optional[int], int]]:
-    """(name, full shape, TP partition dim, stride) of one adapter's parameters; ``out_rows``: the rows
-    of its part of the layer's output."""
-    out = [("lora_A", (a.rank, in_features), None if column else 1, 1),
-           ("lora_B", (out_rows, a.rank), 0 if column else None, stride if column else 1)]
-    if use_dora:
-        out.append(("magnitude", (out_rows,), 0 if column else None, stride if column else 1))
-    return out
 
 
 def _init_full(name: str, shape: tuple[int, ...], how: str, seed: int, std: float) -> torch.Tensor:
@@ -179,12 +168,6 @@ def attach_adapters(linear: nn.Module, adapters: list[AdapterSpec], spec: LoraSp
     linear.lora = LinearAdapters(mods, layout)
 
 
-def model_adapters(cfg: ModelConfig) -> list[AdapterSpec]:
-    """Every adapter of the model ``cfg`` describes (none without ``cfg.lora``)."""
-    spec = cfg.lora_spec
-    return [] if spec is None else resolve_adapters(spec, cfg.num_layers, cfg.swiglu)
-
-
 def add_layer_adapters(cfg: ModelConfig, layer_number: int, linear_name: str, linear: nn.Module, *, seed: int,
                        groups_local: int = 1, heads_per_group: int = 1) -> None:
     """Attach the adapters ``cfg`` gives to ``linear_name`` of decoder layer ``layer_number``."""
@@ -199,11 +182,6 @@ def add_layer_adapters(cfg: ModelConfig, layer_number: int, linear_name: str, li
     layout = PartLayout(linear_name, groups_local, heads_per_group, cfg.head_dim)
     attach_adapters(linear, mine, spec, layout, column=LINEARS[linear_name].column, part_rows=rows, stride_of=stride,
                     seed=seed, std=cfg.init_method_std)
-
-
-def b_stride(cfg: ModelConfig, part: str) -> int:
-    """TP split stride of B's rows: the fused [gate; up] rows of a SwiGLU linear_fc1 keep stride 2."""
-    return LINEARS[part].stride(cfg) if part in LINEARS else 1
 
 
 def lora_adapters(model: nn.Module) -> list[tuple[nn.Module, LinearAdapters]]:

@@ -3,7 +3,8 @@ full shape and tensor-parallel split of every parameter.
 
 Everything that needs to know what the model is made of reads it from here: :class:`GPTModel`
 (PP = 1) and the DeepSpeed ``PipelineModule`` specs (PP > 1) are both built from
-:func:`model_description` with :func:`build_layer`; initialisation seeds, ``--freeze`` patterns,
+:func:`model_description` (by :func:`megatron_ru.model.gpt.build_layer`, next to the layer classes; this
+module imports none of them); initialisation seeds, ``--freeze`` patterns,
 ``--train-only-embeddings``, checkpoint conversion and resharding use the canonical names of
 :func:`parameter_specs` / :func:`canonical_name`. A new architecture detail (a new parameter, a
 new split) is added to the layer classes and to :func:`_layer_params` below — nowhere else. The
@@ -102,27 +103,6 @@ def padded_vocab_rows(cfg: ModelConfig, vocab_size: int, tp: int) -> int:
     return pad_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp)
 
 
-def layer_constructor(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,
-                      sequence_parallel: bool = False, *, seed: int = 1234, device: Optional[torch.device] = None,
-                      dtype: torch.dtype = torch.float32, output_only: bool = False
-                      ) -> tuple[type, tuple, dict[str, Any]]:
-    """(class, args, kwargs) of the module of one description entry: what :func:`build_layer`
-    calls and what a DeepSpeed ``LayerSpec`` is made of. ``output_only``: a tied output head on a
-    stage without the input embedding (word embeddings only)."""
-    from megatron_ru.model.gpt import EmbeddingLayer, FinalNorm, OutputLayer
-    from megatron_ru.model.transformer import TransformerLayer
-    common = dict(seed=seed, device=device, dtype=dtype)
-    if desc.kind == "embedding" or desc.tied_output:
-        return EmbeddingLayer, (cfg, vocab_size, tp_group, sequence_parallel), {**common, "output_only": output_only}
-    if desc.kind == "transformer":
-        return TransformerLayer, (cfg, desc.layer_number, tp_group, sequence_parallel), common
-    if desc.kind == "final_norm":
-        return FinalNorm, (cfg, tp_group, sequence_parallel), dict(device=device, dtype=dtype)
-    if desc.kind == "output":
-        return OutputLayer, (cfg, vocab_size, tp_group, sequence_parallel), common
-    raise ValueError(f"unknown layer kind {desc.kind!r}")
-
-
 def layout_shard(spec: "ParamSpec", full: torch.Tensor, rows: int, tp: int, tp_rank: int) -> torch.Tensor:
     """TP rank ``tp_rank``'s part of canonical tensor ``full`` at tensor-parallel size ``tp``: the
     vocabulary matrices padded with zero rows to ``rows`` (:func:`padded_vocab_rows`), then split by
@@ -173,14 +153,6 @@ def shard_from_saved(spec: "ParamSpec", read: Callable[[int], torch.Tensor], rea
             shape[dim] = hi - max(lo, real_piece)
             parts.append(like.new_zeros(shape))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-def build_layer(desc: LayerDesc, cfg: ModelConfig, vocab_size: int, tp_group: Any = None,
-                sequence_parallel: bool = False, **kwargs: Any) -> nn.Module:
-    """The module of one description entry (its parameters carry the entry's canonical names
-    relative to ``desc.prefix``); keyword arguments as :func:`layer_constructor`."""
-    cls, args, kw = layer_constructor(desc, cfg, vocab_size, tp_group, sequence_parallel, **kwargs)
-    return cls(*args, **kw)
 
 
 def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tuple[str, tuple[int, ...], Optional[int], int, bool]]:
@@ -289,8 +261,7 @@ def _adapter_params(desc: LayerDesc, cfg: ModelConfig) -> list[tuple[str, tuple[
     if spec is None:
         return []
     from megatron_ru.config.linears import part_rows
-    from megatron_ru.config.lora import ADAPTER_MARK
-    from megatron_ru.model.lora import adapter_param_shapes, b_stride, model_adapters
+    from megatron_ru.config.lora import ADAPTER_MARK, adapter_param_shapes, b_stride, model_adapters
     rows = part_rows(cfg)
     out = []
     for a in model_adapters(cfg):
