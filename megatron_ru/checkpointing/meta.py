@@ -66,12 +66,19 @@ def pointed_checkpoint(load_dir: str, step: Optional[int] = None) -> Optional[tu
     else the one the pointer names; None when there is no pointer (and no ``step``). A pointer or step that
     names no complete checkpoint is a :class:`CheckpointError` saying what it said and which iterations are
     complete."""
+    if step is None:
+        pointed = read_latest_iteration(load_dir)
+        return None if pointed is None else _checkpoint_of(load_dir, None, pointed)
+    return _checkpoint_of(load_dir, step, None)
+
+
+def _checkpoint_of(load_dir: str, step: Optional[int], pointed: Optional[int]) -> tuple[int, str]:
+    """(iteration, directory) of ``--ckpt-step step``, else of the iteration the pointer said (``pointed``,
+    already read); a :class:`CheckpointError` when that names no complete checkpoint."""
     pointer = os.path.join(load_dir, TRACKER_FILE)
     if step is None:
-        step = read_latest_iteration(load_dir)
-        if step is None:
-            return None
-        source = f"{pointer} says {step}"
+        assert pointed is not None
+        step, source = pointed, f"{pointer} says {pointed}"
     else:
         source = f"--ckpt-step {step} asks for iteration {step}"
     ckpt_dir = os.path.join(load_dir, iteration_dir_name(step))
@@ -183,6 +190,34 @@ class CheckpointMeta:
                                           self.optimizer is not None, present)
         return derive_expected(self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                                self.data_parallel_size, self.zero_stage, present)
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """What ``--load`` points at, resolved once per process (:func:`resolve_load`; ``Arguments.load_target``
+    holds it): ``--use-checkpoint-args``, the ``--save``/``--load`` checks, the model's vocabulary rows, the
+    model check and the load itself all read this record instead of the files. Beyond saving reads, this
+    closes a race: another job moving ``latest_checkpointed_iteration.txt`` between the checks and the load
+    cannot make the run check one iteration and load another, because the pointer is read once."""
+    load_dir: str
+    #: ``--ckpt-step``: the iteration asked for (the pointer is then not read)
+    step: Optional[int]
+    #: what the pointer said (None: no pointer, or not read because ``step`` was given)
+    pointer: Optional[int]
+    #: the iteration to load and its directory; None: no checkpoint (no pointer and no ``step``)
+    iteration: Optional[int]
+    ckpt_dir: Optional[str]
+    meta: Optional[CheckpointMeta]
+
+
+def resolve_load(load_dir: str, step: Optional[int] = None) -> LoadTarget:
+    """Read ``load_dir``'s pointer (unless ``step``) and the pointed checkpoint's ``metadata.json``, once.
+    Raises :class:`CheckpointError` as :func:`pointed_checkpoint` and :meth:`CheckpointMeta.read` do."""
+    pointer = None if step is not None else read_latest_iteration(load_dir)
+    if step is None and pointer is None:
+        return LoadTarget(load_dir, None, None, None, None, None)
+    iteration, ckpt_dir = _checkpoint_of(load_dir, step, pointer)
+    return LoadTarget(load_dir, step, pointer, iteration, ckpt_dir, CheckpointMeta.read(ckpt_dir))
 
 
 def layout_problems(meta: CheckpointMeta, tp: int, pp: int, dp: int, zero_stage: int,

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_ru.checkpointing.files import CheckpointError
 from megatron_ru.checkpointing.meta import (TRACKER_FILE, complete_iterations, iteration_dir_name,
@@ -244,9 +244,11 @@ class SaveDirLock:
 
 # ---- the pointer and the leftovers -------------------------------------------------------------------
 
-def overwrite_problem(save_dir: str, load_dir: Optional[str], ckpt_step: Optional[int]) -> Optional[str]:
+def overwrite_problem(save_dir: str, load_dir: Optional[str], ckpt_step: Optional[int],
+                      read_pointer: Optional[Callable[[], Optional[int]]] = None) -> Optional[str]:
     """Why this run would replace complete checkpoints in ``save_dir`` that it does not continue (None: it
-    does not). Raises :class:`CheckpointError` for a pointer that cannot be read."""
+    does not). Raises :class:`CheckpointError` for a pointer that cannot be read. ``read_pointer``: how to
+    learn ``save_dir``'s pointer (default: read the file)."""
     complete = complete_iterations(save_dir)
     if not complete:
         return None
@@ -254,7 +256,7 @@ def overwrite_problem(save_dir: str, load_dir: Optional[str], ckpt_step: Optiona
     if len(complete) > 4:
         found = f"{len(complete)} complete checkpoints, the newest {found}"
     continues = load_dir is not None and os.path.realpath(load_dir) == os.path.realpath(save_dir)
-    pointer = read_latest_iteration(save_dir)
+    pointer = (read_pointer or (lambda: read_latest_iteration(save_dir)))()
     newer = [i for i in complete if ckpt_step is not None and i > ckpt_step]
     if continues and newer:
         return (f"--ckpt-step {ckpt_step} resumes iteration {ckpt_step} of --load {load_dir}, which is also --save and "
@@ -274,11 +276,12 @@ def overwrite_problem(save_dir: str, load_dir: Optional[str], ckpt_step: Optiona
             f"--load {save_dir}; otherwise give another --save, or move those directories away to start over")
 
 
-def remove_leftovers(save_dir: str) -> list[str]:
-    """Remove what killed saves left in ``save_dir`` (see the module's docstring); the removed paths."""
+def remove_leftovers(save_dir: str, read_pointer: Optional[Callable[[], Optional[int]]] = None) -> list[str]:
+    """Remove what killed saves left in ``save_dir`` (see the module's docstring); the removed paths.
+    ``read_pointer``: as in :func:`overwrite_problem`."""
     if not os.path.isdir(save_dir):
         return []
-    pointer = read_latest_iteration(save_dir)
+    pointer = (read_pointer or (lambda: read_latest_iteration(save_dir)))()
     complete = complete_iterations(save_dir)
     removed = []
     for it in list_iterations(save_dir):
@@ -315,9 +318,13 @@ def release_all() -> None:
 atexit.register(release_all)
 
 
-def claim_save_dir(save_dir: str, load_dir: Optional[str], ckpt_step: Optional[int]) -> SaveDirLock:
+def claim_save_dir(save_dir: str, load_dir: Optional[str], ckpt_step: Optional[int],
+                   read_pointer: Optional[Callable[[], Optional[int]]] = None) -> SaveDirLock:
     """Rank 0 at start-up: take the lock, refuse a run that would overwrite checkpoints it does not continue,
-    remove leftovers of killed saves. Raises :class:`CheckpointError` (the lock is released first)."""
+    remove leftovers of killed saves. Raises :class:`CheckpointError` (the lock is released first).
+    ``read_pointer``: how to learn ``save_dir``'s pointer, called once, under the lock (default: read the
+    file; training passes what ``--load`` read when it is the same directory, so that the pointer the checks
+    see is the one the run loads)."""
     key = os.path.realpath(save_dir)
     if key in _HELD:
         _HELD.pop(key).release()
@@ -326,10 +333,11 @@ def claim_save_dir(save_dir: str, load_dir: Optional[str], ckpt_step: Optional[i
     try:
         if lock.note:
             log.warning(lock.note)
-        problem = overwrite_problem(save_dir, load_dir, ckpt_step)
+        pointer = (read_pointer or (lambda: read_latest_iteration(save_dir)))()
+        problem = overwrite_problem(save_dir, load_dir, ckpt_step, lambda: pointer)
         if problem:
             raise CheckpointError(problem)
-        removed = remove_leftovers(save_dir)
+        removed = remove_leftovers(save_dir, lambda: pointer)
         if removed:
             log.info(f"removed what interrupted saves left in {save_dir}: "
                      f"{', '.join(os.path.relpath(p, save_dir) for p in removed)}")

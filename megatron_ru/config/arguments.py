@@ -66,6 +66,7 @@ class Arguments:
     notices: list[str] = field(default_factory=list)
     """Warnings about the flags, logged once at start-up (e.g. --sequence-parallel turned off at TP 1)."""
     _tokenizer: Any = field(default=None, repr=False, compare=False)
+    _load_target: Any = field(default=None, repr=False, compare=False)
 
     def built_tokenizer(self) -> Any:
         """The tokenizer of ``--tokenizer-type`` & co., loaded once per process (validation loads it to learn its
@@ -74,6 +75,28 @@ class Arguments:
             from megatron_ru.data.tokenizer import build_tokenizer
             self._tokenizer = build_tokenizer(self.tokenizer)
         return self._tokenizer
+
+    def load_target(self) -> Any:
+        """What ``--load`` (and ``--ckpt-step``) points at, a ``checkpointing.meta.LoadTarget``: its pointer and
+        ``metadata.json`` read once per process, by the first consumer (``--use-checkpoint-args`` at parse time,
+        else the start-up checks), and shared by every later one, the load included (see ``LoadTarget``: the
+        pointer cannot move between the checks and the load). A pointer or metadata that cannot be read is the
+        same :class:`CheckpointError` at every call. None without ``--load``."""
+        c = self.checkpoint
+        if not c.load:
+            return None
+        key = (c.load, c.ckpt_step)
+        if self._load_target is None or self._load_target[0] != key:
+            from megatron_ru.checkpointing.files import CheckpointError
+            from megatron_ru.checkpointing.meta import resolve_load
+            try:
+                self._load_target = (key, resolve_load(c.load, c.ckpt_step))
+            except CheckpointError as e:
+                self._load_target = (key, e)
+        found = self._load_target[1]
+        if isinstance(found, Exception):
+            raise found
+        return found
 
     @property
     def tp(self) -> int:

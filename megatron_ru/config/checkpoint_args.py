@@ -38,9 +38,8 @@ _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 def read_checkpoint_meta(load_dir: str, step: Optional[int] = None) -> Optional["CheckpointMeta"]:
     """The metadata of the checkpoint ``load_dir`` points at, or of its iteration ``step`` (``--ckpt-step``);
     None when there is no pointer and no ``step``."""
-    from megatron_ru.checkpointing.meta import CheckpointMeta, pointed_checkpoint
-    pointed = pointed_checkpoint(load_dir, step)
-    return None if pointed is None else CheckpointMeta.read(pointed[1])
+    from megatron_ru.checkpointing.meta import resolve_load
+    return resolve_load(load_dir, step).meta
 
 
 def checkpoint_model_args(meta: "CheckpointMeta") -> Optional[dict[str, Any]]:
@@ -56,7 +55,7 @@ def apply_checkpoint_args(args: "Arguments", explicit: set[str]) -> None:
     load = args.checkpoint.load
     if not load:
         raise ValueError("--use-checkpoint-args takes the model's flags from a checkpoint: add --load DIR")
-    meta = read_checkpoint_meta(load, args.checkpoint.ckpt_step)
+    meta = args.load_target().meta  # read here, once: start-up's checks and the load reuse it
     if meta is None:
         raise ValueError(f"--use-checkpoint-args: --load {load} holds no checkpoint "
                          f"(no latest_checkpointed_iteration.txt); point --load at a directory written by --save "

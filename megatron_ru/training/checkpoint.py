@@ -46,10 +46,10 @@ from megatron_ru.checkpointing.files import (CheckpointError, CheckpointSaveErro
 from megatron_ru.checkpointing.layout import LAYERS_FORMAT
 from megatron_ru.checkpointing.loader import layers_layout_problem, load_by_names
 from megatron_ru.checkpointing.lora_base import verify_distributed
-from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, complete_iterations,
-                                            iteration_dir_name, layout_problems, list_iterations,
-                                            pointed_checkpoint, prune_checkpoints, read_latest_iteration,
-                                            write_text_atomic)
+from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, LoadTarget,
+                                            complete_iterations, iteration_dir_name, layout_problems,
+                                            list_iterations, prune_checkpoints, read_latest_iteration,
+                                            resolve_load, write_text_atomic)
 from megatron_ru.checkpointing.saver import write_rank_files
 from megatron_ru.checkpointing.writer import jsonable
 from megatron_ru.config.lora import is_adapter_parameter
@@ -257,21 +257,28 @@ def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str], exit_
 
 def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, dp: int, zero_stage: int,
                     load_optim: bool, finetune: bool, load_rng: bool = True,
-                    save_dir: Optional[str] = None, iteration: Optional[int] = None, exit_on_missing: bool = False
-                    ) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
+                    save_dir: Optional[str] = None, iteration: Optional[int] = None, exit_on_missing: bool = False,
+                    target: Optional[LoadTarget] = None) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
     """Load the checkpoint ``latest`` points at (``iteration``: that one instead, ``--ckpt-step``); None when ``load_dir`` has none and is also the
     ``save_dir`` (resume-or-start). With ``finetune``, or a ``load_dir`` other than ``save_dir``, a
     missing checkpoint is a :class:`CheckpointError`.
 
+    ``target``: ``load_dir``'s pointer and metadata as start-up already read them (``Arguments.load_target``);
+    the load then reads neither file again, so it loads the very iteration start-up checked (the model's
+    shape, the vocabulary, the --save directory) even if another job moved the pointer in between. Without
+    it both are read here.
+
     Returns the metadata and this rank's saved RNG state (None when ``load_rng`` is off or with
     ``finetune``)."""
-    pointed = pointed_checkpoint(load_dir, iteration)
-    if pointed is None:
+    if target is None:
+        target = resolve_load(load_dir, iteration)
+    assert (target.load_dir, target.step) == (load_dir, iteration), "the target of another --load / --ckpt-step"
+    if target.iteration is None:
         _no_checkpoint(load_dir, finetune, save_dir, exit_on_missing)
         return None
-    iteration, ckpt_dir = pointed
+    iteration, ckpt_dir, meta = target.iteration, target.ckpt_dir, target.meta
+    assert ckpt_dir is not None and meta is not None
     pointer = os.path.join(load_dir, TRACKER_FILE)
-    meta = CheckpointMeta.read(ckpt_dir)
     weights_only = finetune or not load_optim
     if meta.lora_base is not None:  # the frozen weights first, from the checkpoint the adapters were trained on
         _load_lora_base(engine, ckpt_dir, meta.lora_base, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage)

@@ -48,10 +48,9 @@ def model_mismatch(meta: Any, cfg: ModelConfig, vocab_size: int, load: str) -> O
             f"--use-checkpoint-args to take the model flags from it")
 
 
-def check_model_matches(load: str, cfg: ModelConfig, vocab_size: int, step: Optional[int] = None) -> None:
-    """:func:`model_mismatch` for the checkpoint ``load`` points at, as a :class:`CheckpointError`."""
-    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
-    meta = read_checkpoint_meta(load, step)
+def check_model_matches(meta: Any, cfg: ModelConfig, vocab_size: int, load: str) -> None:
+    """:func:`model_mismatch` for the checkpoint ``load`` points at (``meta``, its metadata as start-up read it:
+    ``Arguments.load_target``; None: no checkpoint), as a :class:`CheckpointError`."""
     if meta is None:
         return
     problem = model_mismatch(meta, cfg, vocab_size, load)

@@ -78,8 +78,7 @@ def model_vocab_size(args: Arguments, tokenizer_size: int) -> int:
     with more ids than the model has rows is an error."""
     vocab = args.model_vocab_size
     if vocab is None and args.checkpoint.load:
-        from megatron_ru.config.checkpoint_args import read_checkpoint_meta
-        meta = read_checkpoint_meta(args.checkpoint.load, args.checkpoint.ckpt_step)
+        meta = args.load_target().meta
         vocab = None if meta is None else meta.vocab_size
     if vocab is None:
         return tokenizer_size
@@ -164,7 +163,7 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
                              dp=state.dp_size, zero_stage=args.training.zero_stage,
                              load_optim=not c.no_load_optim, finetune=c.finetune,
                              load_rng=not c.no_load_rng, save_dir=c.save, iteration=c.ckpt_step,
-                             exit_on_missing=c.exit_on_missing_checkpoint)
+                             exit_on_missing=c.exit_on_missing_checkpoint, target=args.load_target())
     if loaded is None:
         return Progress()
     meta, rng = loaded
@@ -183,19 +182,23 @@ def claim_save_dir(args: Arguments, state: ParallelState) -> Optional[Any]:
     """Rank 0 takes the --save directory's lock, refuses a run that would overwrite checkpoints it does not
     continue, removes what killed saves left (megatron_ru/checkpointing/save_dir.py) and checks that --load has
     the checkpoint it must have; every rank learns the outcome, so that a refusal is the same error on all of
-    them, before anything else runs. Returns rank 0's lock (None elsewhere)."""
+    them, before anything else runs. Returns rank 0's lock (None elsewhere). --load's pointer is read once
+    (``args.load_target()``), under the lock when --load is --save (at parse time, before it, with
+    --use-checkpoint-args, which needs the checkpoint to parse): the checks and the load see one pointer."""
+    import os
     c = args.checkpoint
     if not c.save and not c.load:
         return None
     from megatron_ru.checkpointing.files import CheckpointError
-    from megatron_ru.checkpointing.meta import pointed_checkpoint
     from megatron_ru.checkpointing.save_dir import claim_save_dir as claim
     from megatron_ru.training.checkpoint import missing_checkpoint_problem
+    same = c.save and c.load and c.ckpt_step is None and os.path.realpath(c.save) == os.path.realpath(c.load)
     lock, error = None, None
     if state.rank == 0:
         try:
-            lock = claim(c.save, c.load, c.ckpt_step) if c.save else None
-            if c.load and pointed_checkpoint(c.load, c.ckpt_step) is None:
+            lock = claim(c.save, c.load, c.ckpt_step,
+                         read_pointer=(lambda: args.load_target().pointer) if same else None) if c.save else None
+            if c.load and args.load_target().iteration is None:
                 error = missing_checkpoint_problem(c.load, c.finetune, c.save, c.exit_on_missing_checkpoint)
         except CheckpointError as e:
             error = str(e)
@@ -245,7 +248,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     if args.checkpoint.load:  # another model shape: one error naming the flags, before the model is built
         from megatron_ru.training.model_match import check_model_matches
-        check_model_matches(args.checkpoint.load, args.model, vocab_size, args.checkpoint.ckpt_step)
+        check_model_matches(args.load_target().meta, args.model, vocab_size, args.checkpoint.load)
     train_ds, valid_ds, test_ds = build_datasets(args, is_builder_rank=state.rank == 0, barrier=dist.barrier,
                                                  vocab_size=vocab_size)
     with quiet():
@@ -260,8 +263,7 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
                                         in_samples=args.batch_ramp is not None, train_samples=args.training.train_samples)
         engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
-    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
-    loaded = read_checkpoint_meta(args.checkpoint.load, args.checkpoint.ckpt_step) if args.checkpoint.load else None
+    loaded = args.load_target().meta if args.checkpoint.load else None
     if loaded is not None and (loaded.model_args or {}).get("lora") is None:
         _init_dora_after_load(engine)
     if args.training.train_embedding_rows == "new":
