@@ -83,10 +83,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     from megatron_ru.adapt.vocab_map import build_vocab_map
     from megatron_ru.data.token_text import token_texts
     from megatron_ru.inference.model_io import model_tokenizer, open_model, open_tokenizer
-    from megatron_ru.inference.runner import StageRunner
+    from megatron_ru.inference.runner import StageRunner, start_stage_runner
     from megatron_ru.model.spec import OUTPUT_WEIGHT, WORD_EMBEDDING_WEIGHT
-    from megatron_ru.parallel.env import init_distributed
-    from megatron_ru.parallel.state import ParallelState
 
     src = open_model(ns.model, "--model")
     _, old_tok = model_tokenizer(src, ns.old_tokenizer, "--old-tokenizer", "--model")
@@ -108,9 +106,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     vmap = build_vocab_map(old_tok, new_tok, old_texts, new_texts)
     fmap = build_focus(vmap, new_tok, new_texts, focus_opts) if focus_opts else None
 
-    init_distributed(ns.distributed_backend, ns.distributed_timeout_minutes)
-    state = ParallelState.build(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size,
-                                timeout_minutes=ns.distributed_timeout_minutes)
+    state, runner = start_stage_runner(ns, src.cfg, src.vocab_size, DTYPES[ns.dtype])
     cache: dict[str, torch.Tensor] = {}
 
     def get_src(name: str) -> torch.Tensor:
@@ -120,7 +116,6 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
 
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    runner = StageRunner(src.cfg, src.vocab_size, state, dtype=DTYPES[ns.dtype])
     runner.load(get_src)
     rows.append({"method": "original", "tokenizer": "old", "words": words,
                  **_score(runner, old_docs, _context_token(old_tok), length, state)})

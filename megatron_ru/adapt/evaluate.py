@@ -198,9 +198,7 @@ def score_document(runner: Any, doc: Document, start: int, length: int, stride: 
 
 def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
     from megatron_ru.inference.model_io import model_tokenizer, open_model
-    from megatron_ru.inference.runner import StageRunner
-    from megatron_ru.parallel.env import init_distributed
-    from megatron_ru.parallel.state import ParallelState
+    from megatron_ru.inference.runner import start_stage_runner
 
     model = open_model(ns.load, "--load")
     _, tokenizer = model_tokenizer(model, ns.tokenizer, "--tokenizer", "--load")
@@ -219,10 +217,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str] = ()) -> dict[str, Any]:
         raise ValueError("no documents to score (empty input)")
     start = _context_token(tokenizer)
 
-    init_distributed(ns.distributed_backend, ns.distributed_timeout_minutes)
-    state = ParallelState.build(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size,
-                                timeout_minutes=ns.distributed_timeout_minutes)
-    runner = StageRunner(model.cfg, model.vocab_size, state, dtype=DTYPES[ns.dtype])
+    state, runner = start_stage_runner(ns, model.cfg, model.vocab_size, DTYPES[ns.dtype])
     runner.load(model.get)
     log_rank0(log, f"scoring {len(docs)} documents with {ns.load} at TP={state.tp_size} PP={state.pp_size} "
                    f"DP={state.dp_size}; windows of {length} tokens, stride {stride}")

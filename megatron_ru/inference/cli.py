@@ -206,9 +206,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
     from megatron_ru.checkpointing import read_checkpoint
     from megatron_ru.data.tokenizer import build_tokenizer
     from megatron_ru.inference.generate import generate
-    from megatron_ru.inference.runner import StageRunner
-    from megatron_ru.parallel.env import init_distributed
-    from megatron_ru.parallel.state import ParallelState
+    from megatron_ru.inference.runner import start_stage_runner
 
     params, prompts = check_arguments(ns, argv)
     if ns.ckpt_step is None and is_hf_model_dir(ns.load):
@@ -233,10 +231,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
         if not ids:
             raise ValueError(f"prompt {i} ({prompts[i][:40]!r}) gives no tokens")
 
-    init_distributed(ns.distributed_backend, ns.distributed_timeout_minutes)
-    state = ParallelState.build(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size,
-                                timeout_minutes=ns.distributed_timeout_minutes)
-    runner = StageRunner(cfg, vocab, state, dtype=DTYPES[ns.dtype])
+    state, runner = start_stage_runner(ns, cfg, vocab, DTYPES[ns.dtype])
     runner.load(get_tensor)
     log_rank0(log, f"loaded {ns.load} (V={vocab}) at TP={state.tp_size} PP={state.pp_size} DP={state.dp_size}; "
                    f"{len(prompts)} prompts")

@@ -192,3 +192,17 @@ class StageRunner(nn.Module):
         if len(self.state.mp_ranks) > 1:
             dist.broadcast(t, src=self.last_stage_source(), group=self.state.mp_group)
         return t
+
+
+def start_stage_runner(ns: Any, cfg: ModelConfig, vocab_size: int, dtype: torch.dtype) -> tuple[Any, StageRunner]:
+    """The inference tools' start (generate, evaluate, compare_inits): the process group from ``ns``'s
+    ``--distributed-backend`` and ``--distributed-timeout-minutes``, this rank's
+    :class:`~megatron_ru.parallel.state.ParallelState` at ``--tensor-model-parallel-size`` ×
+    ``--pipeline-model-parallel-size``, and its :class:`StageRunner` of the model (not loaded yet)."""
+    from megatron_ru.parallel.env import init_distributed
+    from megatron_ru.parallel.state import ParallelState
+
+    init_distributed(ns.distributed_backend, ns.distributed_timeout_minutes)
+    state = ParallelState.build(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size,
+                                timeout_minutes=ns.distributed_timeout_minutes)
+    return state, StageRunner(cfg, vocab_size, state, dtype=dtype)
