@@ -51,18 +51,6 @@ def specs_by_name(cfg: ModelConfig, vocab_size: int) -> dict[str, ParamSpec]:
     return {s.name: s for s in parameter_specs(cfg, vocab_size)}
 
 
-def layout_problems(cfg: ModelConfig, tp: int, pp: int, tp_flag: str = "--target-tensor-parallel-size",
-                    pp_flag: str = "--target-pipeline-parallel-size") -> list[str]:
-    """Why the model cannot be laid out at (tp, pp) (empty: it can): training's rules
-    (:func:`megatron_ru.config.model.model_parallel_problems`) named by the tool's flags, so that a converter
-    never writes a layout that ``pretrain_gpt.py`` refuses."""
-    from megatron_ru.config.model import model_parallel_problems
-    if tp < 1 or pp < 1:
-        return [f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1"]
-    return [p.replace("--tensor-model-parallel-size", tp_flag).replace("--pipeline-model-parallel-size", pp_flag)
-            for p in model_parallel_problems(cfg, tp, pp)]
-
-
 
 
 def derive_layers_expected(cfg: ModelConfig, vocab_size: int, tp: int, pp: int, dp: int,

@@ -220,8 +220,8 @@ def resolve_load(load_dir: str, step: Optional[int] = None) -> LoadTarget:
     return LoadTarget(load_dir, step, pointer, iteration, ckpt_dir, CheckpointMeta.read(ckpt_dir))
 
 
-def layout_problems(meta: CheckpointMeta, tp: int, pp: int, dp: int, zero_stage: int,
-                    load_optim: bool, load_dir: str = "DIR") -> list[str]:
+def zero_partition_problems(meta: CheckpointMeta, dp: int, zero_stage: int, load_optim: bool,
+                            load_dir: str = "DIR") -> list[str]:
     """Why a DeepSpeed checkpoint of this run's TP/PP cannot be loaded at the current DP size and ZeRO stage
     (empty list: it can; another TP/PP is loaded by canonical names, see :func:`_load_other_layout`)."""
     out = []

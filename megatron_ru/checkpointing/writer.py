@@ -16,9 +16,8 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from megatron_ru.checkpointing.files import CheckpointSaveError, describe_write_failure
-from megatron_ru.checkpointing.layout import (LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file,
-                                              layout_problems)
-from megatron_ru.config.model import ModelConfig
+from megatron_ru.checkpointing.layout import LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file
+from megatron_ru.config.model import ModelConfig, model_parallel_problems
 from megatron_ru.model.spec import (ParamSpec, layer_parameter_specs, layout_shard, model_args_dict, model_description,
                                     padded_vocab_rows)
 from megatron_ru.utils.logging import get_logger
@@ -112,7 +111,8 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
     as given); optimizer tensors are always fp32. ``extra_meta``: more ``metadata.json`` fields
     (consumed_train_samples, args, tokenizer, ...). ``extra_files(tmp_dir)`` may add files (tokenizer)
     before the rename. Raises ValueError naming the tensor on a wrong shape; nothing is left behind."""
-    problems = layout_problems(cfg, tp, pp)
+    problems = model_parallel_problems(cfg, tp, pp, "--target-tensor-parallel-size",
+                                       "--target-pipeline-parallel-size")
     import dataclasses
 
     from megatron_ru.checkpointing.meta import CheckpointMeta

@@ -222,24 +222,27 @@ class ModelConfig:
         return self.recompute_method or "uniform", 1 if self.recompute_num_layers is None else self.recompute_num_layers
 
 
-def model_parallel_problems(cfg: ModelConfig, tp: int, pp: int = 1) -> list[str]:
-    """Rules that depend on the layout: what must divide by --tensor-model-parallel-size (TP), and at
-    most one pipeline stage (--pipeline-model-parallel-size, PP) per transformer layer. The one rule for
-    training, the converters, inference and the planner (each names its own flags)."""
+def model_parallel_problems(cfg: ModelConfig, tp: int, pp: int = 1, tp_flag: str = "--tensor-model-parallel-size",
+                            pp_flag: str = "--pipeline-model-parallel-size") -> list[str]:
+    """Rules that depend on the layout: what must divide by TP (``tp_flag``), and at most one pipeline stage
+    (``pp_flag``) per transformer layer. The one rule for training, the converters (their --target-* flags),
+    inference and the planner: a converter never writes a layout that ``pretrain_gpt.py`` refuses."""
+    if tp < 1 or pp < 1:
+        return [f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1"]
     found: list[str] = []
     if cfg.num_attention_heads and cfg.num_attention_heads % tp:
         found.append(f"--num-attention-heads ({cfg.num_attention_heads}) must be divisible by "
-                     f"--tensor-model-parallel-size ({tp})")
+                     f"{tp_flag} ({tp})")
     if cfg.num_attention_heads and cfg.group_query_attention and cfg.num_query_groups % tp:
         found.append(f"--num-query-groups ({cfg.num_query_groups}) must be divisible by "
-                     f"--tensor-model-parallel-size ({tp})")
+                     f"{tp_flag} ({tp})")
     if cfg.hidden_size and cfg.num_attention_heads:
         ffn = cfg.resolved_ffn_hidden_size
         if ffn % tp:
             found.append(f"the MLP size --ffn-hidden-size ({ffn}) must be divisible by "
-                         f"--tensor-model-parallel-size ({tp})")
+                         f"{tp_flag} ({tp})")
     if cfg.num_layers and pp > cfg.num_layers:
         # an uneven split is fine: stages take balanced layer counts as DeepSpeed partitions them
-        found.append(f"--pipeline-model-parallel-size ({pp}) exceeds --num-layers ({cfg.num_layers}): every "
+        found.append(f"{pp_flag} ({pp}) exceeds --num-layers ({cfg.num_layers}): every "
                      f"pipeline stage needs at least one transformer layer")
     return found

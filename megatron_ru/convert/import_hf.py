@@ -179,8 +179,8 @@ def import_hf(load: str, save: str, tp: int = 1, pp: int = 1, *, dtype: Optional
     config_path = os.path.join(load, "config.json")
     arch = architecture_of(config, config_path)
     cfg, vocab_size = model_config_from_hf(config)
-    from megatron_ru.checkpointing.layout import layout_problems
-    problems = layout_problems(cfg, tp, pp)
+    from megatron_ru.config.model import model_parallel_problems
+    problems = model_parallel_problems(cfg, tp, pp, "--target-tensor-parallel-size", "--target-pipeline-parallel-size")
     if problems:
         raise ValueError(f"{config_path} cannot be split at this layout: " + "; ".join(problems))
     weights = HFWeights(load, allow_pickle=allow_pickle)

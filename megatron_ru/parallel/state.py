@@ -32,15 +32,14 @@ __all__ = ["ParallelState", "ParallelLayout", "RankCoord", "layout_problems"]
 
 
 class ParallelState(DeepSpeedMpu):
-    """Process groups and coordinates of this rank. Build with :meth:`build`."""
+    """Process groups and coordinates of this rank on its :class:`ParallelLayout` (the grid: sizes and rank
+    arithmetic come from it, not copies). Build with :meth:`build`."""
 
     def __init__(self, layout: ParallelLayout, rank: int, groups: dict[str, Any],
                  ranks: dict[str, list[int] | None], device: torch.device,
                  sequence_parallel: bool = False) -> None:
         self.layout = layout
-        self.world_size = layout.world_size
         self.rank = rank
-        self.tp_size, self.pp_size, self.dp_size = layout.tp, layout.pp, layout.dp
         coord = layout.coord(rank)
         self.coord: RankCoord = coord
         self.tp_rank, self.dp_rank, self.pp_rank = coord.tp, coord.dp, coord.pp
@@ -60,6 +59,22 @@ class ParallelState(DeepSpeedMpu):
         self.is_last_stage = self.pp_rank == self.pp_size - 1
         self.device = device
         self.sequence_parallel = sequence_parallel
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
 
     @classmethod
     def build(cls, tp: int, pp: int = 1, *, world_size: int | None = None,

@@ -13,14 +13,15 @@ if TYPE_CHECKING:
 
 
 def layout_for_arguments(args: "Arguments", world_size: Optional[int] = None) -> Layout:
-    """The :class:`Layout` a parsed command line runs with on ``world_size`` ranks."""
-    from megatron_ru.parallel.topology import data_parallel_size
-    world = args.world_size if world_size is None else world_size
-    tp, pp = args.tp, args.pp
-    dp = data_parallel_size(world, tp, pp)
+    """The :class:`Layout` a parsed command line runs with on ``world_size`` ranks (default: its own grid,
+    ``args.layout``), laid on that grid (a world size TP x PP does not divide is its ValueError)."""
+    from megatron_ru.parallel.topology import ParallelLayout
+    grid = getattr(args, "layout", None) if world_size is None else None
+    if grid is None:
+        grid = ParallelLayout(args.world_size if world_size is None else world_size, args.tp, args.pp)
     t = args.training
-    global_batch = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
-    return Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=global_batch,
+    global_batch = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * grid.dp
+    return Layout.on(grid, micro_batch=t.micro_batch_size, global_batch=global_batch,
                   seq_length=args.data.seq_length, sequence_parallel=args.sequence_parallel,
                   recompute="full" if args.model.recompute else (args.model.recompute_granularity or "none"),
                   recompute_method=args.model.recompute_plan[0] if args.model.recompute else "uniform",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ru.parallel.topology import micro_batches_per_step
+from megatron_ru.parallel.topology import ParallelLayout, micro_batches_per_step
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
@@ -41,6 +41,16 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def grid(self) -> ParallelLayout:
+        """The TP x DP x PP grid this run plan is laid on (the role below it: ranks and groups)."""
+        return ParallelLayout(self.world_size, self.tp, self.pp)
+
+    @classmethod
+    def on(cls, grid: ParallelLayout, **run: object) -> "Layout":
+        """A run plan on ``grid``: its TP, PP and DP, and the batch, precision and memory choices ``run``."""
+        return cls(tp=grid.tp, pp=grid.pp, dp=grid.dp, **run)  # type: ignore[arg-type]
 
     @property
     def num_micro_batches(self) -> int:

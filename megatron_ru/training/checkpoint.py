@@ -47,7 +47,7 @@ from megatron_ru.checkpointing.layout import LAYERS_FORMAT
 from megatron_ru.checkpointing.loader import layers_layout_problem, load_by_names
 from megatron_ru.checkpointing.lora_base import verify_distributed
 from megatron_ru.checkpointing.meta import (METADATA_FILE, TRACKER_FILE, CheckpointMeta, LoadTarget,
-                                            complete_iterations, iteration_dir_name, layout_problems,
+                                            complete_iterations, iteration_dir_name, zero_partition_problems,
                                             list_iterations, prune_checkpoints, read_latest_iteration,
                                             resolve_load, write_text_atomic)
 from megatron_ru.checkpointing.saver import write_rank_files
@@ -146,14 +146,19 @@ def _write_by_name(engine: Any, ckpt_dir: str, meta: CheckpointMeta, state: Any,
     meta.optimizer = jsonable(dsm.engine_common_state(engine)) if getattr(engine, "optimizer", None) else None
 
 
-def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: CheckpointMeta,
-                    rank: int, rng_state: dict[str, Any], keep_last: Optional[int] = None,
-                    before_commit: Optional[Callable[[], None]] = None, *, state: Any = None,
-                    ckpt_format: str = "auto") -> str:
+def _coordinates(state: Any) -> tuple[int, int, int, int]:
+    """(rank, TP, PP, DP) of ``state`` (this rank's ParallelState; None: one process)."""
+    return (0, 1, 1, 1) if state is None else (state.rank, state.tp_size, state.pp_size, state.dp_size)
+
+
+def save_checkpoint(engine: Any, save_dir: str, iteration: int, meta: CheckpointMeta, rng_state: dict[str, Any],
+                    keep_last: Optional[int] = None, before_commit: Optional[Callable[[], None]] = None, *,
+                    state: Any = None, ckpt_format: str = "auto") -> str:
     """Write ``iter_XXXXXXX/`` on every rank, then (rank 0, once every rank reported success) the
     pointer. Collective: every rank calls it. ``state``: this rank's ParallelState (None: one process).
     ``ckpt_format``: ``--ckpt-format``. Raises :class:`CheckpointSaveError` on every rank when a write
     failed on any."""
+    rank = _coordinates(state)[0]
     ckpt_dir = os.path.join(save_dir, iteration_dir_name(iteration))
     if read_latest_iteration(save_dir) == iteration:
         return ckpt_dir  # already saved (e.g. interval save followed by the save on exit)
@@ -255,7 +260,7 @@ def _no_checkpoint(load_dir: str, finetune: bool, save_dir: Optional[str], exit_
     log_rank0(log, f"no {TRACKER_FILE} in {load_dir}: starting from scratch")
 
 
-def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, dp: int, zero_stage: int,
+def load_checkpoint(engine: Any, load_dir: str, state: Any = None, *, zero_stage: int,
                     load_optim: bool, finetune: bool, load_rng: bool = True,
                     save_dir: Optional[str] = None, iteration: Optional[int] = None, exit_on_missing: bool = False,
                     target: Optional[LoadTarget] = None) -> Optional[tuple[CheckpointMeta, Optional[dict]]]:
@@ -268,8 +273,10 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     shape, the vocabulary, the --save directory) even if another job moved the pointer in between. Without
     it both are read here.
 
+    ``state``: this rank's ParallelState, as :func:`save_checkpoint` takes it (None: one process).
     Returns the metadata and this rank's saved RNG state (None when ``load_rng`` is off or with
     ``finetune``)."""
+    rank, tp, pp, dp = _coordinates(state)
     if target is None:
         target = resolve_load(load_dir, iteration)
     assert (target.load_dir, target.step) == (load_dir, iteration), "the target of another --load / --ckpt-step"
@@ -281,14 +288,14 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     pointer = os.path.join(load_dir, TRACKER_FILE)
     weights_only = finetune or not load_optim
     if meta.lora_base is not None:  # the frozen weights first, from the checkpoint the adapters were trained on
-        _load_lora_base(engine, ckpt_dir, meta.lora_base, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage)
+        _load_lora_base(engine, ckpt_dir, meta.lora_base, state, zero_stage=zero_stage)
     other_dp = not weights_only and (meta.data_parallel_size != dp or meta.zero_stage != zero_stage) and \
         meta.model_args is not None and meta.zero_stage <= 1 and zero_stage <= 2 and max(meta.zero_stage, zero_stage) >= 1
     if meta.format is not None or other_dp or \
             (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size) != (tp, pp):
         return _load_any_layout(engine, load_dir, ckpt_dir, meta, rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage,
                              weights_only=weights_only, finetune=finetune, load_rng=load_rng, pointer=pointer)
-    problems = layout_problems(meta, tp, pp, dp, zero_stage, load_optim=not weights_only, load_dir=load_dir)
+    problems = zero_partition_problems(meta, dp, zero_stage, load_optim=not weights_only, load_dir=load_dir)
     if weights_only and 3 in (meta.zero_stage, zero_stage):
         problems.append(
             f"loading weights only (--finetune or --no-load-optim) with ZeRO stage 3 (the checkpoint's stage "
@@ -333,8 +340,7 @@ def load_checkpoint(engine: Any, load_dir: str, *, rank: int, tp: int, pp: int, 
     return meta, rng
 
 
-def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: int, tp: int, pp: int, dp: int,
-                    zero_stage: int) -> None:
+def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], state: Any, *, zero_stage: int) -> None:
     where = f"{ckpt_dir} holds only the LoRA adapters and trained modules; its frozen weights are in {base['load']} " \
             f"iteration {base['iteration']} (lora_base in metadata.json)"
     if not os.path.isdir(os.path.join(base["load"], iteration_dir_name(int(base["iteration"])))):
@@ -342,7 +348,7 @@ def _load_lora_base(engine: Any, ckpt_dir: str, base: dict[str, Any], *, rank: i
                               f"lora_base")
     verify_distributed(ckpt_dir, base)  # the same base by content, not only by path
     try:
-        load_checkpoint(engine, base["load"], rank=rank, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, load_optim=False,
+        load_checkpoint(engine, base["load"], state, zero_stage=zero_stage, load_optim=False,
                         finetune=True, load_rng=False, iteration=int(base["iteration"]))
     except CheckpointError as e:
         raise CheckpointError(f"{where}, which cannot be loaded: {e}") from None

@@ -270,7 +270,7 @@ class Trainer:
             consumed_valid_samples=p.consumed_valid_samples, tensor_model_parallel_size=self.state.tp_size,
             pipeline_model_parallel_size=self.state.pp_size, data_parallel_size=self.state.dp_size,
             zero_stage=self.training.zero_stage, args=self.run_config, **self.checkpoint_record)
-        ckpt.save_checkpoint(self.engine, c.save, p.iteration, meta, self.state.rank, get_rng_state(),
+        ckpt.save_checkpoint(self.engine, c.save, p.iteration, meta, get_rng_state(),
                              keep_last=c.keep_last, state=self.state, ckpt_format=c.ckpt_format)
         result.saved.append(p.iteration)
 

@@ -159,8 +159,7 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     c = args.checkpoint
     if engine.lr_scheduler is not None:
         engine.lr_scheduler.use_checkpoint_schedule = c.use_checkpoint_opt_param_scheduler
-    loaded = load_checkpoint(engine, c.load, rank=state.rank, tp=state.tp_size, pp=state.pp_size,
-                             dp=state.dp_size, zero_stage=args.training.zero_stage,
+    loaded = load_checkpoint(engine, c.load, state, zero_stage=args.training.zero_stage,
                              load_optim=not c.no_load_optim, finetune=c.finetune,
                              load_rng=not c.no_load_rng, save_dir=c.save, iteration=c.ckpt_step,
                              exit_on_missing=c.exit_on_missing_checkpoint, target=args.load_target())

@@ -396,7 +396,7 @@ def _engine(cfg):
 
 def _load(engine, path, **kw):
     from megatron_ru.training.checkpoint import load_checkpoint
-    args = dict(rank=0, tp=1, pp=1, dp=1, zero_stage=0, load_optim=True, finetune=False)
+    args = dict(zero_stage=0, load_optim=True, finetune=False)
     args.update(kw)
     return load_checkpoint(engine, str(path), **args)
 
