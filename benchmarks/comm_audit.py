@@ -91,7 +91,7 @@ def layout_argv(prefix: str, cache: str, flags: list[str], iters: int = ITERS) -
 def audit_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[str, Any]]:
     """Rank body: train each argv with the audit on; return its records, model config and vocabulary."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.parallel.comm_audit import CommAudit
     from megatron_ru.training.pretrain import setup
     out = []

@@ -314,7 +314,7 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
             build(name, make)
     if args is None:  # the baselines alone (a process of their own): the model flags without an engine
         from benchmarks.train_step import pretrain_argv
-        from megatron_ru.config.arguments import parse_arguments
+        from megatron_ru.flags.arguments import parse_arguments
         args = parse_arguments(pretrain_argv(p, prefix, os.path.join(tmp, "cache"), total + 1, precision),
                                world_size=1)
     vocab = p["vocab"] - 1

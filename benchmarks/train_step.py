@@ -99,7 +99,7 @@ def pretrain_argv(p: dict, prefix: str, cache: str, iters: int, precision: str, 
 def build_trainer(p: dict, prefix: str, cache: str, iters: int, precision: str, zero_stage: int,
                   extra: tuple[str, ...] = ()):
     """pretrain_gpt.py's trainer, built as the script builds it."""
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.pretrain import setup
     args = parse_arguments(pretrain_argv(p, prefix, cache, iters, precision, zero_stage, extra), world_size=1)
     return args, setup(args)

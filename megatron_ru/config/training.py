@@ -1,7 +1,7 @@
 """Training, optimizer, checkpoint and logging configuration (Megatron flag names).
 
 Each concern is its own dataclass; ``problems()`` reports what is wrong inside one config,
-rules that need several configs live in ``megatron_ru/config/arguments.py``.
+rules that need several configs live in ``megatron_ru/flags/arguments.py``.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from megatron_ru.plan.memory import MemoryPrediction, predict_memory
 from megatron_ru.plan.states import BucketSizes
 
 if TYPE_CHECKING:
-    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.flags.arguments import Arguments
 
 
 def layout_for_arguments(args: "Arguments", world_size: Optional[int] = None) -> Layout:
@@ -39,7 +39,7 @@ def vocab_size_for_arguments(args: "Arguments") -> int:
 
 def buckets_for_arguments(args: "Arguments") -> BucketSizes:
     """DeepSpeed's bucket sizes from the config the engine will be built with."""
-    from megatron_ru.config.deepspeed import build_ds_config
+    from megatron_ru.flags.deepspeed import build_ds_config
     return BucketSizes.from_ds_config(build_ds_config(args))
 
 

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_from_checkpoint(load: str, given: ModelConfig, explicit: set[str]) -> tuple[ModelConfig, int]:
-    from megatron_ru.config.checkpoint_args import RUN_CHOICES, checkpoint_model_args, read_checkpoint_meta
+    from megatron_ru.flags.checkpoint_args import RUN_CHOICES, checkpoint_model_args, read_checkpoint_meta
     from megatron_ru.model.spec import model_config_from_dict
     meta = read_checkpoint_meta(load)
     if meta is None:

@@ -17,7 +17,7 @@ from megatron_ru.parallel.topology import ParallelLayout
 from megatron_ru.utils.logging import get_logger, log_rank0
 
 if TYPE_CHECKING:
-    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.flags.arguments import Arguments
     from megatron_ru.parallel.state import ParallelState
 
 log = get_logger(__name__)

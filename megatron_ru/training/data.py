@@ -19,7 +19,7 @@ import torch
 from megatron_ru.data.documents import DocumentMasking
 
 if TYPE_CHECKING:
-    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.flags.arguments import Arguments
 
 
 class SampleDataset(Protocol):

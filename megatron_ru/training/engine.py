@@ -1,4 +1,4 @@
-"""What goes into the DeepSpeed engine: its JSON config from the flags (:mod:`megatron_ru.config.deepspeed`), the optimizer, the LR schedule and
+"""What goes into the DeepSpeed engine: its JSON config from the flags (:mod:`megatron_ru.flags.deepspeed`), the optimizer, the LR schedule and
 TP/PP-aware clipping; :func:`initialize_engine` hands them to :mod:`megatron_ru.deepspeed_bridge`.
 
 * PP = 1: a plain module, ``deepspeed.initialize(..., mpu=ParallelState)``; ZeRO 0-3.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_ru.config.deepspeed import build_ds_config
+from megatron_ru.flags.deepspeed import build_ds_config
 from megatron_ru.deepspeed_bridge import compat as dsc
 from megatron_ru.deepspeed_bridge.engine import attach_comm, initialize
 from megatron_ru.deepspeed_bridge.pipeline import is_pipeline_module
@@ -32,7 +32,7 @@ from megatron_ru.utils.logging import get_logger, log_rank0
 from megatron_ru.utils.optim import weight_decay_groups
 
 if TYPE_CHECKING:
-    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.flags.arguments import Arguments
     from megatron_ru.deepspeed_bridge.engine import DeepSpeedEngine
     from megatron_ru.parallel.state import ParallelState
     from megatron_ru.config.lr_schedule import LRSchedule

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from megatron_ru.checkpointing.files import CheckpointError
 from megatron_ru.config.base import flag_name
-from megatron_ru.config.checkpoint_args import RUN_CHOICES, checkpoint_model_args
+from megatron_ru.flags.checkpoint_args import RUN_CHOICES, checkpoint_model_args
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import model_config_from_dict, parameter_specs
 

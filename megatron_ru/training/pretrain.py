@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ru.config.arguments import Arguments, parse_arguments
+from megatron_ru.flags.arguments import Arguments, parse_arguments
 from megatron_ru.parallel.state import ParallelState
 from megatron_ru.parallel.failure import parse_on_rank0, report_failure, watch_for_stops
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer

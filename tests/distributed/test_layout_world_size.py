@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def _body(rank: int, world_size: int, prefix: str) -> str:
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.pretrain import setup
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--max-position-embeddings",
             "32", "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "2", "--tokenizer-type",

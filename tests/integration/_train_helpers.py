@@ -77,7 +77,7 @@ def train_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[s
     spawn to save start-up time); return losses and grad norms of each run. An argv starting with
     ``"expect-error"`` must raise ValueError; its message is returned instead."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.pretrain import run
     out = []
     for argv in runs:

@@ -126,7 +126,7 @@ def test_mean_of_old_pieces_beats_random_rows(base):
 
 
 def test_checkpoint_in_extend_out_at_another_layout(base):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     d = base["dir"]
     src = open_model(base["hf"])
     ckpt = save_model(str(d / "base_ckpt"), kind="megatron", cfg=src.cfg, vocab_size=src.vocab_size,

@@ -67,7 +67,7 @@ def _faults(ckpt, fmt):
 def _body(rank, world_size, prefix, cache, root):
     import torch.distributed as dist
 
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.checkpoint import CheckpointError
     from megatron_ru.training.pretrain import run
 
@@ -171,7 +171,7 @@ def test_damaged_tp2_pp2_checkpoint_is_refused_with_the_files_named(tmp_path, fm
 def _disk_full_body(rank, world_size, prefix, cache, save):
     import torch.distributed as dist
 
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.checkpoint import CheckpointSaveError
     from megatron_ru.training.pretrain import run
 

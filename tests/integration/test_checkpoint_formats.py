@@ -21,7 +21,7 @@ RUNS = {"zero1": ["--zero-stage", "1"],
 
 
 def _body(rank, world_size, tmp):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.pretrain import run
     prefix, cache = make_corpus(tmp), os.path.join(tmp, "cache")
     for name, flags in RUNS.items():

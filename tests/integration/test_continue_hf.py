@@ -39,7 +39,7 @@ def _hf_loss(path: str, batches: list[torch.Tensor]) -> float:
 
 def _first_batches(argv: list[str], n: int) -> list[torch.Tensor]:
     """The token sequences (inputs + the last label) of the first ``n`` micro batches of size 1."""
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.data import build_datasets, micro_batches
     args = parse_arguments(argv, world_size=4, device_type="cpu")
     train, _, _ = build_datasets(args, is_builder_rank=True, barrier=lambda: None, vocab_size=HF_VOCAB)

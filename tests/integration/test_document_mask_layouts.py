@@ -60,7 +60,7 @@ def _alone_losses(args, vocab, batch, lengths):
 def _body(rank: int, world_size: int, runs: list[tuple[bool, list[str]]]) -> list[dict]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_ru.training.data import pipeline_items
     from megatron_ru.training.pretrain import setup

@@ -42,7 +42,7 @@ def test_zero_b_output_is_the_base(lora):
 
 
 def _train_and_inspect(rank, world_size, argv):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.model.spec import canonical_named_parameters
     from megatron_ru.training.pretrain import setup
     args = parse_arguments(argv, world_size=world_size, device_type="cpu")
@@ -77,7 +77,7 @@ def test_frozen_base_and_optimizer_state(tmp_path):
 
 
 def _errors(rank, world_size, argvs):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     out = []
     for argv in argvs:
         with pytest.raises(ValueError) as e:

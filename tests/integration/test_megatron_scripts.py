@@ -19,9 +19,9 @@ import os
 
 import pytest
 
-from megatron_ru.config.arguments import CONFIG_CLASSES
+from megatron_ru.flags.arguments import CONFIG_CLASSES
 from megatron_ru.config.base import build_parser
-from megatron_ru.config.megatron_flags import add_to_parser
+from megatron_ru.flags.megatron_flags import add_to_parser
 from tests.dist_utils import run_distributed
 from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece
 from tests.integration._train_helpers import make_corpus, train_body

@@ -22,7 +22,7 @@ FLAGS = ["--log-params-norm", "--log-batch-size-to-tensorboard", "--log-world-si
 
 
 def _fresh_model_norm(argv: list[str]) -> float:
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.model.gpt import GPTModel
     from megatron_ru.training.pretrain import model_vocab_size
     args = parse_arguments(argv, world_size=1, device_type="cpu")

@@ -93,7 +93,7 @@ def count_engine_bytes(engine: Any) -> dict[str, int]:
 
 def _body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[str, Any]]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.plan.api import vocab_size_for_arguments
     from megatron_ru.training.pretrain import setup
     results = []
@@ -119,7 +119,7 @@ def _body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[str, A
 
 @pytest.mark.slow
 def test_state_bytes_equal_the_engines_tensors(tmp_path):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.plan.api import buckets_for_arguments, layout_for_arguments
     from megatron_ru.plan.params import stage_tensors
     from megatron_ru.plan.states import state_bytes

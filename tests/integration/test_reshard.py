@@ -29,7 +29,7 @@ TOL = 5e-7
 
 
 def _train(argv, world_size):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.training.pretrain import run
     return run(parse_arguments(argv, world_size=world_size, device_type="cpu"))
 

@@ -139,7 +139,7 @@ def test_banner_eta_and_consumed_tokens(job):
     banner = [line.split(": ", 1)[1] for line in info if line.startswith("megatron_ru.training.banner")]
     assert banner[0] == ("layout: TP 1 x PP 2 x DP 1 = 2 ranks | micro batch 1 x gradient accumulation 4 x DP 1 "
                          "= global batch 4 | ZeRO 0 | fp32 | sequence parallel off | recomputation none")
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.plan.params import stage_param_counts
     from tests.integration._train_helpers import VOCAB
     args = parse_arguments(tiny_argv(make_corpus(str(tmp)), str(tmp / "cache"), iters=ITERS,

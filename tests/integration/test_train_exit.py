@@ -45,7 +45,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
 
 
 def test_train_only_embeddings_and_freeze_patterns():
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.model.gpt import GPTModel
     from megatron_ru.training.engine import build_optimizer
     from megatron_ru.training.freeze import apply_freezing

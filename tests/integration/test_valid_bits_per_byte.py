@@ -24,7 +24,7 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 def _expected_bytes(argv: list[str], world_size: int, n_samples: int, sp_model: str) -> tuple[int, int]:
     """UTF-8 bytes and characters of the labels of the first ``n_samples`` validation samples."""
     from megatron_ru.data.token_text import byte_and_char_counts, token_texts
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
     from megatron_ru.training.data import build_datasets
     args = parse_arguments(argv, world_size=world_size, device_type="cpu")

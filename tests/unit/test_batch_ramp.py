@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.config.batch_ramp import BatchRamp, ramp_problems
 from megatron_ru.config.lr_schedule import LRSchedule, schedule_from_config
 from megatron_ru.training.lr import MegatronLRScheduler

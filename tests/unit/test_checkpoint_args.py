@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.model.spec import model_args_dict
 from tests.integration._train_helpers import TINY_MODEL_FLAGS as MODEL_FLAGS
 from tests.integration._train_helpers import tiny_argv
@@ -84,7 +84,7 @@ def test_dropout_defaults_to_the_checkpoints(tmp_path):
     import argparse
 
     from megatron_ru.adapt.adapt_vocab import add_arguments, adapt_vocab
-    from megatron_ru.config.checkpoint_args import read_checkpoint_meta
+    from megatron_ru.flags.checkpoint_args import read_checkpoint_meta
     from megatron_ru.convert.import_hf import import_hf
     from megatron_ru.data.tokenizer import GPTSentencePieceTokenizer
     from tests.fixtures.models import tiny_llama

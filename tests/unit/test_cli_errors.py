@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.utils import cli, elastic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

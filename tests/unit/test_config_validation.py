@@ -4,7 +4,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from tests.fixtures.datasets import write_dataset
 
 

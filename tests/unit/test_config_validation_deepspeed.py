@@ -2,9 +2,9 @@
 accelerator refuses fp16 training)."""
 import json
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from tests.fixtures.datasets import write_dataset
-from megatron_ru.config.deepspeed import build_ds_config
+from megatron_ru.flags.deepspeed import build_ds_config
 from megatron_ru.training.engine import optimizer_param_groups
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.data.blended import BlendedDataset
 from megatron_ru.data.gpt_dataset import GPTDataset
 from megatron_ru.data.indexed_dataset import IndexedDataset

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.config.lr_schedule import LRSchedule
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import GPTModel

@@ -4,7 +4,7 @@ import logging
 
 import numpy as np
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_ru.data.builder import dataset_sizes
 from megatron_ru.training.data import cap_eval_iters, validation_pass_samples

@@ -159,7 +159,7 @@ def test_config_errors_name_the_field(change, message):
 
 
 def test_mistral_window_refuses_longer_sequences():
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from tests.integration._train_helpers import tiny_argv
     argv = tiny_argv("/nonexistent", "/tmp") + ["--sliding-window", "16"]
     with pytest.raises(ValueError, match=r"--seq-length \(32\) exceeds the model's --sliding-window \(16\): "

@@ -80,7 +80,7 @@ def test_eval_scalars_without_text():
 
 
 def test_wandb_refused_by_name_when_not_installed(monkeypatch, tmp_path):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from tests.integration._train_helpers import make_corpus, tiny_argv
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     problems = LoggingConfig(wandb_project="ru-gpt").problems()

@@ -38,7 +38,7 @@ def test_valid_adapter_flags_pass():
 
 
 def test_parse_arguments_refuses_alpha_zero(tmp_path):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from tests.integration._train_helpers import tiny_argv
     argv = tiny_argv(str(tmp_path / "corpus"), str(tmp_path / "cache"), iters=1,
                      extra=["--lora-rank", "4", "--lora-alpha", "0"])

@@ -1,4 +1,4 @@
-"""The Megatron flag table (megatron_ru/config/megatron_flags.py): one class per flag, the generated doc in step
+"""The Megatron flag table (megatron_ru/flags/megatron_flags.py): one class per flag, the generated doc in step
 with it, spellings that give exactly the configuration of the flags they stand for, refusals in one line each."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from megatron_ru.config.arguments import parse_arguments
-from megatron_ru.config.megatron_flags import NO_EFFECT, REFUSED, SPELLING, TABLE, markdown, same_flags
+from megatron_ru.flags.arguments import parse_arguments
+from megatron_ru.flags.megatron_flags import NO_EFFECT, REFUSED, SPELLING, TABLE, markdown, same_flags
 from tests.integration._train_helpers import make_corpus, tiny_argv, without_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +32,7 @@ def _configs(args):
 
 def test_the_doc_is_generated_from_the_table():
     with open(os.path.join(REPO, "docs", "megatron_flags.md"), encoding="utf-8") as f:
-        assert f.read() == markdown(same_flags()), "regenerate: python -m megatron_ru.config.megatron_flags > " \
+        assert f.read() == markdown(same_flags()), "regenerate: python -m megatron_ru.flags.megatron_flags > " \
                                                    "docs/megatron_flags.md"
 
 

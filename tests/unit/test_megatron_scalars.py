@@ -74,7 +74,7 @@ def test_tensorboard_and_jsonl(tmp_path):
 
 
 def test_params_norm_refused_at_zero3():
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     with pytest.raises((ValueError, SystemExit)) as e:
         parse_arguments(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
                          "32", "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_ru.config.megatron_flags import NO_EFFECT, REFUSED, SPELLING, TABLE, same_flags
+from megatron_ru.flags.megatron_flags import NO_EFFECT, REFUSED, SPELLING, TABLE, same_flags
 
 VOCABULARY = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron_vocabulary.tsv")
 

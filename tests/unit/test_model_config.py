@@ -128,7 +128,7 @@ def test_model_parallel_problems() -> None:
 def test_invalid_model_config_is_refused_once_listing_all_problems(tmp_path) -> None:
     """Validated once, by parse_arguments, before any process group or model exists (GPTModel
     takes a validated config and does not check it again)."""
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     from tests.fixtures.datasets import write_dataset
     prefix = write_dataset(str(tmp_path / "d"))
     argv = ["--num-layers", "2", "--hidden-size", "60", "--num-attention-heads", "8", "--hidden-dropout", "2.0",

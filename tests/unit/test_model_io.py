@@ -46,7 +46,7 @@ def test_hf_to_checkpoint_to_hf_round_trip(tmp_path, tied):
 
 
 def test_sentencepiece_tokenizer_recorded_with_checkpoint(tmp_path):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     sp = make_sentencepiece(str(tmp_path))
     source, tok = open_tokenizer(sp, "--new-tokenizer")
     hf = tiny_llama(str(tmp_path / "hf"), vocab_size=tok.vocab_size)

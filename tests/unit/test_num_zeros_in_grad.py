@@ -112,14 +112,14 @@ _MINIMAL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 @pytest.mark.parametrize("extra,named", [(["--zero-stage", "3"], "--zero-stage 3"),
                                          (["--fp16", "--zero-stage", "0"], "--fp16 at --zero-stage 0")])
 def test_refused_where_it_cannot_count(extra, named):
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     with pytest.raises((ValueError, SystemExit)) as e:
         parse_arguments(_MINIMAL + extra, world_size=1, device_type="cuda")
     assert f"--log-num-zeros-in-grad cannot be combined with {named}" in str(e.value)
 
 
 def test_accepted_elsewhere():
-    from megatron_ru.config.arguments import parse_arguments
+    from megatron_ru.flags.arguments import parse_arguments
     for extra in ([], ["--zero-stage", "1"], ["--bf16", "--zero-stage", "2"]):
         assert parse_arguments(_MINIMAL + extra, world_size=1, device_type="cpu").logging.log_num_zeros_in_grad
 

@@ -2,7 +2,7 @@
 item 8): --save naming an existing file used to train every iteration and then fail at the save."""
 import pytest
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from tests.integration._train_helpers import make_corpus, tiny_argv
 
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.data.builder import build_train_valid_test_datasets
 from megatron_ru.data.checks import DataBlend
 from megatron_ru.training.data import build_datasets

@@ -3,7 +3,7 @@ index are loaded once by the flag checks and reused by training, the banner's me
 planner."""
 import os
 
-from megatron_ru.config.arguments import parse_arguments
+from megatron_ru.flags.arguments import parse_arguments
 from megatron_ru.data import indexed_dataset, tokenizer
 from tests.integration._train_helpers import make_corpus, tiny_argv
 

@@ -17,7 +17,7 @@ import pytest
 from megatron_ru.checkpointing import save_dir as sd
 from megatron_ru.checkpointing.files import CheckpointError
 from megatron_ru.checkpointing.meta import TRACKER_FILE, pointed_checkpoint
-from megatron_ru.config.checkpoint_args import read_checkpoint_meta
+from megatron_ru.flags.checkpoint_args import read_checkpoint_meta
 from megatron_ru.utils.processes import start_time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -24,7 +24,7 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.config.tokenizer import TokenizerConfig
 
 if TYPE_CHECKING:
-    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.flags.arguments import Arguments
     from megatron_ru.checkpointing.meta import CheckpointMeta
 
 #: model fields that do not describe the weights: the run may choose them freely

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_ru.config.arguments import Arguments
+    from megatron_ru.flags.arguments import Arguments
 
 
 def build_ds_config(args: "Arguments") -> dict[str, Any]:

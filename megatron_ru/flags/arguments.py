@@ -60,7 +60,7 @@ class Arguments:
     model_vocab_size: Optional[int] = None
     """The model's vocabulary rows from the checkpoint (``--use-checkpoint-args``); None: the tokenizer's size."""
     megatron_no_effect: list[str] = field(default_factory=list)
-    """Megatron flags given that change nothing here (megatron_ru/config/megatron_flags.py; the banner lists them)."""
+    """Megatron flags given that change nothing here (megatron_ru/flags/megatron_flags.py; the banner lists them)."""
     megatron_spellings: list[str] = field(default_factory=list)
     """Megatron flags given that were mapped onto ours."""
     notices: list[str] = field(default_factory=list)
@@ -469,7 +469,7 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
     """Parse ``argv`` (default: ``sys.argv[1:]``) into :class:`Arguments`, validate it once (one
     ValueError listing every problem) and resolve the data blend, the split and the layout, which
     the rest of the program takes as they are."""
-    from megatron_ru.config.megatron_flags import add_to_parser, apply_megatron_flags
+    from megatron_ru.flags.megatron_flags import add_to_parser, apply_megatron_flags
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = parse_configs(CONFIG_CLASSES, argv, description="Pretrain a GPT/LLaMA model (megatron_ru).",
                            extra=add_to_parser)
@@ -492,7 +492,7 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
                             "(as Megatron does)")
         args.parallel.sequence_parallel = False
     if args.checkpoint.use_checkpoint_args:
-        from megatron_ru.config.checkpoint_args import apply_checkpoint_args
+        from megatron_ru.flags.checkpoint_args import apply_checkpoint_args
         apply_checkpoint_args(args, explicit)
     args.blend, args.split, args.split_blends = _resolve_data_flags(args.data)
     if args.split_blends is not None:
