@@ -111,9 +111,10 @@ def _data_impl(args: "Arguments", value: Any, explicit: set[str]) -> Optional[st
             f"tools/preprocess_data.py writes; use --data-impl mmap (or drop the flag)")
 
 
-def _value_one(flag: str, instead: str) -> Apply:
+def _value_equals(flag: str, number: float, instead: str) -> Apply:
+    """Accept ``flag`` at the one value that runs here (``number``); refuse any other, saying ``instead``."""
     def check(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
-        if float(value) == 1:
+        if float(value) == number:
             return None
         return f"{flag} {value} is not supported: {instead}"
     return check
@@ -197,14 +198,6 @@ def _value_is(flag: str, allowed: tuple[str, ...], instead: str) -> Apply:
     return check
 
 
-def _value_zero(flag: str, instead: str) -> Apply:
-    def check(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
-        if float(value) == 0:
-            return None
-        return f"{flag} {value} is not supported: {instead}"
-    return check
-
-
 def _embedding_init_std(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
     if float(value) == args.model.init_method_std:
         return None
@@ -230,15 +223,15 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--data-impl", SPELLING, 1, "mmap (and infer, which finds mmap files) is the one format read here; "
                  "lazy and cached are refused", _data_impl, "DS"),
     MegatronFlag("--context-parallel-size", SPELLING, 1, "1 is what runs here; more is refused",
-                 _value_one("--context-parallel-size", "context parallelism splits the sequence across ranks, "
+                 _value_equals("--context-parallel-size", 1, "context parallelism splits the sequence across ranks, "
                             "which megatron_ru does not do; use --sequence-parallel with TP > 1 to split activations, "
                             "or a shorter --seq-length"), "LM"),
     MegatronFlag("--ds-sequence-parallel-size", SPELLING, 1, "1 is what runs here; more (DeepSpeed-Ulysses) is refused",
-                 _value_one("--ds-sequence-parallel-size", "DeepSpeed-Ulysses sequence parallelism is not "
+                 _value_equals("--ds-sequence-parallel-size", 1, "DeepSpeed-Ulysses sequence parallelism is not "
                             "available; use --sequence-parallel with TP > 1"), "DS"),
     MegatronFlag("--rotary-percent", SPELLING, 1, "1.0 (rotary on the whole head) is what runs here; partial rotary "
-                 "is refused", _value_one("--rotary-percent", "partial rotary embeddings are not available; use "
-                                          "--rotary-percent 1.0"), "LM"),
+                 "is refused", _value_equals("--rotary-percent", 1, "partial rotary embeddings are not available; "
+                                             "use --rotary-percent 1.0"), "LM"),
     MegatronFlag("--dataloader-type", SPELLING, 1, "single is the order used here; cyclic and external are refused",
                  _dataloader_type, "LM, DS"),
     MegatronFlag("--no-position-embedding", SPELLING, 0, "with --position-embedding-type rope, what rope does here (no "
@@ -262,7 +255,8 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--accumulate-allreduce-grads-in-fp32", SPELLING, 0, "what --bf16 does here (DeepSpeed's "
                  "grad_accum_dtype fp32); with --fp16 refused", _fp32_grad_reduction),
     MegatronFlag("--lr-warmup-init", SPELLING, 1, "0 (warmup from zero) is what runs here; more is refused",
-                 _value_zero("--lr-warmup-init", "the warmup here rises from 0 to --lr; use --lr-warmup-init 0"), "LM"),
+                 _value_equals("--lr-warmup-init", 0, "the warmup here rises from 0 to --lr; use --lr-warmup-init 0"),
+                 "LM"),
     MegatronFlag("--weight-decay-incr-style", SPELLING, 1, "constant is what runs here; linear and cosine are refused",
                  _value_is("--weight-decay-incr-style", ("constant",), "weight decay here is the constant "
                            "--weight-decay; use --weight-decay-incr-style constant")),
@@ -270,7 +264,7 @@ TABLE: tuple[MegatronFlag, ...] = (
                  "and learnable variants are refused", _value_is("--softmax-type", ("vanilla",), "only the "
                                                                   "standard attention softmax is available"), "LM"),
     MegatronFlag("--glu-linear-offset", SPELLING, 1, "0 is what runs here; an offset is refused",
-                 _value_zero("--glu-linear-offset", "the gated linear unit here has no offset; use 0"), "LM"),
+                 _value_equals("--glu-linear-offset", 0, "the gated linear unit here has no offset; use 0"), "LM"),
     MegatronFlag("--embedding-init-method-std", SPELLING, 1, "the value of --init-method-std is what runs here; "
                  "another is refused", _embedding_init_std, "LM"),
     MegatronFlag("--exp-avg-dtype", SPELLING, 1, "fp32 is what runs here; others are refused",

@@ -24,7 +24,7 @@ def _body(rank: int, world_size: int) -> dict:
     from megatron_ru.parallel.random import model_parallel_seed
     from megatron_ru.plan.activations import Runtime, stage_layer_bytes
     from megatron_ru.plan.layout import Layout
-    from tests.integration.test_plan_activations import saved_bytes
+    from tests.integration.test_plan_activations import decoder_saved_bytes
     group = dist.new_group([0, 1])
     base = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                        max_position_embeddings=S, hidden_dropout=0.1, attention_dropout=0.1,
@@ -44,13 +44,7 @@ def _body(rank: int, world_size: int) -> dict:
         loss.backward()
         out[name] = (loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
         x = torch.randn(S, B, cfg.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
-
-        def layers():
-            h = x
-            for layer in model.decoder.layers:
-                h = layer(h)
-            return h
-        measured = saved_bytes(layers, exclude=list(model.parameters()))
+        measured = decoder_saved_bytes(model, x)
         layout = Layout(2, 1, 1, B, B, S, recompute="none" if name == "none" else "full", recompute_method="uniform",
                         recompute_num_layers=2, distribute_saved_activations=name == "distributed", precision="fp32")
         predicted, _ = stage_layer_bytes(cfg, layout, Runtime.for_device("cpu", cfg), cfg.num_layers)

@@ -47,6 +47,16 @@ def saved_bytes(fn: Any, exclude: Any = ()) -> int:
     return sum(seen.values())
 
 
+def decoder_saved_bytes(model: Any, x: Any) -> int:
+    """:func:`saved_bytes` of ``model``'s transformer layers run in order on ``x`` (parameters left out)."""
+    def layers() -> Any:
+        h = x
+        for layer in model.decoder.layers:
+            h = layer(h)
+        return h
+    return saved_bytes(layers, exclude=list(model.parameters()))
+
+
 def _layer_case(kind: str, precision: str, tp: int, sp: bool, recompute: bool, tp_group: Any) -> tuple[int, int]:
     """(measured, predicted) bytes of one layer's forward on this rank."""
     import torch

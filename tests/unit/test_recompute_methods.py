@@ -16,7 +16,7 @@ from megatron_ru.model import GPTModel
 from megatron_ru.parallel.random import model_parallel_seed
 from megatron_ru.plan.activations import Runtime, stage_layer_bytes
 from megatron_ru.plan.layout import Layout
-from tests.integration.test_plan_activations import saved_bytes
+from tests.integration.test_plan_activations import decoder_saved_bytes
 
 VOCAB, S, B = 50, 32, 2
 CFG = ModelConfig(num_layers=5, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, max_position_embeddings=S,
@@ -67,13 +67,7 @@ def test_what_the_layers_keep_is_what_the_planner_says(method, n):
     model = GPTModel(cfg, VOCAB, seed=3).train()
     x = torch.randn(S, B, cfg.hidden_size, requires_grad=True)
     model_parallel_seed(1, 0)
-
-    def layers():
-        h = x
-        for layer in model.decoder.layers:
-            h = layer(h)
-        return h
-    measured = saved_bytes(layers, exclude=list(model.parameters()))
+    measured = decoder_saved_bytes(model, x)
     layout = Layout(1, 1, 1, B, B, S, recompute="full", recompute_method=method, recompute_num_layers=n,
                     precision="fp32")
     predicted, _ = stage_layer_bytes(cfg, layout, Runtime.for_device("cpu", cfg), cfg.num_layers)
