@@ -23,6 +23,10 @@ class TrainingConfig:
     train_samples: Optional[int] = arg(
         None, "Total samples to train for (alternative to --train-iters; converted to iterations "
               "by dividing by --global-batch-size).")
+    train_tokens: Optional[int] = arg(
+        None, "Megatron-DeepSpeed's token budget: stop (save, as at the end of training) once the tokens consumed "
+              "(samples x --seq-length) reach N; --train-iters or --train-samples still bounds the run and sets the "
+              "default decay length.")
     rampup_batch_size: Optional[list[int]] = arg(
         None, "Batch-size ramp-up (Megatron's): START INCREMENT SAMPLES. The global batch starts at START and grows by "
               "INCREMENT, in equal shares of the first SAMPLES samples, up to --global-batch-size; each step runs the "
@@ -83,6 +87,8 @@ class TrainingConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+        if self.train_tokens is not None and self.train_tokens < 1:
+            out.append(f"--train-tokens must be >= 1 (got {self.train_tokens})")
         if self.bf16 and self.fp16:
             out.append("--bf16 and --fp16 are exclusive: choose one precision")
         if self.grad_reduce_in_bf16 and not self.bf16:
@@ -135,6 +141,13 @@ class OptimizerConfig:
     lr_warmup_samples: int = arg(0, "Warmup length in samples (divided by the global batch).")
     lr_decay_iters: Optional[int] = arg(None, "Iterations over which to decay; default: --train-iters.")
     lr_decay_samples: Optional[int] = arg(None, "Decay length in samples (divided by the global batch).")
+    lr_decay_tokens: Optional[int] = arg(
+        None, "Megatron-DeepSpeed's: decay length in tokens (samples x --seq-length), overriding the iteration/sample "
+              "decay; the decay starts where the warmup ends (--lr-warmup-tokens, or the tokens consumed by the "
+              "--lr-warmup-iters/-samples/-fraction warmup).")
+    lr_warmup_tokens: Optional[int] = arg(
+        None, "Megatron-DeepSpeed's: linear warmup length in tokens (samples x --seq-length), overriding the "
+              "iteration/sample warmup.")
     weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and norms).")
     adam_beta1: float = arg(0.9, "Adam beta1.")
     adam_beta2: float = arg(0.999, "Adam beta2.")
@@ -179,6 +192,10 @@ class OptimizerConfig:
                 out.append(f"{name} must be >= 1 (got {value})")
         if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
             out.append(f"--lr-decay-iters must be >= 1 (got {self.lr_decay_iters})")
+        if self.lr_decay_tokens is not None and self.lr_decay_tokens < 1:
+            out.append(f"--lr-decay-tokens must be >= 1 (got {self.lr_decay_tokens})")
+        if self.lr_warmup_tokens is not None and self.lr_warmup_tokens < 0:
+            out.append(f"--lr-warmup-tokens must be >= 0 (got {self.lr_warmup_tokens})")
         if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
             out.append("--adam-beta1 and --adam-beta2 must be in [0, 1)")
         if self.adam_eps <= 0:

@@ -328,7 +328,7 @@ def _lr_rule(a: Arguments) -> list[str]:
         return []
     try:
         schedule_from_config(a.optimizer, a.train_iters, a.global_batch_size, in_samples=a.batch_ramp is not None,
-                             train_samples=a.training.train_samples)
+                             train_samples=a.training.train_samples, seq_length=a.data.seq_length)
     except ValueError as e:
         return [str(e)]
     return []

@@ -151,11 +151,6 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
         ("--init-method-xavier-uniform", 0, "LM, DS"),
     )),
     (REFUSED,
-     "token budgets are not available: use --train-samples and --lr-*-samples (tokens / --seq-length); "
-     "token-based schedules are being built (issue 40)", (
-        ("--lr-decay-tokens", 1, "DS"), ("--lr-warmup-tokens", 1, "DS"), ("--train-tokens", 1, "DS"),
-    )),
-    (REFUSED,
      "--warmup was removed from Megatron too: use --lr-warmup-iters, --lr-warmup-samples or "
      "--lr-warmup-fraction", (
         ("--warmup", 1, "LM, DS"),

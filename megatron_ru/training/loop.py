@@ -148,9 +148,11 @@ class Trainer:
     def set_batch(self, global_batch: int) -> None:
         """Run the next steps with ``global_batch`` samples: DeepSpeed's accumulation count (its loss scaling
         1/count and, with a pipeline, the micro batches of ``train_batch``) follows; the scheduler advances by
-        the batch when its schedule is in samples."""
+        the batch when its schedule is in samples, by the batch's tokens when in tokens (--lr-*-tokens)."""
         scheduler = self.engine.lr_scheduler
-        scheduler.increment = global_batch if scheduler.schedule.unit == "samples" else 1
+        unit = scheduler.schedule.unit
+        scheduler.increment = (global_batch if unit == "samples" else global_batch * self.plan.seq_length
+                               if unit == "tokens" else 1)
         if global_batch == self.current_batch:
             return
         log_rank0(log, f"batch size ramp-up: global batch {global_batch} from iteration {self.progress.iteration + 1} "
@@ -275,6 +277,13 @@ class Trainer:
         result.saved.append(p.iteration)
 
     # ---- the loop ---------------------------------------------------------------------------
+    def _tokens_reached(self) -> Optional[str]:
+        """--train-tokens (Megatron-DeepSpeed's): the run ends once the tokens consumed reach it."""
+        n = self.training.train_tokens
+        if n is not None and self.progress.consumed_train_samples * self.plan.seq_length >= n:
+            return f"--train-tokens {n}"
+        return None
+
     def _exit_reason(self, started: float) -> Optional[str]:
         t, it = self.training, self.progress.iteration
         if t.exit_interval and it % t.exit_interval == 0:
@@ -362,8 +371,10 @@ class Trainer:
         skipped_window = 0
         window_start = time.perf_counter()
         log_rank0(log, f"training from iteration {p.iteration} to {plan.train_iters} "
-                       f"(consumed samples {p.consumed_train_samples})")
-        while p.iteration < plan.train_iters:
+                       f"(consumed samples {p.consumed_train_samples})"
+                       + (f" or {t.train_tokens} tokens" if t.train_tokens is not None else ""))
+        budget = self._tokens_reached()  # --train-tokens: an end of training, evaluated and saved as one
+        while p.iteration < plan.train_iters and budget is None:
             self._last_lr = self.engine.lr_scheduler.get_lr()[0]  # the lr this step applies
             skipped_before = self.engine.skipped_steps
             self.set_batch(plan.batch_size_at(p.consumed_train_samples))
@@ -381,7 +392,8 @@ class Trainer:
             skipped_window += self.engine.skipped_steps - skipped_before
             if on_iteration is not None:
                 on_iteration(p.iteration, loss)
-            if p.iteration % self.logging.log_interval == 0 or p.iteration == plan.train_iters:
+            budget = self._tokens_reached()
+            if p.iteration % self.logging.log_interval == 0 or p.iteration == plan.train_iters or budget:
                 _sync(self.device)
                 self._log(p.iteration, window, time.perf_counter() - window_start, skipped_window, grad_norm)
                 window, skipped_window, window_start = [], 0, time.perf_counter()
@@ -389,12 +401,16 @@ class Trainer:
                 self._eval_and_log(result)
             if c.save and c.save_interval and p.iteration % c.save_interval == 0:
                 self.save(result)
-            reason = self._exit_reason(started) if p.iteration < plan.train_iters else None
+            reason = self._exit_reason(started) if p.iteration < plan.train_iters and budget is None else None
             if reason:
                 log_rank0(log, f"exiting at iteration {p.iteration}: {reason}")
                 result.exit_reason = reason
                 break
-        if result.exit_reason == "done" and not (t.eval_interval and p.iteration % t.eval_interval == 0):
+        if budget is not None and result.exit_reason == "done" and p.iteration < plan.train_iters:
+            log_rank0(log, f"training ends at iteration {p.iteration}: {budget} reached "
+                           f"({p.consumed_train_samples * plan.seq_length} tokens consumed)")
+            result.exit_reason = budget
+        if result.exit_reason in ("done", budget) and not (t.eval_interval and p.iteration % t.eval_interval == 0):
             self._eval_and_log(result)
         self.save(result)
         result.iteration = p.iteration

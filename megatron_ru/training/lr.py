@@ -7,7 +7,7 @@ checkpoint so a resumed run continues on the same curve.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -46,7 +46,8 @@ class MegatronLRScheduler:
         return self.get_lr()
 
     #: what the next applied step adds to ``num_steps``: 1, or under a schedule in samples (--rampup-batch-size)
-    #: the step's global batch, which the training loop sets before each step
+    #: the step's global batch, or in tokens (--lr-*-tokens) the batch x --seq-length; the training loop sets it
+    #: before each step
     increment: int = 1
     #: set by a load whose checkpoint counted steps in another unit (--rampup-batch-size added or dropped): the
     #: caller puts the position right with :meth:`set_position`
@@ -57,9 +58,14 @@ class MegatronLRScheduler:
         self.num_steps += self.increment
         self._apply()
 
-    def set_position(self, iteration: int, consumed_samples: int) -> None:
-        """The position of a run at ``iteration`` after ``consumed_samples`` samples, in the schedule's unit."""
-        self.num_steps = consumed_samples if self.schedule.unit == "samples" else iteration
+    def set_position(self, iteration: int, consumed_samples: int, seq_length: Optional[int] = None) -> None:
+        """The position of a run at ``iteration`` after ``consumed_samples`` samples (of ``seq_length`` tokens), in
+        the schedule's unit."""
+        unit = self.schedule.unit
+        if unit == "tokens" and seq_length is None:
+            raise ValueError("a schedule in tokens is positioned by tokens: pass seq_length")
+        self.num_steps = (consumed_samples * seq_length if unit == "tokens" and seq_length is not None
+                          else consumed_samples if unit == "samples" else iteration)
         self.unit_changed = False
         self._apply()
 
@@ -77,7 +83,8 @@ class MegatronLRScheduler:
         self.num_steps = int(state["num_steps"])
         saved = state.get("schedule")
         if saved is not None:
-            saved_schedule = LRSchedule(**{**asdict(self.schedule), "unit": "iterations", **saved})
+            saved_schedule = LRSchedule(**{**asdict(self.schedule), "unit": "iterations", "decay_start": None,
+                                           **saved})
             changes = schedule_changes(saved_schedule, self.schedule)
             if saved_schedule.unit != self.schedule.unit and not self.use_checkpoint_schedule:
                 self.unit_changed = True
@@ -99,7 +106,8 @@ def schedule_changes(saved: LRSchedule, flags: LRSchedule) -> list[str]:
     names = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "warmup iterations", "decay_steps":
              "decay iterations", "decay_style": "--lr-decay-style", "wsd_decay_steps": "WSD decay iterations",
              "wsd_decay_style": "--lr-wsd-decay-style", "decoupled_lr": "--decoupled-lr",
-             "decoupled_min_lr": "--decoupled-min-lr", "unit": "steps counted in (--rampup-batch-size)"}
+             "decoupled_min_lr": "--decoupled-min-lr", "decay_start": "decay start",
+             "unit": "steps counted in (--rampup-batch-size, --lr-*-tokens)"}
     a, b = asdict(saved), asdict(flags)
     return [f"{names[k]} {a[k]} -> {b[k]}" for k in names if a[k] != b[k] and
             not (k.startswith("wsd") and "WSD" not in (saved.decay_style, flags.decay_style))]

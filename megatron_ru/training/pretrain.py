@@ -173,7 +173,7 @@ def _resume(engine: "DeepSpeedEngine", state: ParallelState, args: Arguments) ->
     if c.no_load_optim or engine.lr_scheduler.unit_changed:
         # weights only, but the position in training (iteration, data, LR curve) continues; or the checkpoint
         # counted the schedule's steps in another unit (--rampup-batch-size added or dropped)
-        engine.lr_scheduler.set_position(meta.iteration, meta.consumed_train_samples)
+        engine.lr_scheduler.set_position(meta.iteration, meta.consumed_train_samples, args.data.seq_length)
     return Progress(meta.iteration, meta.consumed_train_samples, meta.consumed_valid_samples)
 
 
@@ -259,7 +259,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
         apply_lora_freezing(model, args.model, group=pp_group)
         init_dora_magnitudes(model)
         schedule = schedule_from_config(args.optimizer, args.train_iters, args.global_batch_size,
-                                        in_samples=args.batch_ramp is not None, train_samples=args.training.train_samples)
+                                        in_samples=args.batch_ramp is not None, train_samples=args.training.train_samples,
+                                        seq_length=args.data.seq_length)
         engine = initialize_engine(model, state, args, schedule)
     progress = _resume(engine, state, args) if args.checkpoint.load else Progress()
     loaded = args.load_target().meta if args.checkpoint.load else None
