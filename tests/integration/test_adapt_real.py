@@ -4,10 +4,12 @@ skipped), with the Russian tokenizer, the comparison of mean, random and FOCUS r
 10 iterations of embedding-only training at TP 1 x PP 2 under mpirun, an instruct twin (2 iterations
 on English man pages), LEP into it on the real weights, and generation.
 
-About 4 minutes on 2 loaded cores instead of 22. 10 iterations bring the adapted model from 1.69 to
-about 1.49 bits per byte, not below the original's 1.32 (about 60 iterations do): this test checks
-that training lowered bits per byte; test_real_model.py checks the full claim (below the original
-after 60 iterations).
+Run with ``--iters 60`` (the walkthrough's own knob; ``--quick`` keeps its FOCUS-inclusive method list
+and 2 twin iterations): 10 iterations bring the adapted model from 1.69 to about 1.49 bits per byte,
+not below the original's 1.32, and about 60 do, so this one run checks the full claim as well (below
+the original after 60 iterations of embedding-only training at TP 1 x PP 2, with more than 3x its
+characters per token), which test_real_model.py once checked with a second adaptation and training
+run of its own on the same tokenizer, text, layout and hyperparameters.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 LEP_MARGIN = 0.05          # bits per byte between the twin with LEP and the adapted base (measured: 0.002)
 CLEAR = 0.1                # a clear gain in bits per byte (measured: about 0.19 for both gains below)
+EMB_ITERS = 60             # embedding-only iterations that take the adapted model below the original
 
 
 @pytest.fixture
@@ -36,12 +39,12 @@ def out(tmp_path):
 
 
 def test_adapt_real_quick(real_model_cache, out) -> None:
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "adapt_real.py"), "--quick", "--out",
-                           str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "adapt_real.py"), "--quick", "--iters",
+                           str(EMB_ITERS), "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "every check held" in proc.stdout
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    assert summary["run"]["quick"] and summary["run"]["iters"] == 10
+    assert summary["run"]["quick"] and summary["run"]["iters"] == EMB_ITERS
     assert all(c["passed"] for c in summary["checks"]) and len(summary["checks"]) == 5, summary["checks"]
 
     # before training: mean rows far ahead of random rows, FOCUS in the comparison next to the mean
@@ -62,9 +65,12 @@ def test_adapt_real_quick(real_model_cache, out) -> None:
     twin_mean = steps["instruct twin, mean rows (no LEP)"]
     lep = steps["instruct twin + LEP (Russian tokenizer)"]
     assert before["bits_per_byte"] < random_rows["bits_per_byte"]
-    # 10 iterations of embedding-only training: a clear gain, with 3x the original's characters per token
+    # 60 iterations of embedding-only training: a clear gain, below the original model on the same text,
+    # with more than 3x its characters per token
     assert trained["bits_per_byte"] < before["bits_per_byte"] - CLEAR, (before, trained)
+    assert trained["bits_per_byte"] < original["bits_per_byte"], (original, trained)
     assert trained["chars_per_token"] >= 3 * original["chars_per_token"], (original, trained)
+    assert trained["chars_per_token"] > 3 * original["chars_per_token"], (original, trained)
     # the twin is another model (its layers were fine-tuned), scored on the same text
     assert twin["bits_per_byte"] != original["bits_per_byte"] and twin["chars_per_token"] == original["chars_per_token"]
     # LEP on the real weights: the twin gets the trained embeddings' gain, not just the new tokenizer's mean rows

@@ -105,13 +105,26 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.fixture(scope="module")
+def imported_tp1pp1(real, tmp_path_factory) -> str:
+    """The model imported at TP 1 x PP 1, once for the module: the layout test at (1, 1) checks this
+    import and the README command trains from it (--finetune without --save: read only)."""
+    from megatron_ru.convert.import_hf import import_hf
+    ckpt = str(tmp_path_factory.mktemp("imported_tp1pp1") / "ckpt")
+    import_hf(real["hf"], ckpt, 1, 1)
+    return ckpt
+
+
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
-def test_import_generate_export(real, tmp_path, tp: int, pp: int) -> None:
+def test_import_generate_export(real, request, tmp_path, tp: int, pp: int) -> None:
     from megatron_ru.convert.export_hf import export_hf
     from megatron_ru.convert.import_hf import import_hf
 
-    ckpt = str(tmp_path / "ckpt")
-    import_hf(real["hf"], ckpt, tp, pp)
+    if (tp, pp) == (1, 1):
+        ckpt = request.getfixturevalue("imported_tp1pp1")
+    else:
+        ckpt = str(tmp_path / "ckpt")
+        import_hf(real["hf"], ckpt, tp, pp)
     results = run_distributed(_layout_body, tp * pp, args=(tp, pp, ckpt, real["prompts"], real["chat"], real["eos"]),
                               timeout=600)
     last = [r for r in results if "english" in r]
@@ -174,11 +187,10 @@ def test_evaluate_bits_per_byte_equals_transformers(real, tmp_path) -> None:
     assert 0.5 < want < 2.0                             # a trained model, not a random one
 
 
-def test_readme_command_trains_the_model_not_a_dropout_broken_one(real, tmp_path) -> None:
+def test_readme_command_trains_the_model_not_a_dropout_broken_one(real, imported_tp1pp1, tmp_path) -> None:
     """The README's continued-pretraining flags (no dropout flags) on the imported model: the first
     training loss equals the model's loss on the same batch (one document of exactly 2 x 256 + 1
     tokens: the batch of 2 is both samples, whatever the shuffle)."""
-    from megatron_ru.convert.import_hf import import_hf
     from megatron_ru.data.indexed_dataset import IndexedDatasetBuilder
     from tests.integration._train_helpers import train_body
 
@@ -189,9 +201,7 @@ def test_readme_command_trains_the_model_not_a_dropout_broken_one(real, tmp_path
     with IndexedDatasetBuilder(prefix + ".bin", dtype="int32") as b:
         b.add_document(torch.tensor(ids).numpy().astype("int32"), [len(ids)])
         b.finalize(prefix + ".idx")
-    ckpt = str(tmp_path / "ckpt")
-    import_hf(real["hf"], ckpt, 1, 1)
-    argv = ["--load", ckpt, "--use-checkpoint-args", "--finetune", "--tensor-model-parallel-size", "1",
+    argv = ["--load", imported_tp1pp1, "--use-checkpoint-args", "--finetune", "--tensor-model-parallel-size", "1",
             "--pipeline-model-parallel-size", "1", "--seq-length", str(seq), "--micro-batch-size", "2",
             "--global-batch-size", "2", "--train-iters", "2", "--lr", "3e-5", "--min-lr", "3e-6",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--zero-stage", "1",
@@ -211,7 +221,6 @@ def test_readme_command_trains_the_model_not_a_dropout_broken_one(real, tmp_path
 
 # ---- language adaptation on the real model ----------------------------------------------------------
 ADAPT_TP, ADAPT_PP = 1, 2
-EMB_ITERS = 60
 
 
 def _tool(*argv: str, timeout: int = 900) -> str:
@@ -228,11 +237,16 @@ def _bits_per_byte(load: str, data: str, tmp_path, label: str) -> dict:
     return got.get("overall", got)
 
 
-def test_adaptation_mean_rows_then_embedding_training_beat_the_original(real, tmp_path) -> None:
+def test_adaptation_mean_rows_beat_random_rows(real, tmp_path) -> None:
     """A 16k Russian BPE replaces SmolLM2's English vocabulary: before training, mean-of-pieces rows
-    are far ahead of random rows in bits per byte on held-out Russian man pages, and a short
-    embedding-only run (pretrain_gpt.py --train-only-embeddings at TP 1 x PP 2) goes below the
-    original model on the same text, with about 3x its characters per token."""
+    (adapt_vocab written as a megatron_ru checkpoint at TP 1 x PP 2) are far ahead of random rows
+    (written as a Hugging Face directory) in tools/evaluate.py's bits per byte on held-out Russian man
+    pages.
+
+    What embedding-only training does next (pretrain_gpt.py --train-only-embeddings at TP 1 x PP 2, 60
+    iterations: below the original model on the same text, with more than 3x its characters per token)
+    is checked by test_adapt_real.py, whose walkthrough runs that training with the same tokenizer,
+    text, layout and hyperparameters; one 60-iteration run instead of two."""
     from tools.real_model import text_file
     held = text_file("ru_heldout_sample.jsonl")                   # held-out pages 5-8, 1,500 characters each
     _tool("tools/train_tokenizer.py", "--input", text_file("ru_train.jsonl"), "--heldout-every", "0",
@@ -245,31 +259,10 @@ def test_adaptation_mean_rows_then_embedding_training_beat_the_original(real, tm
                   str(ADAPT_PP)] if kind == "megatron" else []
         _tool("tools/adapt_vocab.py", "--model", real["hf"], "--new-tokenizer", new_tok, "--mode", "replace",
               "--init", init, "--save", adapted[init], "--output-format", kind, *layout)
-    scores = {"original": _bits_per_byte(real["hf"], str(held), tmp_path, "original")}
-    for init, path in adapted.items():
-        scores[init] = _bits_per_byte(path, str(held), tmp_path, init)
-    assert scores["mean"]["bits_per_byte"] < scores["random"]["bits_per_byte"] - 1.0, scores
-    # a short embedding-only run on the training pages (README section 4, step 4, scaled down)
-    prefix = str(tmp_path / "ru16k_train")
-    _tool("tools/preprocess_data.py", "--input", text_file("ru_train.jsonl"), "--output-prefix", prefix,
-          "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", new_tok, "--append-eod",
-          "--workers", "1")
-    save = str(tmp_path / "emb")
-    argv = ["--load", adapted["mean"], "--use-checkpoint-args", "--finetune", "--save", save,
-            "--tensor-model-parallel-size", str(ADAPT_TP), "--pipeline-model-parallel-size", str(ADAPT_PP),
-            "--train-only-embeddings", "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "4",
-            "--train-iters", str(EMB_ITERS), "--lr", "3e-3", "--lr-decay-style", "constant",
-            "--weight-decay", "0.0", "--adam-beta2", "0.95", "--adam-eps", "1e-5",
-            "--clip-grad", "1.0", "--data-path", prefix + "_text_document", "--split", "100,0,0",
-            "--eval-iters", "0", "--num-workers", "0", "--log-interval", "10", "--save-interval", str(EMB_ITERS),
-            "--distributed-timeout-minutes", "10"]
-    from tests.integration._train_helpers import train_body
-    run_distributed(train_body, ADAPT_TP * ADAPT_PP, args=([argv],), timeout=900, env={"DS_ACCELERATOR": "cpu"})
-    scores["trained"] = _bits_per_byte(save, str(held), tmp_path, "trained")
+    scores = {init: _bits_per_byte(path, str(held), tmp_path, init) for init, path in adapted.items()}
     print(json.dumps({k: {"bits_per_byte": v["bits_per_byte"], "chars_per_token": v["chars_per_token"]}
                       for k, v in scores.items()}))
-    assert scores["trained"]["bits_per_byte"] < scores["original"]["bits_per_byte"], scores
-    assert scores["trained"]["chars_per_token"] > 3 * scores["original"]["chars_per_token"], scores
+    assert scores["mean"]["bits_per_byte"] < scores["random"]["bits_per_byte"] - 1.0, scores
 
 
 def test_focus_rows_start_near_the_mean_rows(real, tmp_path) -> None:
