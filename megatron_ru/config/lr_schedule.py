@@ -115,6 +115,15 @@ class LRSchedule:
         return 2.0 * math.pow(0.5, r) - 1.0  # exponential
 
 
+def _schedule(opt_cfg: Any, warmup: int, decay: int, wsd: int, **unit: Any) -> LRSchedule:
+    """The schedule of ``OptimizerConfig`` flags with these lengths (``unit``: the unit and where a token decay
+    starts)."""
+    return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup, decay_steps=decay,
+                      decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
+                      wsd_decay_style=opt_cfg.lr_wsd_decay_style, decoupled_lr=opt_cfg.decoupled_lr,
+                      decoupled_min_lr=opt_cfg.decoupled_min_lr if opt_cfg.decoupled_lr is not None else None, **unit)
+
+
 def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int, *, in_samples: bool = False,
                          train_samples: Optional[int] = None, seq_length: Optional[int] = None) -> LRSchedule:
     """Resolve warmup/decay lengths from ``OptimizerConfig`` flags (Megatron's precedence:
@@ -144,10 +153,7 @@ def schedule_from_config(opt_cfg: Any, train_iters: int, global_batch_size: int,
     if opt_cfg.lr_decay_style == "WSD":
         wsd = (opt_cfg.lr_wsd_decay_samples // global_batch_size if opt_cfg.lr_wsd_decay_samples is not None
                else opt_cfg.lr_wsd_decay_iters or 0)
-    return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup,
-                      decay_steps=decay, decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
-                      wsd_decay_style=opt_cfg.lr_wsd_decay_style, decoupled_lr=opt_cfg.decoupled_lr,
-                      decoupled_min_lr=opt_cfg.decoupled_min_lr if opt_cfg.decoupled_lr is not None else None)
+    return _schedule(opt_cfg, warmup, decay, wsd)
 
 
 def _schedule_in_samples(opt_cfg: Any, train_iters: int, global_batch_size: int,
@@ -172,11 +178,7 @@ def _schedule_in_samples(opt_cfg: Any, train_iters: int, global_batch_size: int,
         wsd = (opt_cfg.lr_wsd_decay_samples if opt_cfg.lr_wsd_decay_samples is not None
                else (opt_cfg.lr_wsd_decay_iters or 0) * g)
     try:
-        return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup, decay_steps=decay,
-                          decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd,
-                          wsd_decay_style=opt_cfg.lr_wsd_decay_style, decoupled_lr=opt_cfg.decoupled_lr,
-                          decoupled_min_lr=opt_cfg.decoupled_min_lr if opt_cfg.decoupled_lr is not None else None,
-                          unit="samples")
+        return _schedule(opt_cfg, warmup, decay, wsd, unit="samples")
     except ValueError as e:
         raise ValueError(f"{e} (under --rampup-batch-size these lengths are in samples)") from None
 
@@ -198,11 +200,7 @@ def _schedule_in_tokens(opt_cfg: Any, train_iters: int, global_batch_size: int, 
         wsd = (opt_cfg.lr_wsd_decay_samples if opt_cfg.lr_wsd_decay_samples is not None
                else (opt_cfg.lr_wsd_decay_iters or 0) * global_batch_size)
     try:
-        return LRSchedule(max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup_steps=warmup, decay_steps=decay,
-                          decay_style=opt_cfg.lr_decay_style, wsd_decay_steps=wsd * seq_length,
-                          wsd_decay_style=opt_cfg.lr_wsd_decay_style, decoupled_lr=opt_cfg.decoupled_lr,
-                          decoupled_min_lr=opt_cfg.decoupled_min_lr if opt_cfg.decoupled_lr is not None else None,
-                          unit="tokens", decay_start=start)
+        return _schedule(opt_cfg, warmup, decay, wsd * seq_length, unit="tokens", decay_start=start)
     except ValueError as e:
         raise ValueError(f"{e} (with --lr-decay-tokens/--lr-warmup-tokens these lengths are in tokens, "
                          f"samples x --seq-length {seq_length})") from None
