@@ -37,3 +37,12 @@ def test_integration_and_distributed_files_are_marked_slow():
                    + glob.glob(os.path.join(ROOT, "tests", "distributed", "test_*.py")))
     unmarked = [os.path.relpath(f, ROOT) for f in files if not _all_slow(open(f, encoding="utf-8").read())]
     assert sorted(set(unmarked) - FAST_FILES) == [], "add pytestmark = pytest.mark.slow (or list it as fast here)"
+
+
+def test_test_file_names_are_unique():
+    """tests/unit and tests/integration have no __init__.py: two test files of one name stop every run that
+    collects both ("import file mismatch"), make test and make test-fast included."""
+    names: dict[str, list[str]] = {}
+    for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
+        names.setdefault(os.path.basename(path), []).append(os.path.relpath(path, ROOT))
+    assert not {n: p for n, p in names.items() if len(p) > 1}
