@@ -59,13 +59,17 @@ class WandbSink:
                              f"WANDB_MODE=offline to write the run files under {directory} for a later "
                              f"`wandb sync`") from e
         self._run.define_metric(SAMPLES_TAG)
-        for tag in VS_SAMPLES_TAGS:
-            self._run.define_metric(tag, step_metric=SAMPLES_TAG)
+        self._vs_samples: set[str] = set()  # the "... vs samples" tags defined so far (on their first write)
         log.info(f"Weights & Biases: project {project}, run {self._run.name} ({self._run.id}), "
                  f"{'offline, ' if getattr(self._run.settings, 'mode', '') == 'offline' else ''}run files in "
                  f"{os.path.dirname(self._run.dir)}")
 
     def write(self, scalars: Scalars) -> None:
+        for tag in scalars.values.keys() & (set(VS_SAMPLES_TAGS) - self._vs_samples):
+            # the x axis of a "... vs samples" curve is the consumed samples; defined for the tags this run
+            # writes (the Megatron switches that are off leave no empty charts)
+            self._run.define_metric(tag, step_metric=SAMPLES_TAG)
+            self._vs_samples.add(tag)
         self._run.log(dict(scalars.values), step=scalars.iteration)
 
     def close(self) -> None:
