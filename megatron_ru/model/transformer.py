@@ -207,17 +207,15 @@ class Attention(nn.Module):
             mask = torch.ones(s, s_k, dtype=torch.bool, device=x.device).tril(diagonal=s_k - s)
             causal = False
         dropout = self.dropout if self.training else 0.0
-        gqa = {}
-        if r > 1 and _SDPA_HAS_GQA:
-            gqa = {"enable_gqa": True}
-        elif r > 1:
+        gqa = r > 1 and _SDPA_HAS_GQA  # SDPA repeats the key/value heads itself; older torch: repeat them here
+        if r > 1 and not gqa:
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         if self.recompute_core and self.training and torch.is_grad_enabled() and kv_cache is None:
             # --recompute-granularity selective: the core attention's saved tensors (the math path's s x s scores,
             # softmax, dropout mask) are rebuilt in backward from q, k, v; the dropout draws are replayed
-            out = tp_random.checkpoint(_core_attention, q, k, v, mask, dropout, causal, bool(gqa))
+            out = tp_random.checkpoint(_core_attention, q, k, v, mask, dropout, causal, gqa)
         else:
-            out = _core_attention(q, k, v, mask, dropout, causal, bool(gqa))
+            out = _core_attention(q, k, v, mask, dropout, causal, gqa)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         return self.linear_proj(out)
 
