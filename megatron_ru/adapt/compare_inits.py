@@ -21,8 +21,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_ru.adapt.evaluate import (DTYPES, OVERALL, _context_token, _read_jsonl, Document, emit_report,
-                                        score_documents, text_documents)
+from megatron_ru.adapt.evaluate import (OVERALL, _context_token, _read_jsonl, Document, emit_report, score_documents,
+                                        text_documents)
+from megatron_ru.utils.dtypes import DTYPES
 from megatron_ru.adapt.focus import add_focus_arguments, build_focus, focus_options
 from megatron_ru.adapt.inits import CORPUS_METHODS, METHODS, correct_input_norms, init_rows
 from megatron_ru.utils.logging import get_logger, log_rank0

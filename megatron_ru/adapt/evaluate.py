@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 from megatron_ru.utils import cli
 from megatron_ru.utils.logging import get_logger, log_rank0
+from megatron_ru.utils.dtypes import DTYPES
 
 log = get_logger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OVERALL = "overall"
 
 

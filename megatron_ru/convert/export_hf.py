@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_ru.convert.hf_io import ShardedSafetensorsWriter, parse_size
-from megatron_ru.convert.import_hf import DTYPES, HF_SOURCE_DIR, split_shapes
+from megatron_ru.convert.import_hf import HF_SOURCE_DIR, split_shapes
+from megatron_ru.utils.dtypes import DTYPES
 from megatron_ru.utils.staging import check_output, overlap_problem, staged_directory
 from megatron_ru.convert.tokenizer_files import (HF_TYPE, SP_TYPES, TokenizerSource, recorded_tokenizer,
                                                  write_hf_tokenizer)

@@ -26,13 +26,13 @@ from megatron_ru.utils.staging import check_output
 from megatron_ru.checkpointing.hints import continue_pretraining
 from megatron_ru.convert.tokenizer_files import HF_TYPE, TOKENIZER_DIR, copy_hf_tokenizer
 from megatron_ru.utils.logging import get_logger
+from megatron_ru.utils.dtypes import DTYPES
 
 log = get_logger(__name__)
 
 HELP = "Hugging Face Llama/Mistral/Qwen2 directory -> megatron_ru checkpoint at a TP x PP layout"
 HF_SOURCE_DIR = "hf_source"
 HF_SIDE_FILES = ("config.json", "generation_config.json")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MAX_LISTED = 12
 
 

@@ -27,10 +27,10 @@ from megatron_ru.inference.sampling import SamplingParams
 from megatron_ru.parallel.failure import distributed_tool_main
 from megatron_ru.utils import cli
 from megatron_ru.utils.logging import get_logger, log_rank0
+from megatron_ru.utils.dtypes import DTYPES
 
 log = get_logger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TOKENIZER_FIELDS = {f.name for f in dataclasses.fields(TokenizerConfig)} - {"tokenizer_num_threads", "eod_token"}
 _PATH_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")
 
