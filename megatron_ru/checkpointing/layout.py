@@ -23,7 +23,8 @@ from typing import Optional
 
 from megatron_ru.checkpointing.files import file_kind, rng_file_name
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import ParamSpec, padded_vocab_rows, parameter_specs
+from megatron_ru.model.spec import ParamSpec, parameter_specs
+from megatron_ru.model.shards import padded_vocab_rows
 
 LAYERS_FORMAT = "megatron_ru.layers"
 #: the Adam moments a checkpoint carries per parameter, besides the fp32 master weight

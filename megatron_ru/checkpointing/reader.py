@@ -42,7 +42,8 @@ from megatron_ru.checkpointing.sources.common import CheckpointDir, OptimSource
 from megatron_ru.checkpointing.sources.optim_layers import FragmentOptim, LayerFileOptim
 from megatron_ru.checkpointing.sources.optim_zero import Zero0Optim, Zero1Optim
 from megatron_ru.checkpointing.sources.weights import LayerWeights, MpWeights, WeightSource
-from megatron_ru.model.spec import ParamSpec, model_config_from_dict, padded_vocab_rows, shard_from_saved
+from megatron_ru.model.spec import ParamSpec, model_config_from_dict
+from megatron_ru.model.shards import padded_vocab_rows, shard_from_saved
 from megatron_ru.parallel.utils import unshard_tensors
 
 __all__ = ["CheckpointReader", "read_checkpoint"]
@@ -172,7 +173,7 @@ class CheckpointReader:
     def _reslice(self, spec: ParamSpec, tp: int, rank: int, read: Any) -> torch.Tensor:
         """TP shard ``rank`` at TP size ``tp`` (vocabulary rows padded for ``tp``) from only the saved shards it
         overlaps (``read(t)``: saved shard ``t``): the saved shard itself at the saved TP size, otherwise views
-        of the parts it overlaps, joined (:func:`~megatron_ru.model.spec.shard_from_saved`)."""
+        of the parts it overlaps, joined (:func:`~megatron_ru.model.shards.shard_from_saved`)."""
         rows = padded_vocab_rows(self.cfg, self.vocab_size, tp)
         if spec.partition_dim is None:
             return read(0)

@@ -18,8 +18,8 @@ import torch
 from megatron_ru.checkpointing.files import CheckpointSaveError, describe_write_failure
 from megatron_ru.checkpointing.layout import LAYERS_FORMAT, OPTIM_KEYS, layer_file, layer_optim_file
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
-from megatron_ru.model.spec import (ParamSpec, layer_parameter_specs, layout_shard, model_args_dict, model_description,
-                                    padded_vocab_rows)
+from megatron_ru.model.spec import ParamSpec, layer_parameter_specs, model_args_dict, model_description
+from megatron_ru.model.shards import layout_shard, padded_vocab_rows
 from megatron_ru.utils.logging import get_logger
 from megatron_ru.utils.memory import own_storage
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from megatron_ru.config.model import ModelConfig, model_parallel_problems
 from megatron_ru.model.gpt import build_layer
-from megatron_ru.model.spec import (LayerDesc, ParamSpec, layer_parameter_specs, layout_shard,
-                                    model_description, padded_vocab_rows, stage_bounds)
+from megatron_ru.model.spec import LayerDesc, ParamSpec, layer_parameter_specs, model_description, stage_bounds
+from megatron_ru.model.shards import layout_shard, padded_vocab_rows
 
 GetTensor = Callable[[str], torch.Tensor]
 

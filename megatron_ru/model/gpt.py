@@ -22,8 +22,8 @@ from torch import nn
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import normal_init
-from megatron_ru.model.spec import (EMBEDDING, OUTPUT_LAYER, TIED_KEY, WORD_EMBEDDINGS, LayerDesc,
-                                    model_description, padded_vocab_rows)
+from megatron_ru.model.spec import EMBEDDING, OUTPUT_LAYER, TIED_KEY, WORD_EMBEDDINGS, LayerDesc, model_description
+from megatron_ru.model.shards import padded_vocab_rows
 from megatron_ru.model.transformer import (Norm, TransformerLayer, document_causal_mask, plan_recomputation,
                                           split_region_rng)
 from megatron_ru.parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -19,7 +19,8 @@ Canonical names are megatron-core's and do not depend on TP or PP::
     output_layer.weight                                   [V, h]   (untied only)
 
 Canonical full tensors hold exactly ``V`` vocabulary rows (the model's vocabulary); the padding to
-``--make-vocab-size-divisible-by`` x TP belongs to a layout (:func:`padded_vocab_rows`).
+``--make-vocab-size-divisible-by`` x TP belongs to a layout (:func:`megatron_ru.model.shards.padded_vocab_rows`,
+next to the rest of the shard arithmetic).
 
 In a pipeline, layer ``j`` of the description is DeepSpeed's layer ``j``: 0 = embedding,
 1..N = decoder layer j - 1, N + 1 = final norm, N + 2 = output head; its module parameters are
@@ -31,14 +32,13 @@ import dataclasses
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from megatron_ru.config.linears import LINEARS
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.parallel.utils import pad_vocab_size
 
 EMBEDDING = "embedding"
 FINAL_NORM = "decoder.final_layernorm"
@@ -96,63 +96,6 @@ def model_description(cfg: ModelConfig) -> list[LayerDesc]:
     descs.append(LayerDesc(n + 1, "final_norm", FINAL_NORM))
     descs.append(LayerDesc(n + 2, "output", EMBEDDING if cfg.tied_embeddings else OUTPUT_LAYER))
     return descs
-
-
-def padded_vocab_rows(cfg: ModelConfig, vocab_size: int, tp: int) -> int:
-    """Rows of the vocabulary matrices at tensor-parallel size ``tp``."""
-    return pad_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp)
-
-
-def layout_shard(spec: "ParamSpec", full: torch.Tensor, rows: int, tp: int, tp_rank: int) -> torch.Tensor:
-    """TP rank ``tp_rank``'s part of canonical tensor ``full`` at tensor-parallel size ``tp``: the
-    vocabulary matrices padded with zero rows to ``rows`` (:func:`padded_vocab_rows`), then split by
-    the parameter's dim and stride (replicated parameters: ``full`` itself)."""
-    from megatron_ru.parallel.utils import shard_tensor
-    if spec.vocab and rows > full.shape[0] and spec.partition_dim == 0 and spec.partition_stride == 1:
-        # cut this rank's rows first, pad only them: no padded copy of the whole matrix
-        per = rows // tp
-        lo, hi, have = tp_rank * per, (tp_rank + 1) * per, full.shape[0]
-        part = full[min(lo, have): min(hi, have)]
-        if hi > have:
-            part = torch.cat([part, full.new_zeros((hi - max(lo, have), *full.shape[1:]))], dim=0)
-        return part
-    if spec.vocab and rows > full.shape[0]:
-        full = torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))], dim=0)
-    if spec.partition_dim is None or tp == 1:
-        return full
-    return shard_tensor(full, spec.partition_dim, tp_rank, tp, spec.partition_stride)
-
-
-def shard_from_saved(spec: "ParamSpec", read: Callable[[int], torch.Tensor], real: int, saved_rows: int,
-                     saved_tp: int, rows: int, tp: int, tp_rank: int) -> torch.Tensor:
-    """TP rank ``tp_rank``'s shard at TP size ``tp`` (vocabulary rows padded to ``rows``) taken from the shards
-    of a checkpoint saved at TP size ``saved_tp`` (padded to ``saved_rows``), reading only the parts it overlaps:
-    ``read(t)`` is saved shard ``t``. Equal to :func:`layout_shard` of the whole tensor, for any pair of TP sizes
-    and strides: along the split dim each of the ``stride`` pieces is cut in contiguous, equal blocks, so a
-    rank's block of a piece is the concatenation of (views of) the saved blocks it overlaps; rows at or beyond
-    ``real`` (the unpadded row count, vocabulary matrices only) are zeros. Replicated: ``read(0)``."""
-    dim, stride = spec.partition_dim, spec.partition_stride
-    if dim is None:
-        return read(0)
-    if not spec.vocab:
-        real = saved_rows = rows = spec.shape[dim]
-    saved_block, block = saved_rows // stride // saved_tp, rows // stride // tp
-    real_piece = real // stride if not spec.vocab else real
-    parts: list[torch.Tensor] = []
-    for i in range(stride):
-        lo, hi = tp_rank * block, (tp_rank + 1) * block  # within piece i
-        a = lo
-        while a < min(hi, real_piece):
-            t = a // saved_block
-            b = min(hi, real_piece, (t + 1) * saved_block)
-            parts.append(read(t).narrow(dim, i * saved_block + a - t * saved_block, b - a))
-            a = b
-        if hi > max(lo, real_piece):
-            like = read(0)
-            shape = list(like.shape)
-            shape[dim] = hi - max(lo, real_piece)
-            parts.append(like.new_zeros(shape))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tuple[str, tuple[int, ...], Optional[int], int, bool]]:

@@ -27,6 +27,7 @@ from typing import Optional
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import spec as model_spec
+from megatron_ru.model.shards import padded_vocab_rows
 from megatron_ru.parallel.comm_audit import wire_bytes  # the one byte convention
 from megatron_ru.plan.layout import Layout
 from megatron_ru.plan.params import stage_tensors
@@ -189,7 +190,7 @@ def _pp_ops(out: _Ops, cfg: ModelConfig, vocab_size: int, layout: Layout, stage:
         add("pp.partition_gather.backward", "tp", "all_gather", full, 2 * m * (not last))
     add("pp.loss_broadcast", "pp", "broadcast", (2 + extra_losses) * _FP32, 1)
     if cfg.tied_embeddings and (first or last):
-        rows = model_spec.padded_vocab_rows(cfg, vocab_size, t)
+        rows = padded_vocab_rows(cfg, vocab_size, t)
         out.ops.append(CommOp("pp.tied_embedding_grad", "pp", "all_reduce", 2, rows // t * cfg.hidden_size * _FP32, 1))
 
 

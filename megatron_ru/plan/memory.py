@@ -22,6 +22,7 @@ from typing import Optional
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import spec as model_spec
+from megatron_ru.model.shards import padded_vocab_rows
 from megatron_ru.plan import activations as act
 from megatron_ru.plan.hardware import GIB, MIB
 from megatron_ru.plan.layout import Layout
@@ -89,7 +90,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
     allowance) for ``layout``: the maximum over pipeline stages."""
     buckets = buckets or BucketSizes()
     rt = runtime or act.Runtime.for_device(device, cfg)
-    rows = model_spec.padded_vocab_rows(cfg, vocab_size, layout.tp)
+    rows = padded_vocab_rows(cfg, vocab_size, layout.tp)
     tensors = stage_tensors(cfg, vocab_size, layout.tp, layout.pp)
     shape = stage_layers(cfg, layout.pp)
     per_layer = act.layer_bytes(cfg, layout, rt)

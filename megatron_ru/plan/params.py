@@ -22,6 +22,7 @@ from typing import Optional
 from megatron_ru.config.lora import is_adapter_parameter
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import spec as model_spec
+from megatron_ru.model.shards import padded_vocab_rows
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def _trainable_rule(cfg: ModelConfig):
 
 def stage_tensors(cfg: ModelConfig, vocab_size: int, tp: int, pp: int) -> list[list[TensorInfo]]:
     """The parameter tensors one rank of each pipeline stage holds, in its module's order."""
-    rows = model_spec.padded_vocab_rows(cfg, vocab_size, tp)
+    rows = padded_vocab_rows(cfg, vocab_size, tp)
     descs = model_spec.model_description(cfg)
     bounds = model_spec.stage_bounds(cfg, pp) if pp > 1 else [(0, len(descs))]
     trainable = _trainable_rule(cfg)

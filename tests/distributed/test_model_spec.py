@@ -10,7 +10,8 @@ import torch
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model import GPTModel
 from megatron_ru.model.spec import (canonical_name, canonical_named_parameters, local_name_of, model_description,
-                                    padded_vocab_rows, parameter_specs)
+                                    parameter_specs)
+from megatron_ru.model.shards import padded_vocab_rows
 from megatron_ru.parallel.utils import shard_tensor
 from tests.dist_utils import run_distributed
 

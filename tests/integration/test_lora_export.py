@@ -23,7 +23,8 @@ def _our_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
     from megatron_ru.inference.model_io import open_model
     from megatron_ru.model import GPTModel
     from megatron_ru.checkpointing.layout import specs_by_name
-    from megatron_ru.model.spec import canonical_named_parameters, layout_shard, padded_vocab_rows
+    from megatron_ru.model.spec import canonical_named_parameters
+    from megatron_ru.model.shards import layout_shard, padded_vocab_rows
     src = open_model(ckpt)
     model = GPTModel(src.cfg, src.vocab_size, None, seed=1).eval()
     specs = specs_by_name(src.cfg, src.vocab_size)

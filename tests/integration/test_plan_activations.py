@@ -83,7 +83,7 @@ def _model_case(kind: str, precision: str) -> tuple[int, int]:
     from megatron_ru.model.gpt import GPTModel
     from megatron_ru.plan import activations as act
     from megatron_ru.plan.layout import Layout
-    from megatron_ru.model.spec import padded_vocab_rows
+    from megatron_ru.model.shards import padded_vocab_rows
     cfg = ModelConfig(**(GPT if kind == "gpt" else LLAMA))
     vocab = 1000
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

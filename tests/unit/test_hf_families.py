@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from megatron_ru.convert.hf_mapping import (from_canonical, hf_config_from_model, hf_to_canonical_names,
                                             model_config_from_hf, to_canonical)
 from megatron_ru.model import GPTModel
-from megatron_ru.model.spec import padded_vocab_rows, parameter_specs
+from megatron_ru.model.spec import parameter_specs
+from megatron_ru.model.shards import padded_vocab_rows
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=64)

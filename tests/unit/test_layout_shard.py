@@ -1,9 +1,10 @@
-"""``layout_shard`` (model/spec.py): a rank's part of a canonical tensor at a TP size, the vocabulary
+"""``layout_shard`` (model/shards.py): a rank's part of a canonical tensor at a TP size, the vocabulary
 matrices padded with zero rows; the loader's memory depends on it cutting before padding."""
 import pytest
 import torch
 
-from megatron_ru.model.spec import ParamSpec, layout_shard
+from megatron_ru.model.spec import ParamSpec
+from megatron_ru.model.shards import layout_shard
 from megatron_ru.parallel.utils import shard_tensor
 
 
@@ -69,7 +70,7 @@ def test_freed_memory_goes_back_to_the_system():
 def test_a_shard_from_the_saved_shards_it_overlaps_equals_the_cut_of_the_whole(stride, dim, saved_tp, tp):
     """``shard_from_saved`` (what the loader reads at another TP size) equals splitting the whole tensor, for
     any pair of TP sizes and any stride, and reads only the saved shards the rank's shard overlaps."""
-    from megatron_ru.model.spec import shard_from_saved
+    from megatron_ru.model.shards import shard_from_saved
     shape = [5, 5]
     shape[dim] = stride * 12 * 2
     full = torch.randn(*shape)
@@ -93,7 +94,7 @@ def test_a_shard_from_the_saved_shards_it_overlaps_equals_the_cut_of_the_whole(s
 def test_vocabulary_rows_padded_differently_come_from_the_saved_shards(saved_rows, saved_tp, rows, tp):
     """A vocabulary matrix saved padded for one TP size and loaded at another padded differently: the real rows
     come from the saved shards, the padding rows are zeros, whatever the saved padding held."""
-    from megatron_ru.model.spec import shard_from_saved
+    from megatron_ru.model.shards import shard_from_saved
     full = torch.arange(40, dtype=torch.float32).view(10, 4) + 1
     spec = _spec()
     saved = [layout_shard(spec, full, saved_rows, saved_tp, t).clone() for t in range(saved_tp)]

@@ -11,7 +11,8 @@ from megatron_ru.checkpointing.files import CheckpointError, check_files, list_f
 from megatron_ru.checkpointing.layout import mp_model_file, specs_by_name
 from megatron_ru.checkpointing.meta import TRACKER_FILE, CheckpointMeta
 from megatron_ru.config.model import ModelConfig
-from megatron_ru.model.spec import ParamSpec, padded_vocab_rows
+from megatron_ru.model.spec import ParamSpec
+from megatron_ru.model.shards import padded_vocab_rows
 from megatron_ru.utils.logging import get_logger
 
 log = get_logger(__name__)
