@@ -46,11 +46,22 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def one_process_env() -> dict[str, str]:
+    """The environment of a step that runs one process (a tool, not ranks under a launcher): torch's
+    threads on every core this process may use. ``make`` exports OMP_NUM_THREADS=1 for the ranks, which
+    share the cores; a lone process given one thread would leave the others idle."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return dict(os.environ, OMP_NUM_THREADS=str(cores))
+
+
 def step(title: str, cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """Run one step of the walkthrough; ``env``: a launcher's environment (ranks), else
+    :func:`one_process_env`."""
     print(f"\n== {title}\n$ {shown_command(cmd)}",
           flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env if env is not None else one_process_env(), stdout=subprocess.PIPE,
+                          text=True)
     sys.stdout.write(proc.stdout)
     if proc.returncode != 0:
         raise SystemExit(f"step failed ({proc.returncode}): {title}")

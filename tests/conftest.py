@@ -40,6 +40,26 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+#: files whose tests share the machine's schedulers (Slurm and Grid Engine daemons, apt): one worker runs them all
+MACHINE_GROUP = "machine"
+MACHINE_FILES = frozenset({"test_abci_qsub.py", "test_slurm_sbatch.py", "test_scripts_dry_run.py",
+                           "test_shellcheck.py"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): the tests of one file go to one
+    worker, so that a module's fixtures (a trained checkpoint, a corpus, a converted real model) are built
+    once; the files that bring up the schedulers go to one worker together. Runs before xdist's own hook,
+    which turns the mark into the group."""
+    if not getattr(config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
+        return
+    for item in items:
+        name = item.path.name
+        group = MACHINE_GROUP if name in MACHINE_FILES else str(item.path.relative_to(config.rootpath))
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def real_model_cache() -> str:
     """SmolLM2-135M-Instruct and the Russian/English man pages (tools/real_model.py), built here when

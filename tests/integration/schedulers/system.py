@@ -1,6 +1,7 @@
 """Small system helpers shared by the Slurm and Grid Engine harnesses."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ from typing import Callable, Sequence
 import pytest
 
 _APT_STAMP = Path("/tmp/.megatron_ru_apt_updated")
+_APT_LOCK = Path("/tmp/.megatron_ru_apt.lock")
 #: the most one apt_install may take, retry included (below pytest.ini's per-test timeout)
 APT_BUDGET_S = 900
 
@@ -38,11 +40,18 @@ def run(cmd: Sequence[str], *, check: bool = True, timeout: float = 60, env: dic
 
 
 def apt_install(packages: Sequence[str], debconf: str = "") -> None:
-    """Install Debian packages (apt-get update at most once per machine boot)."""
+    """Install Debian packages (apt-get update at most once per machine boot). One install at a time on
+    the machine (``make test`` runs two pytest workers; dpkg refuses a second install while one runs)."""
     if os.geteuid() != 0:
         unavailable(f"installing {' '.join(packages)} needs root")
     if shutil.which("apt-get") is None:
         unavailable(f"apt-get not found; cannot install {' '.join(packages)}")
+    with open(_APT_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _apt_install(packages, debconf)
+
+
+def _apt_install(packages: Sequence[str], debconf: str) -> None:
     deadline = time.monotonic() + APT_BUDGET_S
 
     def left(cap: float) -> float:
