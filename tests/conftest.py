@@ -46,6 +46,20 @@ MACHINE_FILES = frozenset({"test_abci_qsub.py", "test_slurm_sbatch.py", "test_sc
                            "test_shellcheck.py"})
 
 
+#: the files that take longest (pytest --durations), started first under xdist; then the other slow files, then the rest
+LONGEST_FILES = ("test_adapt_real.py", "test_fault_hangs.py", "test_rank0_faults.py", "test_real_model.py",
+                 "test_adapt_demo.py", "test_train_layouts.py", "test_megatron_scripts.py")
+
+
+def _start_order(item: pytest.Item) -> tuple[int, int]:
+    name = item.path.name
+    if name in LONGEST_FILES:
+        return 0, LONGEST_FILES.index(name)
+    if name in MACHINE_FILES:
+        return 0, len(LONGEST_FILES)
+    return (1 if item.get_closest_marker("slow") else 2), 0
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): the tests of one file go to one
@@ -54,6 +68,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     which turns the mark into the group."""
     if not getattr(config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
         return
+    # the longest files first, the many short unit tests last: no worker is left with a long test at the end
+    # (with --no-loadscope-reorder, xdist hands out the files in this order)
+    items.sort(key=_start_order)
     for item in items:
         name = item.path.name
         group = MACHINE_GROUP if name in MACHINE_FILES else str(item.path.relative_to(config.rootpath))
