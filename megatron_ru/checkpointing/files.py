@@ -233,10 +233,27 @@ def is_no_space(e: BaseException) -> bool:
         or "file write failed" in text
 
 
+#: below this much room a file system counts as full (a failed write leaves its partial file in place)
+_FULL_BYTES = 1 << 20
+
+
+def _looks_full(mount: str) -> bool:
+    """Whether the file system at ``mount`` has (almost) no room left for this process (root may use the
+    blocks reserved for it)."""
+    try:
+        st = os.statvfs(mount)
+    except OSError:
+        return False
+    free = st.f_bfree if hasattr(os, "geteuid") and os.geteuid() == 0 else st.f_bavail
+    return free * st.f_frsize < _FULL_BYTES
+
+
 def describe_write_failure(path: str, e: BaseException) -> str:
-    """One sentence for a failed write of ``path``: "no space left on DEVICE while writing PATH ..."."""
+    """One sentence for a failed write of ``path``: "no space left on DEVICE while writing PATH ...". torch's
+    file writer (a C++ ofstream) reports a short write at its flush as ``basic_ios::clear: iostream error``,
+    which names no cause: it counts as no space when the file system is full."""
     mount, device = _mount_of(path)
-    if is_no_space(e):
+    if is_no_space(e) or ("iostream error" in str(e) and _looks_full(mount)):
         try:
             st = os.statvfs(mount)
             room = f" ({_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)})"

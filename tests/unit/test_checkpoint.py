@@ -301,6 +301,25 @@ def small_fs(tmp_path):
         yield mnt
 
 
+def test_a_small_file_written_to_a_full_file_system_is_no_space(small_fs):
+    """torch.save of a small object onto a file system with no byte left fails at the ofstream's flush with
+    ``basic_ios::clear: iostream error`` (not inline_container's ``unexpected pos``): seen when the other rank
+    of a 2-rank save filled the disk first, and reported as a failed write of unknown cause."""
+    from megatron_ru.checkpointing.files import describe_write_failure
+    st = os.statvfs(small_fs)
+    with open(os.path.join(small_fs, "filler"), "wb") as f:
+        f.write(b"\0" * (st.f_bavail * st.f_frsize))
+    path = os.path.join(small_fs, "small.pt")
+    with pytest.raises(RuntimeError) as e:
+        torch.save({"x": torch.zeros(10)}, path)
+    assert "iostream error" in str(e.value)  # torch's wording: if this changes, the rule below may be dead
+    assert describe_write_failure(path, e.value).startswith(
+        f"no space left on tmpfs (mounted at {small_fs} (0 bytes free of 2.0 MiB)) while writing {path}")
+    os.remove(os.path.join(small_fs, "filler"))  # the same error with room left is not called a full disk
+    assert describe_write_failure(path, e.value) == (
+        f"writing {path} failed (RuntimeError: basic_ios::clear: iostream error)")
+
+
 @pytest.mark.slow  # trains in a subprocess
 def test_disk_full_during_save_names_device_and_path_and_keeps_previous(small_fs, tmp_path):
     """Was ``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0``."""
