@@ -33,7 +33,7 @@ adapt-demo-tiny: install
 # one process at a time, so one worker alone leaves about half of 2 cores idle; tests/conftest.py sends
 # the tests of one file to one worker (their module fixtures are built once) and the scheduler files to
 # one worker together. TEST_WORKERS=0 runs the suite in this process, test by test as before.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: install real-model
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) tests
 
