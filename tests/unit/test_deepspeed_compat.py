@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import LEAVE_GROUP
+
 from megatron_ru.deepspeed_bridge import compat as dsc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _run(check: str, tmp_path) -> dict:
     out = str(tmp_path / f"{check}.json")
-    code = f"from tests.unit.test_deepspeed_compat import {check}; {check}({out!r})"
+    code = f"from tests.unit.test_deepspeed_compat import {check}; {check}({out!r}); " + LEAVE_GROUP
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,

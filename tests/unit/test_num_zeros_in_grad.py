@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.dist_utils import LEAVE_GROUP
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, HIDDEN, SEEN = 16, 5, 8
 #: (precision, ZeRO stage, the DeepSpeed optimizer class that path runs)
@@ -88,7 +90,7 @@ def paths(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("zeros") / "paths.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    code = f"from tests.unit.test_num_zeros_in_grad import check_paths; check_paths({out!r})"
+    code = f"from tests.unit.test_num_zeros_in_grad import check_paths; check_paths({out!r}); " + LEAVE_GROUP
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
