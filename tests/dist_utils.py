@@ -55,6 +55,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
 #: (left to the exit, gloo's threads aborted the process under load: "terminate called without an active exception")
 LEAVE_GROUP = "import torch.distributed as _dist; _dist.is_initialized() and _dist.destroy_process_group()"
 
+
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout: float = 180,
                     env: dict[str, str] | None = None, daemon: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank. ``daemon=False``:

@@ -237,27 +237,19 @@ def is_no_space(e: BaseException) -> bool:
 _FULL_BYTES = 1 << 20
 
 
-def _looks_full(mount: str) -> bool:
-    """Whether the file system at ``mount`` has (almost) no room left for this process (root may use the
-    blocks reserved for it)."""
-    try:
-        st = os.statvfs(mount)
-    except OSError:
-        return False
-    free = st.f_bfree if hasattr(os, "geteuid") and os.geteuid() == 0 else st.f_bavail
-    return free * st.f_frsize < _FULL_BYTES
-
-
 def describe_write_failure(path: str, e: BaseException) -> str:
     """One sentence for a failed write of ``path``: "no space left on DEVICE while writing PATH ...". torch's
     file writer (a C++ ofstream) reports a short write at its flush as ``basic_ios::clear: iostream error``,
-    which names no cause: it counts as no space when the file system is full."""
+    which names no cause: it counts as no space when the file system is full (for root, whom the blocks
+    reserved for root are open to, when those are gone too)."""
     mount, device = _mount_of(path)
-    if is_no_space(e) or ("iostream error" in str(e) and _looks_full(mount)):
-        try:
-            st = os.statvfs(mount)
-            room = f" ({_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)})"
-        except OSError:
-            room = ""
+    try:
+        st: Optional[os.statvfs_result] = os.statvfs(mount)
+    except OSError:
+        st = None
+    full = st is not None and (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize < _FULL_BYTES
+    if is_no_space(e) or ("iostream error" in str(e) and full):
+        room = "" if st is None else \
+            f" ({_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)})"
         return f"no space left on {device} (mounted at {mount}{room}) while writing {path}"
     return f"writing {path} failed ({type(e).__name__}: {_first_line(e)})"
