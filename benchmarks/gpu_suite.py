@@ -364,10 +364,11 @@ def _idle_causes(step: Callable[[], None], kernel_cat: str = "kernel", top: int 
     with profile(activities=acts, with_stack=True) as prof:
         step()
         _sync(_device())
-    path = os.path.join(tempfile.mkdtemp(prefix="gpu_suite_trace_"), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_trace_") as trace_dir:
+        path = os.path.join(trace_dir, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
     kernels = sorted((e for e in events if e.get("cat") == kernel_cat), key=lambda e: e["ts"])
     launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"
                 and "correlation" in e.get("args", {})}
@@ -674,17 +675,17 @@ def _markdown(results: dict[str, Any]) -> str:
 
 
 def _worker(opts: argparse.Namespace) -> None:
-    tmp = tempfile.mkdtemp(prefix="gpu_suite_")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if _device().type == "cuda" else "cpu")
     part = opts.worker
-    if part == "correctness":
-        res = part_correctness(opts.cpu_smoke, tmp)
-    elif part == "generation":
-        res = part_generation(opts.cpu_smoke, 8 if opts.cpu_smoke else 256)
-    elif part == "fp16":
-        res = part_fp16(opts.cpu_smoke, tmp, 4 if opts.cpu_smoke else 100)
-    else:
-        res = part_matrix(opts.cpu_smoke, tmp, opts.shape, opts.contenders.split(","), opts.steps, opts.warmup)
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
+        if part == "correctness":
+            res = part_correctness(opts.cpu_smoke, tmp)
+        elif part == "generation":
+            res = part_generation(opts.cpu_smoke, 8 if opts.cpu_smoke else 256)
+        elif part == "fp16":
+            res = part_fp16(opts.cpu_smoke, tmp, 4 if opts.cpu_smoke else 100)
+        else:
+            res = part_matrix(opts.cpu_smoke, tmp, opts.shape, opts.contenders.split(","), opts.steps, opts.warmup)
     with open(opts.json, "w") as f:
         json.dump(res, f)
 
@@ -729,27 +730,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     for part, part_argv, contenders in _plan(opts.cpu_smoke, gpu_bytes, opts.no_ablation, only):
         if wanted and part.split("#")[0] not in wanted:
             continue
-        path = os.path.join(tempfile.mkdtemp(prefix="gpu_suite_part_"), "result.json")
-        worker = "matrix" if part.startswith("matrix") else part
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--json", path,
-               "--steps", str(opts.steps), "--warmup", str(opts.warmup), *part_argv]
-        if contenders:
-            cmd += ["--contenders", ",".join(contenders)]
-        if opts.cpu_smoke:
-            cmd.append("--cpu-smoke")
-        t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.part_timeout)
-            with open(os.path.join(out_dir, "parts.log"), "a") as log:
-                log.write(f"==== {part}: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
-            if proc.returncode == 0 and os.path.exists(path):
-                with open(path) as f:
-                    res = json.load(f)
-            else:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-                res = {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
-        except subprocess.TimeoutExpired:
-            res = {"error": f"stopped after {opts.part_timeout:.0f} s"}
+        with tempfile.TemporaryDirectory(prefix="gpu_suite_part_") as part_dir:
+            path = os.path.join(part_dir, "result.json")
+            worker = "matrix" if part.startswith("matrix") else part
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--json", path,
+                   "--steps", str(opts.steps), "--warmup", str(opts.warmup), *part_argv]
+            if contenders:
+                cmd += ["--contenders", ",".join(contenders)]
+            if opts.cpu_smoke:
+                cmd.append("--cpu-smoke")
+            t0 = time.time()
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.part_timeout)
+                with open(os.path.join(out_dir, "parts.log"), "a") as log:
+                    log.write(f"==== {part}: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
+                if proc.returncode == 0 and os.path.exists(path):
+                    with open(path) as f:
+                        res = json.load(f)
+                else:
+                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+                    res = {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+            except subprocess.TimeoutExpired:
+                res = {"error": f"stopped after {opts.part_timeout:.0f} s"}
         res["wall_s"] = time.time() - t0
         failed += "error" in res
         results["parts"][part] = res

@@ -19,7 +19,7 @@ mean rows ahead of random rows before training; after embedding-only training be
 original model with at least 3x its characters per token; the twin with LEP ahead of the twin
 given the new vocabulary's mean rows (the same tokenizer without the trained embeddings) and
 within 0.05 bits per byte of the adapted base. Everything goes under adapt_real_out/, with
-summary.json (every score, the checks, the generations, the LEP report) for scripts.
+summary.json (every score, the checks, the generations, the LEP report, FOCUS's figures) for scripts.
 
 --quick is the shortened run (about 4 minutes on 2 cores instead of 22): mean, random and FOCUS rows
 only, 10 embedding iterations, 2 twin iterations. 10 iterations do not reach the original model
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
           *(["--methods", *args.methods] if args.methods else []),
           *(["--focus-corpus", text_file("ru_train.jsonl")] if focus else [])])
     with open(report, encoding="utf-8") as f:
-        inits = {r["method"]: r for r in json.load(f)["results"]}
+        compared = json.load(f)
+    inits = {r["method"]: r for r in compared["results"]}
     for name in ("mean", "random"):
         if name in inits:
             scores.append({"step": f"adapted, {name} rows (before training)",
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     twin_ru, lep = propagate(out, base, emb, twin, scores, generations)
     run = {"quick": args.quick, "iters": args.iters, "twin_iters": args.twin_iters, "methods": args.methods,
            "tokenizer": tok, "twin_with_lep": twin_ru}
-    return summary(out, run, scores, inits, generations, lep)
+    return summary(out, run, scores, inits, generations, lep, compared["focus"])
 
 
 def checks(scores: list[dict], inits: dict, quick: bool) -> list[dict]:
@@ -240,7 +241,8 @@ def checks(scores: list[dict], inits: dict, quick: bool) -> list[dict]:
     return out
 
 
-def summary(out: str, run: dict, scores: list[dict], inits: dict, generations: list[dict], lep: dict) -> dict:
+def summary(out: str, run: dict, scores: list[dict], inits: dict, generations: list[dict], lep: dict,
+            focus: dict | None) -> dict:
     print("\n== initialisations before training (tools/compare_inits.py)")
     for name, r in inits.items():
         print(f"{name:28s} {r['bits_per_byte']:10.4f} bits per byte")
@@ -252,7 +254,8 @@ def summary(out: str, run: dict, scores: list[dict], inits: dict, generations: l
     print("\n== checks")
     for c in results:
         print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['figures']}")
-    report = {"run": run, "steps": scores, "inits": inits, "checks": results, "generations": generations, "lep": lep}
+    report = {"run": run, "steps": scores, "inits": inits, "focus": focus, "checks": results,
+              "generations": generations, "lep": lep}
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, ensure_ascii=False)
     failed = [c for c in results if not c["passed"]]

@@ -10,6 +10,12 @@ not below the original's 1.32, and about 60 do, so this one run checks the full 
 the original after 60 iterations of embedding-only training at TP 1 x PP 2, with more than 3x its
 characters per token), which test_real_model.py once checked with a second adaptation and training
 run of its own on the same tokenizer, text, layout and hyperparameters.
+
+The orderings before training come from the walkthrough's tools/compare_inits.py run: mean rows more
+than 1 bit per byte ahead of random rows; FOCUS within 0.2 of the mean rows and below 1.9, most rows from
+fastText neighbours. They need no second adaptation of the real model: compare_inits' scores equal
+adapt_vocab + evaluate's (test_compare_inits.py), FOCUS's options are one definition for both tools
+(adapt/focus.py), and adapt_vocab --init focus is tested on a tiny model (test_adapt_vocab_focus.py).
 """
 from __future__ import annotations
 
@@ -53,6 +59,12 @@ def test_adapt_real_quick(real_model_cache, out) -> None:
     bpb = {m: r["bits_per_byte"] for m, r in inits.items()}
     assert bpb["mean"] < bpb["random"] - 1.0, bpb
     assert bpb["focus"] < bpb["random"] - 1.0 and abs(bpb["focus"] - bpb["mean"]) < 0.2, bpb
+    # FOCUS with the defaults (fastText dim 300, 3 epochs on the training pages, temperature 1): most new
+    # rows from overlapping tokens' vectors, few without one (mean-of-pieces rows), within reach of the
+    # mean rows (1.72 vs 1.69 in docs/adaptation.md), far ahead of the mean of all old rows (2.02)
+    focus = summary["focus"]
+    assert focus["focus_rows"] > 10_000 and focus["no_vector_rows"] < 2_000, focus
+    assert bpb["focus"] < 1.9, bpb
     table = proc.stdout.split("== initialisations before training")[1].split("== summary")[0]
     assert any(line.split()[:1] == ["focus"] for line in table.splitlines()), table
 

@@ -97,7 +97,7 @@ def test_mean_of_old_pieces_beats_random_rows(base):
     # (6.76 vs 7.18 nats) only while single-byte pieces (" ", ".", digits) got their nearly untrained
     # byte-fallback rows; with the rows the old tokenizer produces (issue 30) it is behind (7.98 vs 6.82),
     # the trained space row pulling every word-start token's output row towards it. The ordering is
-    # checked on a real pretrained model instead (tests/integration/test_real_model.py: 1.69 vs 4.46
+    # checked on a real pretrained model instead (tests/integration/test_adapt_real.py: 1.69 vs 4.46
     # bits per byte); here the losses only have to be a model's.
     held_out = _ru(20, 11)
     import math

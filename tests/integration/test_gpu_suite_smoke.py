@@ -12,11 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_gpu_suite_cpu_smoke(tmp_path):
-    out = tmp_path / "out"
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    scratch.mkdir()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--cpu-smoke",
                            "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", TMPDIR=str(scratch)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the parts' corpora, results and traces were temporary: nothing of the suite's is left behind
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("gpu_suite")], sorted(scratch.iterdir())
     results = json.loads((out / "suite.json").read_text())
     parts = results["parts"]
     assert set(parts) == {"matrix-1b-seq2048", "correctness", "generation", "fp16", "matrix-1b-seq4096",
