@@ -40,10 +40,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-#: files whose tests share the machine's schedulers (Slurm and Grid Engine daemons, apt): one worker runs them all
+#: the tests that share the machine's schedulers (one Slurm and one Grid Engine per machine, and apt): one worker
+#: runs them all. Every test that uses a scheduler's fixture, wherever it is, and the files that apt-install
+#: packages of their own beside them (slurm-client, shellcheck)
 MACHINE_GROUP = "machine"
-MACHINE_FILES = frozenset({"test_abci_qsub.py", "test_slurm_sbatch.py", "test_scripts_dry_run.py",
-                           "test_shellcheck.py"})
+MACHINE_FIXTURES = frozenset({"grid_engine", "slurm_cluster"})
+MACHINE_FILES = frozenset({"test_scripts_dry_run.py", "test_shellcheck.py"})
+
+
+def _on_the_machine(item: pytest.Item) -> bool:
+    return item.path.name in MACHINE_FILES or bool(MACHINE_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
 #: the files that take longest (pytest --durations), started first under xdist; then the other slow files, then the rest
@@ -55,7 +61,7 @@ def _start_order(item: pytest.Item) -> tuple[int, int]:
     name = item.path.name
     if name in LONGEST_FILES:
         return 0, LONGEST_FILES.index(name)
-    if name in MACHINE_FILES:
+    if _on_the_machine(item):
         return 0, len(LONGEST_FILES)
     return (1 if item.get_closest_marker("slow") else 2), 0
 
@@ -72,8 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # (with --no-loadscope-reorder, xdist hands out the files in this order)
     items.sort(key=_start_order)
     for item in items:
-        name = item.path.name
-        group = MACHINE_GROUP if name in MACHINE_FILES else str(item.path.relative_to(config.rootpath))
+        group = MACHINE_GROUP if _on_the_machine(item) else str(item.path.relative_to(config.rootpath))
         item.add_marker(pytest.mark.xdist_group(group))
 
 

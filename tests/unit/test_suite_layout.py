@@ -46,3 +46,21 @@ def test_test_file_names_are_unique():
     for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
         names.setdefault(os.path.basename(path), []).append(os.path.relpath(path, ROOT))
     assert not {n: p for n, p in names.items() if len(p) > 1}
+
+
+def test_the_scheduler_tests_share_one_worker():
+    """Under xdist every test that brings up Slurm or Grid Engine (their fixtures) runs on the machine's one
+    worker, whatever file it is in; so do the files that apt-install beside them; the rest go by file."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from tests.conftest import MACHINE_GROUP, MACHINE_FILES, _on_the_machine
+
+    def item(name: str, *fixtures: str) -> SimpleNamespace:
+        return SimpleNamespace(path=Path(ROOT, "tests", "integration", name), fixturenames=["tmp_path", *fixtures])
+
+    assert MACHINE_GROUP == "machine"
+    assert _on_the_machine(item("test_a_new_scheduler_file.py", "slurm_cluster"))
+    assert _on_the_machine(item("test_a_new_scheduler_file.py", "grid_engine", "tiny_corpus"))
+    assert all(_on_the_machine(item(name)) for name in MACHINE_FILES)
+    assert not _on_the_machine(item("test_train_layouts.py", "tiny_corpus"))
