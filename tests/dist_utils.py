@@ -12,6 +12,7 @@ A rank that raises makes the call fail with that rank's traceback; a hang fails 
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import socket
@@ -36,11 +37,13 @@ PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "tests.dist_ut
 PRELOAD_CPU = ("deepspeed", "megatron_ru.training.pretrain", "megatron_ru.inference.runner")
 
 
+@functools.cache
 def _context():
     """Ranks are forked from one server per test process that imported :data:`PRELOAD` (``forkserver``),
     not started as fresh interpreters (``spawn``): the same isolation (the server only imports; it never
     runs a test), without the imports' cost per rank. The parent's environment is passed to each rank
-    (a fork server keeps its own from when it started)."""
+    (a fork server keeps its own from when it started). Decided once: the server, once started, keeps
+    what it preloaded."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD) + (list(PRELOAD_CPU) if os.environ.get("DS_ACCELERATOR") == "cpu"
                                                  else []))

@@ -54,12 +54,11 @@ def test_the_scheduler_tests_share_one_worker():
     from pathlib import Path
     from types import SimpleNamespace
 
-    from tests.conftest import MACHINE_GROUP, MACHINE_FILES, _on_the_machine
+    from tests.conftest import MACHINE_FILES, _on_the_machine
 
     def item(name: str, *fixtures: str) -> SimpleNamespace:
         return SimpleNamespace(path=Path(ROOT, "tests", "integration", name), fixturenames=["tmp_path", *fixtures])
 
-    assert MACHINE_GROUP == "machine"
     assert _on_the_machine(item("test_a_new_scheduler_file.py", "slurm_cluster"))
     assert _on_the_machine(item("test_a_new_scheduler_file.py", "grid_engine", "tiny_corpus"))
     assert all(_on_the_machine(item(name)) for name in MACHINE_FILES)
