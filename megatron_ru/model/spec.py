@@ -275,11 +275,48 @@ def stage_bounds(cfg: ModelConfig, pp: int) -> list[tuple[int, int]]:
 
 @functools.lru_cache(maxsize=256)
 def _stage_bounds(num_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
-    # depends on the layer count only; cached: DeepSpeed's balanced partition takes ~0.3 s for 100+ layers
-    from megatron_ru.deepspeed_bridge.pipeline import partition_balanced
-    weights = [0] + [1] * num_layers + [0, 0]  # embedding, transformer layers, final norm, output head
-    parts = partition_balanced(weights=weights, num_parts=pp)
+    parts = balanced_parts(num_layers, pp)
     return tuple((parts[s], parts[s + 1]) for s in range(pp))
+
+
+def balanced_parts(num_layers: int, pp: int) -> list[int]:
+    """The ``pp + 1`` stage boundaries over the pipeline's layer list (embedding, ``num_layers`` transformer
+    layers, final norm, output head) that DeepSpeed's ``partition_balanced`` gives for the weights
+    ``[0, 1 x num_layers, 0, 0]`` (``partition_method="type:TransformerLayer"``, what training uses).
+
+    DeepSpeed solves the linear partition problem by dynamic programming: the split into ``pp`` non-empty
+    contiguous stages whose heaviest and lightest stage differ least, a tie going to the split whose last
+    stage starts latest. The same here, without importing DeepSpeed (the planner runs on login nodes, where
+    DeepSpeed's import prints on stdout); tests/unit/test_stage_bounds.py checks it against DeepSpeed's own
+    function for every stage count of every layer count to 48."""
+    weights = [0] + [1] * num_layers + [0, 0]
+    n = len(weights)
+    if n <= pp:  # DeepSpeed's uniform edge case: one layer a stage, then empty stages
+        return [min(p, n) for p in range(pp + 1)]
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[j][i]: (heaviest, lightest) stage of the best split of the first i layers into j stages;
+    # start[j][i]: where its last stage starts
+    best: list[dict[int, tuple[int, int]]] = [{0: (0, -1)}] + [{} for _ in range(pp)]
+    start: list[dict[int, int]] = [{} for _ in range(pp + 1)]
+    for j in range(1, pp + 1):
+        for i in range(j, n + 1):
+            chosen = None
+            for k in range(j - 1, i):
+                if k not in best[j - 1]:
+                    continue
+                heavy, light = best[j - 1][k]
+                stage = prefix[i] - prefix[k]
+                cand = (max(heavy, stage), stage if light < 0 else min(light, stage))
+                if chosen is None or cand[0] - cand[1] <= chosen[0] - chosen[1]:
+                    chosen, start[j][i] = cand, k
+            if chosen is not None:
+                best[j][i] = chosen
+    parts = [n]
+    for j in range(pp, 0, -1):
+        parts.append(start[j][parts[-1]])
+    return parts[::-1]
 
 
 def model_args_dict(cfg: ModelConfig) -> dict[str, Any]:
