@@ -282,7 +282,9 @@ class LoggingConfig:
               "name: one file per rank); docs/comm_audit.md.")
     wandb_project: Optional[str] = arg(
         None, "Log the TensorBoard scalars to this Weights & Biases project too (needs `pip install wandb`; "
-              "WANDB_MODE=offline writes the run files locally for a later `wandb sync`).")
+              "WANDB_MODE=offline writes the run files locally for a later `wandb sync`). --wandb-exp-name, "
+              "--wandb-id or --wandb-save-dir alone start the W&B run too, in the project WANDB_PROJECT names, "
+              "else 'uncategorized' (W&B's own default), as Megatron-DeepSpeed's forks do; the banner says which.")
     wandb_exp_name: Optional[str] = arg(None, "Name of the Weights & Biases run (default: one W&B picks).")
     wandb_id: Optional[str] = arg(None, "Id of the Weights & Biases run: a job given the id of an earlier one "
                                         "continues that run (Megatron-DeepSpeed's flag).")
@@ -314,13 +316,23 @@ class LoggingConfig:
             out.append(f"--log-interval must be >= 1 (got {self.log_interval})")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             out.append(f"--peak-tflops must be > 0 (got {self.peak_tflops})")
-        if not self.wandb_project and (self.wandb_exp_name or self.wandb_save_dir or self.wandb_id):
-            out.append("--wandb-exp-name, --wandb-id and --wandb-save-dir need --wandb-project (the W&B project to "
-                       "log to)")
-        if self.wandb_project and not wandb_installed():
-            out.append(f"--wandb-project {self.wandb_project} needs the wandb package: pip install wandb "
-                       f"(or leave out --wandb-project)")
+        if self.wandb_requested and not wandb_installed():
+            given = " ".join(self.wandb_flags())
+            out.append(f"{given} needs the wandb package: pip install wandb (or leave out "
+                       f"{'that flag' if len(self.wandb_flags()) == 1 else 'those flags'})")
         return out
+
+    def wandb_flags(self) -> list[str]:
+        """The W&B flags given, as the command line spells them (our names)."""
+        return [f"--{name.replace('_', '-')} {value}" for name, value in (
+            ("wandb_project", self.wandb_project), ("wandb_exp_name", self.wandb_exp_name),
+            ("wandb_id", self.wandb_id), ("wandb_save_dir", self.wandb_save_dir)) if value]
+
+    @property
+    def wandb_requested(self) -> bool:
+        """Whether this run logs to W&B: any W&B flag starts it (the project, when not given, comes from
+        WANDB_PROJECT or W&B's default: ``megatron_ru.training.wandb_writer.wandb_project``)."""
+        return bool(self.wandb_flags())
 
 
 def wandb_installed() -> bool:

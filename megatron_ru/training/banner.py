@@ -118,6 +118,12 @@ def banner_lines(args: "Arguments", counts: ParameterCounts, dataset_sizes: Sequ
     if ramp is not None:
         lines.append(f"batch size ramp-up (--rampup-batch-size): {ramp.describe()}")
     lines.append(f"memory (planner): {'not available' if prediction is None else prediction.summary()}")
+    if args.logging.wandb_requested:
+        from megatron_ru.training.wandb_writer import wandb_project
+        project, source = wandb_project(args.logging.wandb_project)
+        lines.append(f"Weights & Biases: project {project} ({source})"
+                     + (f", run {args.logging.wandb_exp_name}" if args.logging.wandb_exp_name else "")
+                     + (f", id {args.logging.wandb_id}" if args.logging.wandb_id else ""))
     return lines
 
 

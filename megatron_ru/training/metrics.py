@@ -202,7 +202,7 @@ class MetricsWriter:
             self._jsonl = open(log_cfg.metrics_file, "a", encoding="utf-8")
         if log_cfg.tensorboard_dir:
             self._sinks.append(TensorBoardSink(log_cfg.tensorboard_dir))
-        if getattr(log_cfg, "wandb_project", None):
+        if log_cfg.wandb_requested:
             from megatron_ru.training.wandb_writer import WandbSink
             self._sinks.append(WandbSink(log_cfg.wandb_project, log_cfg.wandb_exp_name, log_cfg.wandb_save_dir,
                                          save_dir, run_config, getattr(log_cfg, "wandb_id", None)))

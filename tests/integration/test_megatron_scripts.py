@@ -10,12 +10,12 @@ Scripts (fetched for their flags, none of their text kept):
   ``examples_deepspeed/universal_checkpointing/llama/run_llama_bf16.sh``;
 * Megatron-LM ``examples/llama/train_llama3_8b_h200_bf16.sh`` (its data-path branch),
   ``examples/llama/train_llama3.sh`` (defaults), ``examples/gpt3/train_gpt3_175b_distributed.sh``;
-* a Megatron-DeepSpeed fork's 13B job script for ABCI (V100, TP 4 x PP 8, fp16), its extra flags.
+* a Megatron-DeepSpeed fork's 13B job script for ABCI (V100, TP 4 x PP 8, fp16), its extra flags (a W&B run
+  name and id without a project, which its fork leaves to W&B).
 """
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -23,6 +23,7 @@ from megatron_ru.flags.arguments import CONFIG_CLASSES
 from megatron_ru.config.base import build_parser
 from megatron_ru.flags.megatron_flags import add_to_parser
 from tests.dist_utils import run_distributed
+from tests.fixtures.wandb_files import offline_run
 from tests.fixtures.tokenizers import make_gpt2_bpe_files, make_hf_tokenizer_dir, make_sentencepiece
 from tests.integration._train_helpers import make_corpus, train_body
 
@@ -136,7 +137,7 @@ def scripts(d, data: str, cache: str, sp: str, vocab: str, merges: str, hf: str)
         "abci_mds_fork_13b": [
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", *common_mds_llama,
             "--rampup-batch-size", "2", "2", "8", "--distribute-checkpointed-activations",
-            "--no-scatter-gather-tensors-in-pipeline", "--wandb-project", "abci-13b", "--wandb-name", "run13b", "--wandb-id", "abc123",
+            "--no-scatter-gather-tensors-in-pipeline", "--wandb-name", "run13b", "--wandb-id", "abc123",
             "--wandb-save-dir", str(d / "wandb_13b"),
             "--log-timers-to-tensorboard", "--checkpoint-activations", "--data-cache-path", cache],
     }
@@ -173,7 +174,8 @@ def test_megatron_job_scripts_run_unchanged(tmp_path):
         else:
             argvs.append(argv)
         names.append(name)
-    results = run_distributed(train_body, 2, args=(argvs,), timeout=900, env={"DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"},
+    results = run_distributed(train_body, 2, args=(argvs,), timeout=900, env={"DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
+                                                                   "WANDB_PROJECT": ""},
                               daemon=False)[0]  # the scripts' --num-workers start DataLoader workers
     for name, result in zip(names, results):
         base = name.split(" ")[0]
@@ -186,6 +188,6 @@ def test_megatron_job_scripts_run_unchanged(tmp_path):
         else:
             assert sorted(result["losses"]) == [1, 2, 3], (name, result)
             assert all(v == v and v < 20 for v in result["losses"].values()), (name, result["losses"])
-    # the ABCI script's --wandb-id: its (offline) W&B run has that id, so a resubmitted job continues it
-    assert [n for n in os.listdir(tmp_path / "wandb_13b" / "wandb") if n.endswith("-abc123")], \
-        os.listdir(tmp_path / "wandb_13b" / "wandb")
+    # the ABCI script gives a W&B run name and id but no project, as its fork allows: the (offline) run has
+    # that name and id (a resubmitted job continues it), in W&B's default project (WANDB_PROJECT is unset)
+    assert offline_run(tmp_path / "wandb_13b") == ("uncategorized", "run13b", "abc123")

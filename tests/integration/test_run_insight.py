@@ -18,40 +18,13 @@ import sys
 import pytest
 
 from tests.dist_utils import free_port
+from tests.fixtures.wandb_files import wandb_records
 from tests.integration._train_helpers import REPO, make_corpus, tiny_argv
 
 pytestmark = pytest.mark.slow
 
 ITERS, SEQ = 6, 32
 BIN = os.path.dirname(sys.executable)
-
-
-def wandb_records(path):
-    """The protobuf records of a ``.wandb`` file: a 7-byte header (``:W&B``, magic, version), then
-    32 KiB blocks of chunks (crc32 4, length 2, type 1: full/first/middle/last), as LevelDB's log."""
-    from wandb.proto import wandb_internal_pb2 as pb
-    data = open(path, "rb").read()
-    ident, _, _ = struct.unpack("<4sHB", data[:7])
-    assert ident == b":W&B", path
-    block, pos, parts = 32768, 7, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind in (1, 2):
-            parts = chunk
-        else:
-            parts += chunk
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(parts)
-            yield rec
 
 
 def wandb_history(path):
@@ -154,6 +127,7 @@ def test_banner_eta_and_consumed_tokens(job):
     from megatron_ru.plan import predict_for_arguments
     predicted = predict_for_arguments(args, 2, vocab_size=VOCAB - 1)
     assert banner[4] == f"memory (planner): {predicted.summary()}"
+    assert banner[5] == "Weights & Biases: project insight-test (--wandb-project), run pp2"
     memory = [line for line in info if line.startswith("megatron_ru.training.loop: memory after the first")]
     assert len(memory) == 1 and (f"planner's prediction {predicted.total_bytes / 2 ** 20:.0f} MiB per GPU"
                                  in memory[0]), memory

@@ -4,7 +4,6 @@ libraries' output (prints, a library logger, warnings) into our logger."""
 import logging
 import sys
 import warnings
-from types import SimpleNamespace
 
 import pytest
 
@@ -53,7 +52,7 @@ def test_scalars_are_computed_once_for_every_sink(tmp_path):
         def close(self):
             pass
 
-    cfg = SimpleNamespace(metrics_file=None, tensorboard_dir=str(tmp_path / "tb"))
+    cfg = LoggingConfig(metrics_file=None, tensorboard_dir=str(tmp_path / "tb"))
     w = MetricsWriter(cfg, active=True)
     rec = Recorder()
     w._sinks.append(rec)
@@ -85,17 +84,36 @@ def test_wandb_refused_by_name_when_not_installed(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     problems = LoggingConfig(wandb_project="ru-gpt").problems()
     assert problems == ["--wandb-project ru-gpt needs the wandb package: pip install wandb "
-                        "(or leave out --wandb-project)"]
+                        "(or leave out that flag)"]
     argv = tiny_argv(make_corpus(str(tmp_path)), str(tmp_path / "cache"), extra=["--wandb-project", "ru-gpt"])
     with pytest.raises(ValueError, match="--wandb-project ru-gpt needs the wandb package: pip install wandb"):
         parse_arguments(argv, world_size=1, device_type="cpu")
-    cfg = SimpleNamespace(metrics_file=None, tensorboard_dir=None, wandb_project="ru-gpt", wandb_exp_name=None,
-                          wandb_save_dir=None)
+    cfg = LoggingConfig(wandb_exp_name="run13b")  # any W&B flag, not only --wandb-project, imports wandb
     with pytest.raises(ValueError, match="pip install wandb"):
         MetricsWriter(cfg, active=True)
     MetricsWriter(cfg, active=False)  # ranks that do not log never import it
-    assert LoggingConfig(wandb_exp_name="x").problems() == [
-        "--wandb-exp-name, --wandb-id and --wandb-save-dir need --wandb-project (the W&B project to log to)"]
+    # a fork's job script gives a run name and id but no project: the same refusal names what it gave
+    assert LoggingConfig(wandb_exp_name="run13b", wandb_id="abc123").problems() == [
+        "--wandb-exp-name run13b --wandb-id abc123 needs the wandb package: pip install wandb "
+        "(or leave out those flags)"]
+
+
+def test_wandb_project_from_the_flag_then_the_environment_then_the_default():
+    from megatron_ru.training.wandb_writer import wandb_project
+    assert wandb_project("ru-gpt", {"WANDB_PROJECT": "env"}) == ("ru-gpt", "--wandb-project")
+    assert wandb_project(None, {"WANDB_PROJECT": "env"}) == ("env", "WANDB_PROJECT")
+    assert wandb_project(None, {"WANDB_PROJECT": ""}) == (
+        "uncategorized", "no --wandb-project nor WANDB_PROJECT: W&B's default")
+    assert wandb_project(None, {}) == ("uncategorized", "no --wandb-project nor WANDB_PROJECT: W&B's default")
+
+
+@pytest.mark.parametrize("flags", [{"wandb_exp_name": "run13b"}, {"wandb_id": "abc123"},
+                                   {"wandb_save_dir": "wb"}, {"wandb_project": "p"}])
+def test_any_wandb_flag_starts_the_run(flags, monkeypatch):
+    monkeypatch.setattr("megatron_ru.config.training.wandb_installed", lambda: True)
+    cfg = LoggingConfig(**flags)
+    assert cfg.wandb_requested and cfg.problems() == []
+    assert not LoggingConfig().wandb_requested
 
 
 def test_parameter_counts_sum_one_replica_in_megatron_rank_order():
@@ -194,3 +212,18 @@ def test_wandb_id_continues_that_run(tmp_path, monkeypatch):
         ids.append(sink._run.id)
         sink.close()
     assert ids == ["abc123", "abc123"]
+
+
+def test_wandb_run_without_a_project_flag(tmp_path, monkeypatch):
+    """A fork's script (--wandb-name and --wandb-id, no project): the run goes to WANDB_PROJECT, else to
+    W&B's default project, and its log line says which."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    from megatron_ru.training.wandb_writer import WandbSink
+    for env, project in (("abci-13b", "abci-13b"), (None, "uncategorized")):
+        if env is None:
+            monkeypatch.delenv("WANDB_PROJECT", raising=False)
+        else:
+            monkeypatch.setenv("WANDB_PROJECT", env)
+        sink = WandbSink(None, "run13b", str(tmp_path / "wandb"), None, {}, f"id-{project}")
+        assert (sink._run.project, sink._run.name, sink._run.id) == (project, "run13b", f"id-{project}")
+        sink.close()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron_ru.config.training import LoggingConfig
 from megatron_ru.training.metrics import MetricsWriter, eval_scalars, memory_bytes, train_scalars
 
 
@@ -51,7 +51,7 @@ def test_memory_on_cpu_is_peak_rss():
 
 def test_tensorboard_and_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    cfg = SimpleNamespace(metrics_file=str(tmp_path / "metrics.jsonl"), tensorboard_dir=str(tmp_path / "tb"),
+    cfg = LoggingConfig(metrics_file=str(tmp_path / "metrics.jsonl"), tensorboard_dir=str(tmp_path / "tb"),
                           log_validation_ppl_to_tensorboard=True)
     w = MetricsWriter(cfg, active=True)
     for it in (1, 2):

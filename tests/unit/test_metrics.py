@@ -1,9 +1,9 @@
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 
+from megatron_ru.config.training import LoggingConfig
 from megatron_ru.model.flops import ModelShape, flops_per_token
 from megatron_ru.plan.hardware import peak_tflops_for
 from megatron_ru.training.metrics import MetricsWriter, format_train_line
@@ -60,7 +60,7 @@ def test_line_has_megatron_fields():
 
 def test_jsonl_full_precision_and_tensorboard_readable(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    cfg = SimpleNamespace(metrics_file=str(tmp_path / "m" / "metrics.jsonl"),
+    cfg = LoggingConfig(metrics_file=str(tmp_path / "m" / "metrics.jsonl"),
                           tensorboard_dir=str(tmp_path / "tb"))
     w = MetricsWriter(cfg, active=True)
     losses = [1.0 / 3.0, 2.0 / 7.0]
@@ -84,7 +84,7 @@ def test_jsonl_full_precision_and_tensorboard_readable(tmp_path):
 
 
 def test_inactive_writer_writes_nothing(tmp_path):
-    cfg = SimpleNamespace(metrics_file=str(tmp_path / "x.jsonl"), tensorboard_dir=str(tmp_path / "tb"))
+    cfg = LoggingConfig(metrics_file=str(tmp_path / "x.jsonl"), tensorboard_dir=str(tmp_path / "tb"))
     w = MetricsWriter(cfg, active=False)
     w.log_train(_rec(1, 1.0))
     w.close()
