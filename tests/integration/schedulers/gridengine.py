@@ -29,6 +29,33 @@ QUEUE = "abci.q"
 RESOURCE_TYPES = {"rt_F": 1, "rt_G.small": 4}
 
 
+def qstat_state(listing: str, job_id: int) -> str | None:
+    """JOB_ID's state column in a ``qstat`` listing (qw, hqw, t, r, Rr, s, dr, Eqw, ...), or None
+    once the listing no longer has the job."""
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[0] == str(job_id):
+            return fields[4]
+    return None
+
+
+def is_error_state(state: str) -> bool:
+    """A job in Grid Engine's E state (Eqw: it could not be started) stays queued until someone
+    clears or deletes it: no wait for it to end can succeed."""
+    return "E" in state
+
+
+def qacct_record(text: str) -> dict[str, str] | None:
+    """``qacct -j``'s record (the last one when the job id has several) as a dict, or None while it
+    has none with an exit_status."""
+    record: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2:
+            record[parts[0]] = parts[1].strip()
+    return record if "exit_status" in record else None
+
+
 def sge_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ, SGE_ROOT=str(SGE_ROOT), SGE_CELL=SGE_CELL)
     env.update(extra or {})
@@ -90,14 +117,15 @@ class GridEngine:
         self.write_host_aliases()
         self._start_daemon("sge_qmaster", lambda: self.qmaster_pid_file)
         wait_for(lambda: run(["qstat"], env=sge_env(), check=False).returncode == 0, 30,
-                 "the qmaster to answer qstat")
+                 "the qmaster to answer qstat", describe=lambda: run(["qstat"], env=sge_env(), check=False).stderr.strip())
         with tempfile.TemporaryDirectory() as tmp:
             # the execd reads the global configuration (min_uid for root jobs) when it starts
             self._configure_cluster(Path(tmp))
             self._start_daemon("sge_execd", lambda: self.execd_pid_file)
             self._queue(Path(tmp))
         run(["qmod", "-c", f"{QUEUE}@{self.host}"], env=sge_env(), check=False)  # clear a stale error state
-        wait_for(self._queue_ready, 30, f"queue {QUEUE} on {self.host} to accept jobs")
+        wait_for(self._queue_ready, 30, f"queue {QUEUE} on {self.host} to accept jobs",
+                 describe=lambda: m.group(0) if (m := self._queue_instance()) else "no such queue instance")
 
     def _start_daemon(self, daemon: str, pid_file) -> None:
         if read_pid(pid_file()) is None:
@@ -106,7 +134,8 @@ class GridEngine:
                    "SGE_ROOT": str(SGE_ROOT), "SGE_CELL": SGE_CELL}
             subprocess.run([daemon], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True, check=True, timeout=60)
-            wait_for(lambda: read_pid(pid_file()) is not None, 30, f"{daemon} to write its pid file")
+            wait_for(lambda: read_pid(pid_file()) is not None, 30, f"{daemon} to write its pid file",
+                     describe=lambda: f"no live PID in {pid_file()}")
             self.started.append(read_pid(pid_file()))  # type: ignore[arg-type]
 
     def _configure_cluster(self, d: Path) -> None:
@@ -160,9 +189,13 @@ class GridEngine:
         else:
             self.qconf("-Aq", str(d / QUEUE))
 
-    def _queue_ready(self) -> bool:
+    def _queue_instance(self) -> re.Match | None:
+        """The queue instance's line in ``qstat -f``; group 1 is its states column (a, u, E, d, ...)."""
         out = run(["qstat", "-f", "-q", QUEUE], env=sge_env(), check=False).stdout
-        m = re.search(rf"^{re.escape(QUEUE)}@\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*(\S*)$", out, flags=re.M)
+        return re.search(rf"^{re.escape(QUEUE)}@\S+\s+\S+\s+\S+\s+\S+\s+\S+\s*(\S*)$", out, flags=re.M)
+
+    def _queue_ready(self) -> bool:
+        m = self._queue_instance()
         return bool(m) and not any(c in m.group(1) for c in "auEdDsS")
 
     def stop(self) -> None:
@@ -183,24 +216,34 @@ class GridEngine:
         return int(out.split(".")[0])
 
     def wait(self, job_id: int, timeout: float) -> dict[str, str]:
-        """Poll qstat until the job is gone, then return its accounting record (qacct)."""
+        """Wait until qstat no longer lists the job and qacct has its record; return the record.
+        A job in an error state (Eqw) fails at once with Grid Engine's reason."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if run(["qstat", "-j", str(job_id)], env=sge_env(), check=False).returncode != 0:
-                return self.accounting(job_id)
+        while True:
+            listing = run(["qstat", "-u", "*"], env=sge_env(), check=False)
+            if listing.returncode != 0:
+                seen = f"unknown (qstat failed: {listing.stderr.strip()})"
+            elif (state := qstat_state(listing.stdout, job_id)) is None:
+                record = self.accounting(job_id)
+                if record is not None:
+                    return record
+                seen = "gone from qstat with no qacct record yet"
+            elif is_error_state(state):
+                why = [ln.strip() for ln in run(["qstat", "-j", str(job_id)], env=sge_env(), check=False).stdout.splitlines()
+                       if ln.startswith("error reason")]
+                run(["qdel", str(job_id)], env=sge_env(), check=False)
+                raise RuntimeError(f"Grid Engine job {job_id} is in error state {state}: {'; '.join(why) or 'no reason given'}")
+            else:
+                seen = f"in state {state}"
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.5)
         run(["qdel", str(job_id)], env=sge_env(), check=False)
-        raise TimeoutError(f"Grid Engine job {job_id} still queued or running after {timeout:.0f} s")
+        raise TimeoutError(f"Grid Engine job {job_id} still {seen} after {timeout:.0f} s")
 
-    def accounting(self, job_id: int) -> dict[str, str]:
-        record: dict[str, str] = {}
-
-        def found() -> bool:
-            out = run(["qacct", "-j", str(job_id)], env=sge_env(), check=False).stdout
-            record.update({k: v.strip() for k, v in (ln.split(None, 1) for ln in out.splitlines() if len(ln.split(None, 1)) == 2)})
-            return "exit_status" in record
-        wait_for(found, 20, f"the accounting record of job {job_id}", interval=0.5)
-        return record
+    def accounting(self, job_id: int) -> dict[str, str] | None:
+        """The job's accounting record (qacct: written once it has ended), or None."""
+        return qacct_record(run(["qacct", "-j", str(job_id)], env=sge_env(), check=False).stdout)
 
 
 def bring_up() -> GridEngine:

@@ -21,8 +21,31 @@ CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by the megatron_ru scheduler test harness"
 SPOOL = Path("/var/spool/megatron_ru_slurm")
 FAKE_GPUS = 2
-# squeue states that mean "not finished yet"
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+# one record per ended job (JobState, ExitCode): Slurm's own final word where there is no slurmdbd
+JOBCOMP_LOG = SPOOL / "jobcomp.log"
+# Slurm's terminal base states. scontrol's JobState shows a flag instead (COMPLETING, SIGNALING,
+# STAGE_OUT, REQUEUED, STOPPED, ...: job_state_string in src/common/slurm_protocol_defs.c) while one
+# is set, so a word from this set means the job ended and nothing of it is still going on; any other
+# word, known or not, means it has not ended.
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+FORGOTTEN = "UNKNOWN"  # what state() says of a job slurmctld no longer knows (purged MinJobAge after its end)
+
+
+def is_final(state: str) -> bool:
+    """Whether scontrol's (or a jobcomp record's) JobState word says the job has ended for good."""
+    return state in FINAL_STATES
+
+
+def jobcomp_record(text: str, job_id: int) -> dict[str, str] | None:
+    """The last complete jobcomp/filetxt record of JOB_ID in TEXT (the JobCompLoc file), as its
+    ``Key=Value`` fields, or None. A value may hold spaces (Name, WorkDir): it runs up to the next
+    `` Key=``. A line still being written (no newline yet) is not a record."""
+    found = None
+    for line in text.splitlines(keepends=True):
+        if line.endswith("\n") and line.startswith(f"JobId={job_id} "):
+            found = dict(re.findall(r"(\w+)=(.*?)(?= \w+=|\s*$)", line))
+    return found
 
 
 def _slurm_conf(host: str, node_line: str) -> str:
@@ -37,6 +60,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={JOBCOMP_LOG}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
@@ -59,6 +84,8 @@ PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 class SlurmCluster:
     host: str = field(default_factory=socket.gethostname)
     started: list[int] = field(default_factory=list)
+    #: job id -> size of the jobcomp log when it was submitted (its record comes after)
+    jobcomp_offsets: dict[int, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ bring-up
     def ensure_installed(self) -> None:
@@ -93,17 +120,22 @@ class SlurmCluster:
         # every daemon runs in the foreground as our child, so its PID is known from the start
         if read_pid(run_dir / "munged.pid") is None:
             self.started.append(spawn(["munged", "--foreground"], SPOOL / "munged.out", user="munge"))
-            self._wait(lambda: (run_dir / "munge.socket.2").exists(), "munged", "munged.out")
+            self._wait(lambda: (run_dir / "munge.socket.2").exists(), "munged", "munged.out",
+                       lambda: f"no {run_dir / 'munge.socket.2'}")
         for daemon, extra in (("slurmctld", ["-c"]), ("slurmd", [])):
             if read_pid(SPOOL / f"{daemon}.pid") is None:
                 self.started.append(spawn([daemon, "-D", *extra], SPOOL / f"{daemon}.out"))
-        self._wait(lambda: "UP" in run(["scontrol", "ping"], check=False, timeout=10).stdout,
-                   "slurmctld", "slurmctld.log")
-        self._wait(self._node_idle, "the Slurm node to become idle", "slurmd.log")
 
-    def _wait(self, predicate, what: str, log_name: str) -> None:
+        def ping() -> str:
+            proc = run(["scontrol", "ping"], check=False, timeout=10)
+            return f"scontrol ping: {(proc.stdout + proc.stderr).strip()}"
+        self._wait(lambda: "UP" in ping(), "slurmctld", "slurmctld.log", ping)
+        self._wait(self._node_idle, "the Slurm node to become idle", "slurmd.log",
+                   lambda: "sinfo: " + run(["sinfo", "-h", "-N", "-o", "%T %E"], check=False, timeout=10).stdout.strip())
+
+    def _wait(self, predicate, what: str, log_name: str, describe) -> None:
         try:
-            wait_for(predicate, 60, what, interval=0.3)
+            wait_for(predicate, 60, what, interval=0.3, describe=describe)
         except TimeoutError as e:
             log = SPOOL / log_name
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else ""
@@ -125,26 +157,52 @@ class SlurmCluster:
 
     # ------------------------------------------------------------------ jobs
     def sbatch(self, args: list[str], *, cwd: Path, env: dict[str, str]) -> int:
+        # the jobcomp log outlives clusters, and job ids start at 1 again when slurmctld's saved
+        # state is gone: only a record written after the submission can be this job's
+        offset = JOBCOMP_LOG.stat().st_size if JOBCOMP_LOG.exists() else 0
         out = run(["sbatch", "--parsable", *args], cwd=cwd, env=env).stdout.strip()
-        return int(out.split(";")[0])
+        job_id = int(out.split(";")[0])
+        self.jobcomp_offsets[job_id] = offset
+        return job_id
 
     def wait(self, job_id: int, timeout: float) -> str:
-        """Poll squeue until the job left it, then return its final state from scontrol."""
+        """Wait until the job has ended for good: scontrol shows a final state with no flag left
+        (or has forgotten the job) and its jobcomp record is written; return the record's JobState."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            state = self.state(job_id)
-            if state not in ACTIVE_STATES:
-                return state
+        while True:
+            state, record = self.state(job_id), self.record(job_id)
+            if record is not None and (is_final(state) or state == FORGOTTEN):
+                return record.get("JobState", "?")
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.5)
         run(["scancel", str(job_id)], check=False)
-        raise TimeoutError(f"Slurm job {job_id} still {self.state(job_id)} after {timeout:.0f} s")
+        raise TimeoutError(f"Slurm job {job_id} still {state} (scontrol) after {timeout:.0f} s; its jobcomp "
+                           f"record: {' '.join(f'{k}={v}' for k, v in record.items()) if record else 'none'}")
+
+    def record(self, job_id: int) -> dict[str, str] | None:
+        """The job's jobcomp record (written as it ends, with its final JobState and ExitCode), or None."""
+        try:
+            with open(JOBCOMP_LOG, encoding="utf-8", errors="replace") as f:
+                f.seek(self.jobcomp_offsets.get(job_id, 0))
+                return jobcomp_record(f.read(), job_id)
+        except FileNotFoundError:
+            return None
 
     def state(self, job_id: int) -> str:
-        out = run(["scontrol", "show", "job", str(job_id)], check=False, timeout=10).stdout
-        m = re.search(r"JobState=(\S+)", out)
-        return m.group(1) if m else "UNKNOWN"
+        """scontrol's JobState now (a flag such as COMPLETING while one is set), FORGOTTEN once
+        slurmctld no longer knows the job."""
+        proc = run(["scontrol", "show", "job", str(job_id)], check=False, timeout=10)
+        m = re.search(r"JobState=(\S+)", proc.stdout)
+        if m:
+            return m.group(1)
+        return FORGOTTEN if "Invalid job id" in proc.stderr else f"unknown ({proc.stderr.strip() or 'no answer'})"
 
     def exit_code(self, job_id: int) -> str:
+        """The job's ExitCode (``code:signal``): from its jobcomp record once written, else scontrol's."""
+        record = self.record(job_id)
+        if record is not None:
+            return record.get("ExitCode", "?")
         out = run(["scontrol", "show", "job", str(job_id)], check=False, timeout=10).stdout
         m = re.search(r"\bExitCode=(\S+)", out)
         return m.group(1) if m else "?"

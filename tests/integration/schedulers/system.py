@@ -80,13 +80,17 @@ def spawn(cmd: Sequence[str], log_path: Path, *, user: str | None = None,
     return proc.pid
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.2,
+             describe: Callable[[], str] | None = None) -> None:
+    """Poll PREDICATE until it holds; a timeout names WHAT and, given DESCRIBE, what was last seen
+    (a daemon's answer, a job's state) so the failure says where the wait stood."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    seen = f"; last seen: {describe()}" if describe is not None else ""
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{seen}")
 
 
 def pid_alive(pid: int) -> bool:
