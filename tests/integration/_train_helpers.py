@@ -2,9 +2,11 @@
 an in-process rank body for ``run_distributed``."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,6 +50,17 @@ def tiny_argv(prefix: str, cache: str, *, iters: int = 10, extra: Sequence[str] 
         "--data-path", prefix, "--data-cache-path", cache, "--split", "90,10,0", "--num-workers", "0",
         "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "2", "--distributed-timeout-minutes", "2",
         *extra]
+
+
+def trained_iterations(metrics_file: str | Path) -> int:
+    """How many iterations a ``--metrics-file`` still being written has logged: its complete train
+    records (a last line without its newline is still being written); 0 before the file exists."""
+    try:
+        text = Path(metrics_file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return 0
+    complete = text.split("\n")[:-1]
+    return sum(json.loads(line).get("type") == "train" for line in complete if line.strip())
 
 
 #: the model flags of :func:`tiny_argv` (what ``--use-checkpoint-args`` takes from a checkpoint instead)

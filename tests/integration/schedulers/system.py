@@ -1,4 +1,5 @@
-"""Small system helpers shared by the Slurm and Grid Engine harnesses."""
+"""Small system helpers shared by the Slurm and Grid Engine harnesses and by the tests that wait on a
+process they started."""
 from __future__ import annotations
 
 import fcntl
@@ -91,6 +92,29 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval:
         time.sleep(interval)
     seen = f"; last seen: {describe()}" if describe is not None else ""
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{seen}")
+
+
+def wait_while_running(proc: subprocess.Popen, predicate: Callable[[], bool], timeout: float, what: str,
+                       output: Callable[[], str], interval: float = 0.1) -> None:
+    """Poll PREDICATE while PROC runs. Fails as soon as PROC has ended without it, or TIMEOUT s have
+    passed, naming WHAT, PROC's exit status (or that it still runs) and the end of OUTPUT(): what it
+    printed so far (a log file; a pipe cannot be read before the process ends)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        code = proc.poll()
+        if code is not None or time.monotonic() >= deadline:
+            how = f"exited with status {code}" if code is not None else f"still runs after {timeout:.0f} s"
+            raise AssertionError(f"{what}: not seen; the process {how}; its output ends:\n{output()[-4000:]}")
+        time.sleep(interval)
+
+
+def wait_for_exit(proc: subprocess.Popen, timeout: float, what: str, output: Callable[[], str]) -> int:
+    """PROC's exit status; if it still runs after TIMEOUT s, a failure naming WHAT with the end of OUTPUT()."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{what}: the process still runs after {timeout:.0f} s; its output ends:\n"
+                             f"{output()[-4000:]}") from None
 
 
 def pid_alive(pid: int) -> bool:
