@@ -5,12 +5,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from megatron_ru.utils.staging import remove_stale_temporaries
 from tests.integration._train_helpers import REPO
+from tests.integration.schedulers.system import wait_for_exit, wait_while_running
 
 pytestmark = pytest.mark.slow
 
@@ -28,21 +28,25 @@ def _big_llama(path: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_sigterm_mid_import_removes_the_temporary_output(tmp_path):
-    hf, save = str(tmp_path / "hf"), str(tmp_path / "out")
+    hf, outputs, log = str(tmp_path / "hf"), tmp_path / "outputs", tmp_path / "convert.txt"
     _big_llama(hf)
+    outputs.mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "tools/convert_checkpoint.py", "import-hf", "--load", hf, "--save", save,
-                             "--target-tensor-parallel-size", "2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not any(".tmp-" in n for n in os.listdir(tmp_path)):  # the writer has started
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, (out, err)
-    assert "terminated (SIGTERM); nothing was written under the output name" in err
-    assert sorted(os.listdir(tmp_path)) == ["hf"], os.listdir(tmp_path)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "tools/convert_checkpoint.py", "import-hf", "--load", hf, "--save",
+                                 str(outputs / "out"), "--target-tensor-parallel-size", "2"], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_while_running(proc, lambda: any(".tmp-" in n for n in os.listdir(outputs)), 120,
+                           "the writer's temporary output", log.read_text, interval=0.01)
+        proc.send_signal(signal.SIGTERM)
+        code = wait_for_exit(proc, 120, "exit after SIGTERM", log.read_text)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 143, log.read_text()
+    assert "terminated (SIGTERM); nothing was written under the output name" in log.read_text()
+    assert os.listdir(outputs) == [], os.listdir(outputs)
 
 
 def test_a_later_run_removes_temporaries_whose_writer_is_gone(tmp_path):

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port
-from tests.integration._train_helpers import REPO, make_corpus, tiny_argv
+from tests.integration._train_helpers import REPO, make_corpus, tiny_argv, trained_iterations
+from tests.integration.schedulers.system import wait_while_running
 
 pytestmark = pytest.mark.slow
 
@@ -68,12 +69,9 @@ class Job:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_for(self, predicate, limit_s: float, what: str) -> float:
-        deadline = time.time() + limit_s
-        while not predicate():
-            assert self.proc.poll() is None, f"{what}: the job ended first ({self.proc.returncode}):\n{self.text()[-4000:]}"
-            assert time.time() < deadline, f"{what}: not within {limit_s} s:\n{self.text()[-4000:]}"
-            time.sleep(0.3)
+    def wait_for(self, predicate, limit_s: float, what: str, interval: float = 0.3) -> float:
+        """When PREDICATE first held; fails, with the job's status and output, if the job ends first."""
+        wait_while_running(self.proc, predicate, limit_s, what, self.text, interval)
         return time.time()
 
     def wait(self, limit_s: float, since: float, what: str) -> int:
@@ -177,7 +175,7 @@ def test_truncated_checkpoint_file_one_rank_reads_ends_the_job(launcher, reader,
     job = Job(launcher, _faulty_argv(corpus, tmp_path, "--load", str(load)), tmp_path / "out.txt")
     try:
         seen = job.wait_for(lambda: _error_lines(job.text()) or "Traceback" in job.text(), 240,
-                            "the truncated file was not reported")
+                            "the truncated file reported")
         code = job.wait(TIMEOUT_MIN * 60 + LAUNCHER_GRACE_S[launcher], seen, "the first error")
     finally:
         job.close()
@@ -196,8 +194,7 @@ def test_stopped_rank_ends_the_job_within_the_timeout(launcher, corpus, tmp_path
     job = Job(launcher, _faulty_argv(corpus, tmp_path, iters=100000), tmp_path / "out.txt")
     metrics = tmp_path / "m.jsonl"
     try:
-        job.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240,
-                     "training did not start")
+        job.wait_for(lambda: trained_iterations(metrics) >= 2, 240, "2 iterations trained")
         pids = rank_pids(str(tmp_path))
         assert sorted(pids) == [0, 1, 2, 3], pids
         os.kill(pids[3], signal.SIGSTOP)  # a rank of the last stage: pipeline p2p and DeepSpeed's groups

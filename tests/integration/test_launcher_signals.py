@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.schedulers.system import wait_for_exit, wait_while_running
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,13 +90,16 @@ def start(tmp_path: Path, launcher: list[str], via_shell: bool) -> subprocess.Po
     if via_shell:
         cmd = ["bash", "-c", 'set -euo pipefail; source scripts/lib/launch.sh; run_or_print "$@"', "job", *cmd]
     # a session of its own: a signal to the group reaches the shell, the launcher and the ranks,
-    # as Slurm signals every process of a job step
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 90
-    while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.1)
+    # as Slurm signals every process of a job step; its output goes to a file, readable while it runs
+    log = tmp_path / "launcher.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_while_running(proc, lambda: all((tmp_path / f"pid{r}").exists() for r in range(2)), 90,
+                           "both ranks' pid files", log.read_text)
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     time.sleep(0.5)  # the pid file is written after the handlers are installed
     return proc
 
@@ -103,20 +108,21 @@ def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> tuple[int,
     """The launcher's status and output, once it ended; no rank may outlive it (torchrun starts
     its workers in sessions of their own: a rank it failed to stop would train on, orphaned)."""
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-    out, ended = "", False
+    ended = False
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
         ended = True
         deadline = time.monotonic() + 10
         while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
+        proc.wait()
     finally:
         orphans = [p for p in pids if Path(f"/proc/{p}").exists()]
         for p in orphans:
             os.kill(p, signal.SIGKILL)
+    out = (tmp_path / "launcher.txt").read_text()
     assert ended, f"the launcher did not end within {timeout:.0f} s of the signal:\n{out}"
     assert not orphans, f"ranks {orphans} outlived their launcher:\n{out}"
     return proc.returncode, out
@@ -157,16 +163,20 @@ def test_job_keeps_the_launchers_failure_when_nothing_was_saved(tmp_path):
     prog = tmp_path / "fail.py"
     prog.write_text("import signal, sys, time\nsignal.signal(signal.SIGUSR1, lambda *a: sys.exit(1))\n"
                     f"open({str(tmp_path / 'ready')!r}, 'w').close()\ntime.sleep(60)\n")
-    proc = subprocess.Popen(["bash", "-c", 'set -euo pipefail; source scripts/lib/launch.sh; run_or_print "$@"',
-                             "job", sys.executable, str(prog)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "SAVE_DIR": str(tmp_path / "ckpt")})
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "ready").exists():
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 1 and "ending with status 0" not in out, out
+    log = tmp_path / "job.txt"
+    with open(log, "w") as out_file:
+        proc = subprocess.Popen(["bash", "-c", 'set -euo pipefail; source scripts/lib/launch.sh; run_or_print "$@"',
+                                 "job", sys.executable, str(prog)], cwd=REPO, stdout=out_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "SAVE_DIR": str(tmp_path / "ckpt")}, start_new_session=True)
+    try:
+        wait_while_running(proc, (tmp_path / "ready").exists, 30, "the program's ready file", log.read_text)
+        proc.send_signal(signal.SIGTERM)
+        code = wait_for_exit(proc, 30, "the job shell after SIGTERM", log.read_text)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert code == 1 and "ending with status 0" not in out, out
 
 
 def test_mpirun_gives_ranks_the_grace_to_save_on_sigterm(tmp_path):

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from tests.dist_utils import free_port
-from tests.integration._train_helpers import REPO, make_corpus, tiny_argv
+from tests.integration._train_helpers import REPO, make_corpus, tiny_argv, trained_iterations
+from tests.integration.schedulers.system import wait_for_exit, wait_while_running
 
 pytestmark = pytest.mark.slow
 
@@ -70,22 +71,23 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path):
     args = tiny_argv(prefix, cache, iters=10000, extra=["--eval-iters", "0", "--metrics-file", str(metrics),
                                                         "--distributed-timeout-minutes", "1"])
     port = free_port()
-    procs = []
+    procs, logs = [], [tmp_path / f"rank{rank}.txt" for rank in range(2)]
     for rank in range(2):
         env = _env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        with open(logs[rank], "w") as out_file:
+            procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env,
+                                          stdout=out_file, stderr=subprocess.STDOUT))
     try:
-        deadline = time.time() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert time.time() < deadline and procs[0].poll() is None, "training did not start"
-            time.sleep(0.5)
+        wait_while_running(procs[0], lambda: trained_iterations(metrics) >= 2, 240, "2 iterations trained",
+                           lambda: "\n".join(f"--- rank {r} (status {p.poll()}):\n{log.read_text()[-1800:]}"
+                                             for r, (p, log) in enumerate(zip(procs, logs))), interval=0.5)
         procs[1].send_signal(signal.SIGKILL)
         killed_at = time.time()
-        out, _ = procs[0].communicate(timeout=90)
-        assert time.time() - killed_at < 75  # well within the 1-minute collective timeout + exit
-        assert procs[0].returncode == 1
+        code = wait_for_exit(procs[0], 90, "rank 0 after rank 1's SIGKILL", logs[0].read_text)
+        took, out = time.time() - killed_at, logs[0].read_text()
+        assert took < 75, f"rank 0 ended {took:.0f} s after the kill:\n{out[-3000:]}"  # 1-minute timeout + exit
+        assert code == 1, out[-3000:]
         # the survivor names the killed rank (it never reached its failure handler)
         assert "training failed: lost rank 1: no word from it" in out, out[-3000:]
     finally:

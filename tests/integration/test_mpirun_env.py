@@ -77,8 +77,14 @@ def test_srun_style_environment_two_ranks_rendezvous_on_derived_master():
                                       text=True))
     outs = []
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=150)
+        for rank, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=150)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, err = p.communicate()
+                raise AssertionError(f"rank {rank} still ran after 150 s (killed); its output:\n{out}{err}") from None
             assert p.returncode == 0, out + err
             outs.append(json.loads(out.strip().splitlines()[-1]))
     finally:

@@ -7,9 +7,11 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -356,6 +358,27 @@ def _alive_in_group(pgid: int) -> list[int]:
     return alive
 
 
+def _rest_of_stderr(p: subprocess.Popen, limit_s: float) -> str:
+    """What P still writes to its stderr pipe, read to its end (P and every process of its group gone).
+    LIMIT_S s on, the group is killed: a tool that hangs fails the test with what it printed, and
+    says so, instead of blocking the read until pytest's guard."""
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    killer = threading.Timer(limit_s, kill)
+    killer.start()
+    try:
+        rest = p.stderr.read()
+    finally:
+        killer.cancel()
+    return rest + (f"\n[still running {limit_s:.0f} s on: killed]" if fired.is_set() else "")
+
+
 @pytest.mark.parametrize("extra,signame,to_group", [
     (["--worker-type", "thread"], "SIGINT", False),
     (["--worker-type", "process"], "SIGINT", False),
@@ -370,8 +393,6 @@ def test_stop_signal_mid_run_leaves_nothing(tmp_path, tok_files, extra, signame,
     """Ctrl-C or SIGTERM (kill, timeout, a scheduler's time limit), sent to the tool alone or to
     its whole process group, while workers and partitions are busy: exit 128 + the signal, the
     message, no file at all in the output dir (no shard of a partition either), no process left."""
-    import signal
-
     from megatron_ru.data.preprocess.synthetic import write_corpus
 
     sig = getattr(signal, signame)
@@ -396,8 +417,8 @@ def test_stop_signal_mid_run_leaves_nothing(tmp_path, tok_files, extra, signame,
         else:
             p.send_signal(sig)
         os.killpg(p.pid, signal.SIGCONT)
-        rest = p.stderr.read()
-        assert p.wait(timeout=60) == 128 + sig, rest
+        rest = _rest_of_stderr(p, 60)
+        assert p.wait(timeout=10) == 128 + sig, rest
     finally:
         p.kill()
     assert f"interrupted by {signame}; nothing was written" in rest, rest
@@ -408,8 +429,6 @@ def test_stop_signal_mid_run_leaves_nothing(tmp_path, tok_files, extra, signame,
 def test_a_worker_killed_mid_run_ends_the_tool_with_its_name(tmp_path, tok_files):
     """A worker process killed from outside (the kernel, out of memory): exit 1 with its pid and
     signal, and no file in the output dir; not a tool that waits forever for the lost batch."""
-    import signal
-
     from megatron_ru.data.preprocess.synthetic import write_corpus
 
     big = str(tmp_path / "big.jsonl")
@@ -417,7 +436,8 @@ def test_a_worker_killed_mid_run_ends_the_tool_with_its_name(tmp_path, tok_files
     out_dir = tmp_path / "out"
     cmd = [sys.executable, TOOL, "--input", big, "--output-prefix", str(out_dir / "ds"), *tok_files["gptsp"],
            "--workers", "2", "--worker-type", "process", "--log-interval", "20", "--batch-bytes", "65536"]
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         start_new_session=True)
     try:
         for line in p.stderr:
             if "processed " in line:
@@ -428,8 +448,8 @@ def test_a_worker_killed_mid_run_ends_the_tool_with_its_name(tmp_path, tok_files
         assert len(workers) == 2, workers
         os.kill(workers[0], signal.SIGKILL)
         p.send_signal(signal.SIGCONT)
-        rest = p.stderr.read()
-        assert p.wait(timeout=60) == 1, rest
+        rest = _rest_of_stderr(p, 60)
+        assert p.wait(timeout=10) == 1, rest
     finally:
         p.kill()
     assert f"error: worker process {workers[0]} was killed by SIGKILL while tokenizing (out of memory? see " \

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port
-from tests.integration._train_helpers import REPO
+from tests.integration._train_helpers import REPO, trained_iterations
 from tests.integration.test_fault_hangs import TIMEOUT_MIN, Job, _env, _error_lines, _faulty_argv, rank_pids
 from tests.integration.test_fault_hangs import corpus  # noqa: F401 - the module's corpus fixture
 
@@ -49,8 +49,7 @@ def _no_cpp_stack_trace(text: str) -> None:
 
 def _training(job: Job, tmp_path: Path) -> dict[int, int]:
     metrics = tmp_path / "m.jsonl"
-    job.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, STARTUP_S,
-                 "training did not start")
+    job.wait_for(lambda: trained_iterations(metrics) >= 2, STARTUP_S, "2 iterations trained")
     pids = rank_pids(str(tmp_path))
     assert sorted(pids) == [0, 1, 2, 3], pids
     return pids
@@ -92,10 +91,7 @@ def test_killed_rank0_during_training_is_one_line_naming_it(corpus, tmp_path):  
 
 
 def _stop_at_start(job: Job, tmp_path: Path, rank: int) -> float:
-    deadline = time.time() + 60
-    while rank not in rank_pids(str(tmp_path)):
-        assert job.proc.poll() is None and time.time() < deadline, job.text()[-3000:]
-        time.sleep(0.05)
+    job.wait_for(lambda: rank in rank_pids(str(tmp_path)), 60, f"rank {rank}'s process", interval=0.05)
     os.kill(rank_pids(str(tmp_path))[rank], signal.SIGSTOP)
     return time.time()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ru.checkpointing.save_dir import LOCK_FILE
-from tests.integration._train_helpers import REPO, make_corpus, tiny_argv
+from tests.integration._train_helpers import REPO, make_corpus, tiny_argv, trained_iterations
 from tests.integration.test_fault_hangs import Job, _command, _env, _error_lines, _no_traceback_of_ours, rank_pids
 
 pytestmark = pytest.mark.slow
@@ -131,7 +131,7 @@ def test_two_jobs_on_one_save_directory_one_refuses_and_a_killed_jobs_lock_is_ta
     job = Job2("torchrun", _argv(corpus, "--load", str(save), "--save", str(save), "--save-interval", "1",
                                 "--metrics-file", str(metrics), iters=100000), tmp_path / "killed.txt")
     try:
-        job.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 240, "training")
+        job.wait_for(lambda: trained_iterations(metrics) >= 3, 240, "3 iterations trained")
         for pid in [job.proc.pid, *rank_pids(str(tmp_path)).values()]:
             os.kill(pid, signal.SIGKILL)
     finally:
@@ -198,10 +198,10 @@ def test_killing_the_launcher_ends_every_rank(launcher, when, corpus, tmp_path):
                                iters=100000), tmp_path / "out.txt")
     try:
         if when == "startup":  # the ranks exist and are importing torch: no process group yet
-            job.wait_for(lambda: len(rank_pids(str(tmp_path))) == 2, 60, "the ranks did not start")
+            job.wait_for(lambda: len(rank_pids(str(tmp_path))) == 2, 60, "both ranks' processes")
             time.sleep(1.0)
         else:
-            job.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, "training")
+            job.wait_for(lambda: trained_iterations(metrics) >= 2, 240, "2 iterations trained")
         _watch_ranks_end(job, str(tmp_path), save)
     finally:
         job.close()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.schedulers.system import wait_for_exit, wait_while_running
+
 pytestmark = pytest.mark.slow
 
 
@@ -333,22 +335,24 @@ def test_scheduler_signal_reaches_every_mpi_rank_as_usr1(tmp_path, sig):
     prog = tmp_path / "rank.py"
     prog.write_text(RANK_PROGRAM)
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    shell_proc = subprocess.Popen(
-        ["bash", "-c", f"set -euo pipefail; source scripts/lib/launch.sh; "
-                       f"run_or_print mpirun -np 2 --oversubscribe python3 {prog} {tmp_path}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "job.txt"
+    with open(log, "w") as out:
+        shell_proc = subprocess.Popen(
+            ["bash", "-c", f"set -euo pipefail; source scripts/lib/launch.sh; "
+                           f"run_or_print mpirun -np 2 --oversubscribe python3 {prog} {tmp_path}"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline and shell_proc.poll() is None, shell_proc.communicate()
-            time.sleep(0.1)
+        wait_while_running(shell_proc, lambda: all((tmp_path / f"ready{r}").exists() for r in range(2)), 60,
+                           "both ranks' ready files", log.read_text)
         shell_proc.send_signal(getattr(signal, f"SIG{sig}"))
-        _, err = shell_proc.communicate(timeout=30)
+        code = wait_for_exit(shell_proc, 30, f"the job shell after SIG{sig}", log.read_text)
     finally:
-        shell_proc.kill()
-    assert shell_proc.returncode == 0, err
-    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["SIGUSR1", "SIGUSR1"]
-    assert "signal received: asking every rank to save and exit" in err
+        if shell_proc.poll() is None:
+            os.killpg(shell_proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0, text
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["SIGUSR1", "SIGUSR1"], text
+    assert "signal received: asking every rank to save and exit" in text
 
 
 def test_abci_master_addr_is_the_first_hosts_bond0_address(tmp_path):

@@ -5,13 +5,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from megatron_ru.training.checkpoint import read_latest_iteration
-from tests.integration._train_helpers import REPO, VOCAB, make_corpus, tiny_argv
+from tests.integration._train_helpers import REPO, VOCAB, make_corpus, tiny_argv, trained_iterations
+from tests.integration.schedulers.system import wait_for_exit, wait_while_running
 
 pytestmark = pytest.mark.slow
 
@@ -24,18 +24,19 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out_file:
+        proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env, stdout=out_file,
+                                stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 180
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.3)
+        wait_while_running(proc, lambda: trained_iterations(metrics) >= 2, 180, "2 iterations trained",
+                           log.read_text, interval=0.3)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        wait_for_exit(proc, 120, "exit after SIGTERM", log.read_text)
     finally:
         if proc.poll() is None:
             proc.kill()
+    out = log.read_text()
     assert proc.returncode == 0, out[-3000:]
     assert "exiting at iteration" in out and "exit signal" in out
     last = [json.loads(x) for x in open(metrics)][-1]["iteration"]
@@ -124,14 +125,12 @@ def test_signal_during_start_up_saves_after_the_first_iteration(tmp_path, signum
         proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 60
         # as soon as a handler exists, or (before the fix) the first log line shows start-up is under way
-        while not (_catches(proc.pid, signum) or out_path.read_text()):
-            assert time.time() < deadline and proc.poll() is None, out_path.read_text()[-3000:]
-            time.sleep(0.02)
+        wait_while_running(proc, lambda: _catches(proc.pid, signum) or out_path.read_text(), 60,
+                           f"a handler for {signum.name} or a first log line", out_path.read_text, interval=0.02)
         proc.send_signal(signum)
         before = out_path.read_text()
-        proc.wait(timeout=180)
+        wait_for_exit(proc, 180, f"exit after {signum.name}", out_path.read_text)
     finally:
         if proc.poll() is None:
             proc.kill()
