@@ -47,6 +47,10 @@ class ModelConfig:
         None, "Sliding-window attention size of the model (Mistral's config.json sliding_window): a token "
               "attends to itself and the window-1 tokens before it (as transformers). Training with "
               "--seq-length above it is refused.")
+    qk_layernorm: bool = arg(
+        False, "Normalize every attention head's query and key before RoPE, with the norm of --normalization over "
+               "the head size (one weight of --kv-channels shared by the heads, replicated across TP ranks): "
+               "Qwen3's and Gemma 3's q_norm/k_norm (Megatron's flag).")
     normalization: str = arg("LayerNorm", "Normalization layer (Megatron-DeepSpeed's lower-case spellings too).",
                              choices=("LayerNorm", "RMSNorm", "layernorm", "rmsnorm"))
     norm_epsilon: float = arg(1e-5, "Epsilon of LayerNorm/RMSNorm.")

@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Mistral / Qwen2 <-> megatron_ru: the model configuration and every tensor.
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 <-> megatron_ru: the model configuration and every tensor.
 
 Pure functions, no I/O: :mod:`megatron_ru.convert.import_hf` and ``export_hf`` stream the files.
 
@@ -23,14 +23,19 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import (EMBEDDING, FINAL_NORM, OUTPUT_LAYER, VOCAB_WEIGHTS, WORD_EMBEDDINGS, PartLayout,
                                     layer_prefix, parameter_specs)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
+#: families whose sliding window covers the layers from max_window_layers on (layer_types in transformers 5)
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # what transformers assumes for a field a config.json leaves out (the config classes' defaults)
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28,
+                         "head_dim": 128},
 }
 
 _LAYER_MAP = {  # canonical local name -> HF names under model.layers.{i}. (linear layers: config/linears.py)
@@ -39,6 +44,9 @@ _LAYER_MAP = {  # canonical local name -> HF names under model.layers.{i}. (line
     **{f"{lin.path}.weight": tuple(f"{hf}.weight" for _, hf in lin.hf_modules()) for lin in LINEARS.values()},
     # Qwen2 has q/k/v biases; no supported family has the other linear biases
     "self_attention.linear_qkv.bias": tuple(f"{hf}.bias" for _, hf in LINEARS["linear_qkv"].hf_modules()),
+    # Qwen3's per-head query/key RMSNorm (--qk-layernorm)
+    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight",),
+    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight",),
 }
 #: Hugging Face module (``self_attn.q_proj``) -> (linear layer, part or None for the whole layer)
 _HF_PARTS = {hf: (lin.key, ours) for lin in LINEARS.values() for ours, hf in lin.hf_modules()}
@@ -76,7 +84,7 @@ def _sliding_window(hf: dict[str, Any], arch: str) -> Optional[int]:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise _field_error("sliding_window", window, "must be a positive integer or null")
     layers = hf["num_hidden_layers"]
-    if arch == "Qwen2ForCausalLM":
+    if arch in _QWEN:
         if not hf.get("use_sliding_window", False):
             return None
         types = hf.get("layer_types")
@@ -124,7 +132,8 @@ def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
-    """(ModelConfig, V) of a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM config.json."""
+    """(ModelConfig, V) of a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
+    config.json."""
     arch = architecture_of(hf)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int) or hf[key] < 1:
@@ -136,7 +145,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
     if arch == "LlamaForCausalLM" and hf.get("mlp_bias", False):
         raise _field_error("mlp_bias", True, "cannot be expressed (no MLP biases in this model family)")
     qkv_bias = arch == "Qwen2ForCausalLM"
-    if arch == "LlamaForCausalLM" and hf.get("attention_bias", False):
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and hf.get("attention_bias", False):
         raise _field_error("attention_bias", True, "cannot be expressed: it puts a bias on o_proj too; megatron_ru "
                                                    "supports biases on q/k/v only (Qwen2)")
     heads = hf["num_attention_heads"]
@@ -146,7 +155,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
     groups = hf.get("num_key_value_heads") or heads
     if heads % groups:
         raise _field_error("num_key_value_heads", groups, f"must divide num_attention_heads ({heads})")
-    head_dim = hf.get("head_dim")
+    head_dim = hf.get("head_dim", _FAMILY_DEFAULTS[arch].get("head_dim"))
     kv_channels = head_dim if head_dim and head_dim * heads != hf["hidden_size"] else None
     rope = rope_settings(hf)
     scaling = {"default": "none"}.get(rope["rope_type"], rope["rope_type"])
@@ -173,7 +182,8 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
         disable_bias_linear=True, add_qkv_bias=qkv_bias, untie_embeddings_and_output_weights=not tied,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        init_method_std=float(hf.get("initializer_range", 0.02)), sliding_window=window, **extra)
+        init_method_std=float(hf.get("initializer_range", 0.02)), sliding_window=window,
+        qk_layernorm=arch == "Qwen3ForCausalLM", **extra)
     problems = cfg.problems()
     if problems:
         raise ValueError("config.json describes a model megatron_ru cannot build: " + "; ".join(problems))
@@ -195,10 +205,12 @@ def export_problems(cfg: ModelConfig) -> list[str]:
 
 
 def architecture_for(cfg: ModelConfig) -> str:
-    """The HF architecture that expresses ``cfg`` (Qwen2 when Q/K/V have biases, Mistral with a
-    sliding window, else Llama); whether it can is :func:`hf_config_from_model`'s check."""
+    """The HF architecture that expresses ``cfg`` (Qwen2 when Q/K/V have biases, Qwen3 with query/key norms,
+    Mistral with a sliding window, else Llama); whether it can is :func:`hf_config_from_model`'s check."""
     if cfg.add_qkv_bias:
         return "Qwen2ForCausalLM"
+    if cfg.qk_layernorm:
+        return "Qwen3ForCausalLM"
     return "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM"
 
 
@@ -227,6 +239,11 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
                         f"not have (MistralForCausalLM does)")
     if architecture == "Qwen2ForCausalLM" and not cfg.add_qkv_bias:
         problems.append("no Q/K/V biases, which Qwen2ForCausalLM always has (export as LlamaForCausalLM)")
+    if cfg.qk_layernorm and architecture != "Qwen3ForCausalLM":
+        problems.append(f"query/key norms (--qk-layernorm), which {architecture} does not have (Qwen3ForCausalLM "
+                        f"does)")
+    if architecture == "Qwen3ForCausalLM" and not cfg.qk_layernorm:
+        problems.append("no query/key norms, which Qwen3ForCausalLM always has (--qk-layernorm)")
     if problems:
         raise ValueError(f"this model cannot be expressed as {architecture}: it has " + "; ".join(problems))
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
@@ -257,7 +274,9 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
         out.update(attention_bias=False, mlp_bias=False)
     if architecture == "MistralForCausalLM":
         out["sliding_window"] = cfg.sliding_window
-    if architecture == "Qwen2ForCausalLM":   # every layer windowed, or none (stale per-layer fields replaced)
+    if architecture == "Qwen3ForCausalLM":
+        out["attention_bias"] = False
+    if architecture in _QWEN:   # every layer windowed, or none (stale per-layer fields replaced)
         windowed = cfg.sliding_window is not None
         out.update(use_sliding_window=windowed, sliding_window=cfg.sliding_window,
                    max_window_layers=0 if windowed else cfg.num_layers,
@@ -310,6 +329,8 @@ def _hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
             module = ".".join(n.split(".")[3:-1])     # model.layers.{i}.<module>.weight
             if n in ("model.embed_tokens.weight", "lm_head.weight"):
                 out[n] = (vocab_size, h)
+            elif n.endswith(("q_norm.weight", "k_norm.weight")):
+                out[n] = (cfg.head_dim,)
             elif n.endswith("norm.weight"):
                 out[n] = (h,)
             elif module in _HF_PARTS:

@@ -229,15 +229,15 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
      "SwiGLU with --swiglu)", (
         ("--activation-func-clamp-value", 1, "LM"), ("--attention-output-gate", 0, "LM"),
         ("--no-rope-freq", 1, "LM"), ("--no-yarn-correction-range-round-to-int", 0, "LM"),
-        ("--openai-gelu", 0, "LM, DS"), ("--qk-l2-norm", 0, "LM"), ("--qk-layernorm", 0, "LM"),
+        ("--openai-gelu", 0, "LM, DS"), ("--qk-l2-norm", 0, "LM"),
         ("--quick-geglu", 0, "LM"), ("--rotary-interleaved", 0, "LM"),
         ("--rotary-seq-len-interpolation-factor", 1, "LM"), ("--squared-relu", 0, "LM, DS"),
         ("--window-attn-skip-freq", 1, "LM"), ("--window-size", 1, "LM"), ("--yarn-beta-fast", 1, "LM"),
         ("--yarn-beta-slow", 1, "LM"), ("--yarn-correction-range-round-to-int", 0, "LM"),
         ("--yarn-original-max-position-embeddings", 1, "LM"),
     )),
-    (NO_EFFECT,
-     "read only with --qk-layernorm, which is refused", (
+    (REFUSED,
+     "weight decay on the --qk-layernorm weights is not available: they take none, as every norm weight", (
         ("--apply-wd-to-qk-layernorm", 0, "LM"),
     )),
     (REFUSED,

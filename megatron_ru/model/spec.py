@@ -116,6 +116,12 @@ def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tu
     bias = cfg.add_bias_linear
     out = [("input_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
     out += _linear_params(qkv, cfg, cfg.add_qkv_bias_effective)
+    if cfg.qk_layernorm:  # one weight of head size for all heads: replicated, every TP rank's heads use it
+        d = cfg.head_dim
+        head_norm = [("weight", (d,), None, 1, False)] + ([("bias", (d,), None, 1, False)]
+                                                           if cfg.normalization == "LayerNorm" else [])
+        out += [(f"self_attention.{which}_layernorm.{n}", s, dim, st, v)
+                for which in ("q", "k") for n, s, dim, st, v in head_norm]
     out += _linear_params(proj, cfg, bias)
     out += [("pre_mlp_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
     out += _linear_params(fc1, cfg, bias)

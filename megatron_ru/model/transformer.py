@@ -37,12 +37,14 @@ _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5
 
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dimension. Its parameters are replicated on TP
-    ranks; under sequence parallelism each rank normalises different tokens, so the weight
-    passes through ``copy_to`` whose backward sums the partial gradients over TP ranks."""
+    ranks; where each rank normalises different values (different tokens under sequence parallelism,
+    different heads for the per-head query/key norms: ``split_input``), the weight passes through
+    ``copy_to`` whose backward sums the partial gradients over TP ranks."""
 
     def __init__(self, hidden_size: int, normalization: str = "LayerNorm", eps: float = 1e-5, *,
                  tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                 device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                 split_input: bool = False) -> None:
         super().__init__()
         if normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {normalization!r}")
@@ -52,6 +54,7 @@ class Norm(nn.Module):
         self.tp_group = tp_group
         assert not sequence_parallel or group_size(tp_group) > 1, "sequence parallelism needs TP > 1"
         self.sequence_parallel = sequence_parallel
+        self.sum_grad_over_tp = (sequence_parallel or split_input) and group_size(tp_group) > 1
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
                      if normalization == "LayerNorm" else None)
@@ -60,7 +63,7 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if self.sequence_parallel:
+        if self.sum_grad_over_tp:
             weight = copy_to_tensor_model_parallel_region(weight, self.tp_group)
             bias = None if bias is None else copy_to_tensor_model_parallel_region(bias, self.tp_group)
         if _HAVE_APEX and x.is_cuda:
@@ -148,6 +151,12 @@ class Attention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(qkv.in_features(cfg), qkv.out_features(cfg),
                                                init_method=normal_init(std, seed, prefix + "linear_qkv.weight"),
                                                **{**common, "bias": cfg.add_qkv_bias_effective})
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:  # per head, before RoPE; each TP rank holds other heads: gradients summed over TP
+            head_norm = dict(normalization=cfg.normalization, eps=cfg.norm_epsilon, tp_group=tp_group,
+                             device=device, dtype=dtype, split_input=True)
+            self.q_layernorm = Norm(self.head_dim, **head_norm)
+            self.k_layernorm = Norm(self.head_dim, **head_norm)
         self.linear_proj = RowParallelLinear(
             proj.in_features(cfg), proj.out_features(cfg), input_is_parallel=True,
             init_method=normal_init(scaled_std(std, cfg.num_layers), seed, prefix + "linear_proj.weight"),
@@ -178,6 +187,8 @@ class Attention(nn.Module):
         s, b = qkv.shape[:2]
         r, d = self.heads_per_group, self.head_dim
         q, k, v = split_heads(qkv, self.groups_per_rank, r, d)  # [s, b, heads/tp, d], k/v [s, b, groups/tp, d]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rope is not None and rope_tables is not None:
             cos, sin = (t.to(q.dtype) for t in rope_tables)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -5,7 +5,9 @@ logits (fp32, eager attention, <= 1e-5 relative) through the inference runner at
 * Llama with GQA, untied; Llama tied;
 * Llama with ``llama3`` RoPE scaling, evaluated at positions beyond original_max_position_embeddings;
 * Qwen2 with Q/K/V biases, tied, whose safetensors holds no ``lm_head.weight``;
-* Mistral with an odd vocabulary size (and a sliding window shorter than the sequence).
+* Mistral with an odd vocabulary size (and a sliding window shorter than the sequence);
+* Qwen3 with per-head query/key norms and a head size whose query width is not the hidden size, tied; and
+  Qwen3 windowed in every layer (use_sliding_window, max_window_layers 0), untied.
 
 Each layout is one spawned process group that runs every model (imported at that layout). A second
 batch, left-padded with an attention mask and per-sample positions, is compared with transformers
@@ -32,7 +34,7 @@ _COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_at
 
 def _hf_models() -> dict[str, object]:
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-        Qwen2ForCausalLM
+        Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     return {
@@ -43,6 +45,11 @@ def _hf_models() -> dict[str, object]:
         "qwen2_bias_tied": Qwen2ForCausalLM(Qwen2Config(vocab_size=90, tie_word_embeddings=True, **_COMMON)),
         "mistral_odd_vocab": MistralForCausalLM(MistralConfig(vocab_size=67, tie_word_embeddings=False,
                                                               sliding_window=24, **_COMMON)),
+        "qwen3_qknorm_tied": Qwen3ForCausalLM(Qwen3Config(vocab_size=88, tie_word_embeddings=True, head_dim=16,
+                                                          **_COMMON)),
+        "qwen3_window": Qwen3ForCausalLM(Qwen3Config(vocab_size=77, tie_word_embeddings=False, head_dim=8,
+                                                     use_sliding_window=True, sliding_window=24,
+                                                     max_window_layers=0, **_COMMON)),
     }
 
 

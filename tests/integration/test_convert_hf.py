@@ -2,7 +2,8 @@
 and acceptance 6 for conversion).
 
 Tiny Llama (GQA, untied and tied, sharded files), Qwen2 (Q/K/V biases, tied: no lm_head.weight in
-its safetensors) and Mistral (odd vocabulary, bf16) models are saved with ``save_pretrained``
+its safetensors), Mistral (odd vocabulary, bf16) and Qwen3 (query/key norms, a head size whose query width
+is not the hidden size, tied) models are saved with ``save_pretrained``
 together with a tiny tokenizer built with the ``tokenizers`` library; each is imported at
 (TP, PP) = (1, 1) and (2, 2) and exported again: every tensor is bit-identical to the original,
 the row count and tie flag are kept, transformers loads the export and gives the same logits,
@@ -79,6 +80,8 @@ def save_model(path: str, family: str, *, tied: bool = False, vocab: int = 101, 
                     p.normal_(0, 0.5)
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
+    elif family == "qwen3":  # query/key norms; head size 16: the query width (64) is not the hidden size (32)
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=16, rope_theta=1e6))
     else:
         raise ValueError(family)
     _perturb_norms(model)
@@ -112,6 +115,7 @@ CASES = {
     "llama-tied-sharded": dict(family="llama", tied=True, max_shard_size="20KB"),
     "qwen2-bias-tied": dict(family="qwen2", tied=True),
     "mistral-odd-vocab-bf16": dict(family="mistral", vocab=97, dtype=torch.bfloat16),
+    "qwen3-qknorm-tied": dict(family="qwen3", tied=True),
 }
 
 

@@ -17,6 +17,9 @@ FP32_RTOL = 1e-5
 BF16_RTOL, BF16_NORM_RTOL = 2e-3, 3e-2
 ENV = {"DS_ACCELERATOR": "cpu"}
 DECOUPLED = ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
+# Qwen3's attention: per-head query/key norms (one weight for all heads, replicated over TP while each TP rank
+# holds other heads: its gradient is the sum over TP) and a head size whose query width (128) is not the hidden
+QK_NORM = ["--qk-layernorm", "--kv-channels", "16"]
 
 
 def _runs(prefix, cache):
@@ -54,6 +57,11 @@ def _runs(prefix, cache):
         runs.append(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
             "--eval-iters", "0", "--recompute-granularity", "full", *extra]))
+    for tp, pp, stage, extra in ((2, 2, 1, ["--sequence-parallel"]), (2, 1, 3, []), (4, 1, 0, [])):
+        names.append((tp, pp, 4 // (tp * pp), stage, "fp32 --qk-layernorm " + " ".join(extra)))
+        runs.append(tiny_argv(prefix, cache, extra=[
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--zero-stage", str(stage), "--eval-iters", "0", *QK_NORM, *extra]))
     for tp, pp, stage in ((2, 2, 1), (1, 1, 2)):
         names.append((tp, pp, 4 // (tp * pp), stage, "bf16"))
         runs.append(tiny_argv(prefix, cache, extra=[
@@ -64,13 +72,13 @@ def _runs(prefix, cache):
 
 def test_every_layout_matches_single_process(tmp_path):
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
-    ref, ref_decoupled = run_distributed(train_body, 1, args=([tiny_argv(prefix, cache, extra=["--eval-iters", "0"]),
-                                                               tiny_argv(prefix, cache, extra=["--eval-iters", "0",
-                                                                                               *DECOUPLED])],),
-                                         timeout=300, env=ENV)[0]
+    ref, ref_decoupled, ref_qk = run_distributed(
+        train_body, 1, args=([tiny_argv(prefix, cache, extra=["--eval-iters", "0", *extra])
+                              for extra in ([], DECOUPLED, QK_NORM)],), timeout=300, env=ENV)[0]
     assert len(ref["losses"]) == 10 and ref["losses"][10] < ref["losses"][1] - 0.3  # it learns
     # the embedding's own learning rate changes the run (from the second update: the first is at lr 0)
     assert relative_diff(ref_decoupled["losses"], ref["losses"]) > 1e-3
+    assert relative_diff(ref_qk["losses"], ref["losses"]) > 1e-3 and ref_qk["losses"][10] < ref_qk["losses"][1] - 0.3
     names, runs = _runs(prefix, cache)
     results = run_distributed(train_body, 4, args=(runs,), timeout=900, env=ENV)[0]
     by_name = dict(zip((n[-1] for n in names), results))
@@ -87,7 +95,7 @@ def test_every_layout_matches_single_process(tmp_path):
             continue  # compared with each other above (the reference runs without dropout)
         fp32 = name[-1].startswith("fp32")
         tol = FP32_RTOL if fp32 else BF16_RTOL
-        want = ref_decoupled if "--decoupled-lr" in name[-1] else ref
+        want = ref_decoupled if "--decoupled-lr" in name[-1] else ref_qk if "--qk-layernorm" in name[-1] else ref
         d_loss = relative_diff(res["losses"], want["losses"])
         d_norm = relative_diff(res["grad_norms"], want["grad_norms"])
         if d_loss > tol or d_norm > (1e-4 if fp32 else BF16_NORM_RTOL):

@@ -1,4 +1,4 @@
-"""The three Hugging Face families through megatron_ru/convert/hf_mapping.py at TP = 1: a tiny
+"""The Hugging Face families through megatron_ru/convert/hf_mapping.py at TP = 1: a tiny
 model built from a transformers config, mapped to canonical tensors and loaded into GPTModel,
 gives transformers' logits (fp32, eager attention, <= 1e-5 relative); the mapping is exact both
 ways; config.json settings the model cannot express are errors naming the field."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from megatron_ru.convert.hf_mapping import (from_canonical, hf_config_from_model, hf_to_canonical_names,
                                             model_config_from_hf, to_canonical)
@@ -40,8 +40,18 @@ def _mistral():  # odd vocabulary, head size 16 != hidden / heads, a sliding win
                          **COMMON)
 
 
+def _qwen3():  # per-head query/key norms, head size 16 != hidden / heads (query width 128 != hidden 64), tied
+    return Qwen3Config(vocab_size=71, head_dim=16, tie_word_embeddings=True, rope_theta=1e6, **COMMON)
+
+
+def _qwen3_untied_mha():  # every head its own key/value (no GQA), head size 8 = hidden / heads, untied
+    return Qwen3Config(vocab_size=59, head_dim=8, tie_word_embeddings=False, rope_theta=1e6,
+                       **{**COMMON, "num_key_value_heads": 8})
+
+
 CASES = {"llama-gqa-untied": _llama, "llama-tied": lambda: _llama(tied=True), "llama3-scaled": _llama3_scaled,
-         "llama-linear": _llama_linear, "qwen2-bias-tied": _qwen2, "mistral-odd-vocab-head16": _mistral}
+         "llama-linear": _llama_linear, "qwen2-bias-tied": _qwen2, "mistral-odd-vocab-head16": _mistral,
+         "qwen3-qknorm-head16-tied": _qwen3, "qwen3-untied-mha": _qwen3_untied_mha}
 
 
 def _hf_model(config):
@@ -140,7 +150,7 @@ def test_config_round_trip_loads_in_transformers():
 
 @pytest.mark.parametrize("change,message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures = ['GPT2LMHeadModel'] is not supported; supported: "
-                                             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+                                             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "rope_parameters.rope_type = 'yarn' cannot be expressed; supported: default, linear, llama3"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu' cannot be expressed"),
