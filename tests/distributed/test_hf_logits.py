@@ -6,6 +6,8 @@ logits (fp32, eager attention, <= 1e-5 relative) through the inference runner at
 * Llama with ``llama3`` RoPE scaling, evaluated at positions beyond original_max_position_embeddings;
 * Qwen2 with Q/K/V biases, tied, whose safetensors holds no ``lm_head.weight``;
 * Mistral with an odd vocabulary size (and a sliding window shorter than the sequence);
+* Llama-3.2-shaped (tied, llama3 RoPE scaling) and Mistral-Nemo-shaped (head size 16 with hidden 32 and 4
+  heads: the query width is not the hidden size);
 * Qwen3 with per-head query/key norms and a head size whose query width is not the hidden size, tied; and
   Qwen3 windowed in every layer (use_sliding_window, max_window_layers 0), untied.
 
@@ -45,6 +47,11 @@ def _hf_models() -> dict[str, object]:
         "qwen2_bias_tied": Qwen2ForCausalLM(Qwen2Config(vocab_size=90, tie_word_embeddings=True, **_COMMON)),
         "mistral_odd_vocab": MistralForCausalLM(MistralConfig(vocab_size=67, tie_word_embeddings=False,
                                                               sliding_window=24, **_COMMON)),
+        # Llama-3.2's shape: tied, llama3 RoPE scaling; Mistral-Nemo's: head size (16) != hidden / heads (8)
+        "llama32_tied_rope_scaling": LlamaForCausalLM(LlamaConfig(vocab_size=84, tie_word_embeddings=True,
+                                                                  rope_parameters=llama3, **_COMMON)),
+        "nemo_head_dim": MistralForCausalLM(MistralConfig(vocab_size=70, tie_word_embeddings=False, head_dim=16,
+                                                          sliding_window=None, **_COMMON)),
         "qwen3_qknorm_tied": Qwen3ForCausalLM(Qwen3Config(vocab_size=88, tie_word_embeddings=True, head_dim=16,
                                                           **_COMMON)),
         "qwen3_window": Qwen3ForCausalLM(Qwen3Config(vocab_size=77, tie_word_embeddings=False, head_dim=8,

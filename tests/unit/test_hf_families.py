@@ -169,6 +169,28 @@ def test_config_errors_name_the_field(change, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("config,message", [
+    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"},
+     "architectures = ['Qwen3MoeForCausalLM'] is not supported"),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
+     "architectures = ['MixtralForCausalLM'] is not supported"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"},
+     "architectures = ['Gemma3ForConditionalGeneration'] is not supported"),
+    ({"attention_bias": True}, "attention_bias = True cannot be expressed: it puts a bias on o_proj too"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "rope_parameters.rope_type = 'yarn' cannot be expressed"),
+    ({"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]},
+     "config.json: layer_types = ['full_attention', 'sliding_attention'] windows some layers only"),
+])
+def test_qwen3_refusals_name_the_field(config, message):
+    """MoE and multimodal checkpoints and the Qwen3 settings the model cannot express: one error naming the
+    field and its value, before anything is read or written."""
+    hf = {**_qwen3().to_dict(), "architectures": ["Qwen3ForCausalLM"], **config}
+    with pytest.raises(ValueError) as e:
+        model_config_from_hf(hf)
+    assert message in str(e.value), str(e.value)
+
+
 def test_mistral_window_refuses_longer_sequences():
     from megatron_ru.flags.arguments import parse_arguments
     from tests.integration._train_helpers import tiny_argv
