@@ -431,7 +431,9 @@ def install_exact_layer_loading(module: Any) -> None:
                 continue  # functions have no state
             path = self.ckpt_layer_path(load_dir, idx)
             layer.load_state_dict(checkpoint_engine.load(path, map_location="cpu"), strict=strict)
-        self._synchronize_tied_weights()
+        import torch
+        with torch.no_grad():  # an in-place broadcast of a parameter, not part of any graph (pipeline_module)
+            self._synchronize_tied_weights()
 
     module.load_state_dir = types.MethodType(load_state_dir, module)
 

@@ -34,11 +34,20 @@ def layer_specs(layers: Sequence[Any]) -> list[Any]:
 
 def pipeline_module(layers: Sequence[Any], loss_fn: torch.nn.Module, state: Any, *, partition_method: str,
                     activation_checkpoint_interval: int = 0) -> torch.nn.Module:
-    """This rank's stage of a ``PipelineModule`` over ``layers``, cut by ``partition_method``."""
+    """This rank's stage of a ``PipelineModule`` over ``layers``, cut by ``partition_method``.
+
+    Built without autograd: its constructor broadcasts a tied weight (the word embedding, to the last stage)
+    from the first stage in place, and ``dist.broadcast`` on a parameter that requires a gradient is recorded
+    as an in-place op that has no backward: every later backward pass then warns "c10d::broadcast_: an
+    autograd kernel was not registered ... silently incorrect behavior". The broadcast only sets the starting
+    value (the gradients of the two copies are summed by DeepSpeed's ``allreduce_tied_weight_gradients``), so
+    nothing was wrong but the warning; tests/integration/test_train_layouts.py checks a tied model at PP 2
+    against one process."""
     from deepspeed.pipe import PipelineModule
-    return PipelineModule(layers=layer_specs(layers), loss_fn=loss_fn, topology=topology(state),
-                          partition_method=partition_method,
-                          activation_checkpoint_interval=activation_checkpoint_interval)
+    with torch.no_grad():
+        return PipelineModule(layers=layer_specs(layers), loss_fn=loss_fn, topology=topology(state),
+                              partition_method=partition_method,
+                              activation_checkpoint_interval=activation_checkpoint_interval)
 
 
 def is_pipeline_module(model: torch.nn.Module) -> bool:

@@ -20,6 +20,12 @@ DECOUPLED = ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
 # Qwen3's attention: per-head query/key norms (one weight for all heads, replicated over TP while each TP rank
 # holds other heads: its gradient is the sum over TP) and a head size whose query width (128) is not the hidden
 QK_NORM = ["--qk-layernorm", "--kv-channels", "16"]
+# tied embeddings (Llama-3.2, Qwen3's small sizes): at PP > 1 the word embedding lives on the first and the last
+# stage, its two gradients summed between them
+
+
+def _tied(argv):
+    return [a for a in argv if a != "--untie-embeddings-and-output-weights"]
 
 
 def _runs(prefix, cache):
@@ -62,6 +68,11 @@ def _runs(prefix, cache):
         runs.append(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--zero-stage", str(stage), "--eval-iters", "0", *QK_NORM, *extra]))
+    for tp, pp, stage in ((2, 2, 1), (1, 2, 0)):
+        names.append((tp, pp, 4 // (tp * pp), stage, "fp32 tied"))
+        runs.append(_tied(tiny_argv(prefix, cache, extra=[
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--zero-stage", str(stage), "--eval-iters", "0"])))
     for tp, pp, stage in ((2, 2, 1), (1, 1, 2)):
         names.append((tp, pp, 4 // (tp * pp), stage, "bf16"))
         runs.append(tiny_argv(prefix, cache, extra=[
@@ -72,9 +83,11 @@ def _runs(prefix, cache):
 
 def test_every_layout_matches_single_process(tmp_path):
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
-    ref, ref_decoupled, ref_qk = run_distributed(
+    ref, ref_decoupled, ref_qk, ref_tied = run_distributed(
         train_body, 1, args=([tiny_argv(prefix, cache, extra=["--eval-iters", "0", *extra])
-                              for extra in ([], DECOUPLED, QK_NORM)],), timeout=300, env=ENV)[0]
+                              for extra in ([], DECOUPLED, QK_NORM)]
+                             + [_tied(tiny_argv(prefix, cache, extra=["--eval-iters", "0"]))],),
+        timeout=300, env=ENV)[0]
     assert len(ref["losses"]) == 10 and ref["losses"][10] < ref["losses"][1] - 0.3  # it learns
     # the embedding's own learning rate changes the run (from the second update: the first is at lr 0)
     assert relative_diff(ref_decoupled["losses"], ref["losses"]) > 1e-3
@@ -95,7 +108,8 @@ def test_every_layout_matches_single_process(tmp_path):
             continue  # compared with each other above (the reference runs without dropout)
         fp32 = name[-1].startswith("fp32")
         tol = FP32_RTOL if fp32 else BF16_RTOL
-        want = ref_decoupled if "--decoupled-lr" in name[-1] else ref_qk if "--qk-layernorm" in name[-1] else ref
+        want = {"--decoupled-lr": ref_decoupled, "--qk-layernorm": ref_qk, "tied": ref_tied}.get(
+            next((k for k in ("--decoupled-lr", "--qk-layernorm", "tied") if k in name[-1]), ""), ref)
         d_loss = relative_diff(res["losses"], want["losses"])
         d_norm = relative_diff(res["grad_norms"], want["grad_norms"])
         if d_loss > tol or d_norm > (1e-4 if fp32 else BF16_NORM_RTOL):
