@@ -5,8 +5,9 @@ TFLOP/s per device counts the matrix multiplications of one training iteration (
 FLOPs per ``m×k @ k×n``), forward + backward (backward = 2 × forward), divided by the
 iteration time and the number of devices. Per token, per transformer layer, forward:
 
-* attention projections ``2·h·(h + 2·kv)`` (Q, K, V; ``kv = h·kv_heads/heads``) + ``2·h·h`` (out),
-* attention itself ``2·s·h`` (Q·Kᵀ) + ``2·s·h`` (scores·V) — the full s×s square, like Megatron,
+* attention projections ``2·h·(q + 2·kv)`` (Q, K, V; ``q = heads·d``, ``kv = kv_heads·d`` for the head size
+  ``d``, which is ``h/heads`` unless ``--kv-channels`` says otherwise: Mistral-Nemo, Qwen3) + ``2·q·h`` (out),
+* attention itself ``2·s·q`` (Q·Kᵀ) + ``2·s·q`` (scores·V) — the full s×s square, like Megatron,
 * MLP ``2·h·f·3`` for a gated (SwiGLU) MLP, ``2·h·f·2`` otherwise,
 
 and the output layer ``2·h·V``. Training is 3 × forward; ``--recompute-granularity full`` adds one
@@ -32,6 +33,7 @@ class ModelShape:
     seq_length: int
     vocab_size: int
     gated_mlp: bool
+    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
 
     @classmethod
     def of(cls, cfg: "ModelConfig", vocab_size: int, seq_length: int,
@@ -40,15 +42,16 @@ class ModelShape:
         return cls(num_layers=cfg.num_layers if num_layers is None else num_layers, hidden_size=cfg.hidden_size,
                    ffn_hidden_size=cfg.resolved_ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
                    num_query_groups=cfg.query_groups, seq_length=seq_length, vocab_size=vocab_size,
-                   gated_mlp=cfg.swiglu)
+                   gated_mlp=cfg.swiglu, head_dim=cfg.head_dim)
 
 
 def flops_per_token(shape: ModelShape, recompute: bool = False) -> float:
     """Training FLOPs per token (forward + backward [+ recompute]) of one iteration."""
     h, s, f = shape.hidden_size, shape.seq_length, shape.ffn_hidden_size
-    kv = h * shape.num_query_groups / shape.num_attention_heads
-    attn_proj = 2 * h * (h + 2 * kv) + 2 * h * h
-    attn_core = 4 * s * h
+    d = shape.head_dim if shape.head_dim is not None else h / shape.num_attention_heads
+    q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
+    attn_proj = 2 * h * (q + 2 * kv) + 2 * q * h
+    attn_core = 4 * s * q
     mlp = 2 * h * f * (3 if shape.gated_mlp else 2)
     layer_fwd = attn_proj + attn_core + mlp
     logits_fwd = 2 * h * shape.vocab_size

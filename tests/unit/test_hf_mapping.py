@@ -2,7 +2,7 @@
 
 * decoding with the KV cache (a prefill, a multi-token chunk, then token by token) gives the logits
   of the full forward, which equal transformers' (eager), also beyond a sliding window (Mistral, and
-  Qwen2 with every layer windowed) and for a left-padded row under an explicit attention mask;
+  Qwen2 and Qwen3 with every layer windowed) and for a left-padded row under an explicit attention mask;
 * the packing is the documented one (QKV rows per query group, fc1 = [gate; up]), so TP shards hold
   whole groups and matching gate/up rows; the mapping back is bit-identical (bf16);
 * bad tensors, configurations that cannot be imported or exported, and missing config.json fields
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, Qwen2Config
+from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.convert.hf_mapping import (from_canonical, hf_config_from_model, hf_to_canonical_names,
@@ -31,6 +31,11 @@ def _qwen2_window():     # every layer windowed (max_window_layers 0), QKV biase
                        max_window_layers=0, **COMMON)
 
 
+def _qwen3_window():     # query/key norms (the cached keys are the normed ones), head size 16, windowed, tied
+    return Qwen3Config(vocab_size=69, tie_word_embeddings=True, head_dim=16, use_sliding_window=True,
+                       sliding_window=8, max_window_layers=0, **COMMON)
+
+
 def _step(gpt, tokens, positions, caches=None, mask=None):
     """One forward through GPTModel's parts with the generation hook: logits [b, s, padded V]."""
     x = gpt.embedding((tokens, positions))
@@ -45,8 +50,8 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("make", [_mistral_window, _qwen2_window, _llama3_scaled], ids=["mistral-window",
-                                                                                       "qwen2-window", "llama3"])
+@pytest.mark.parametrize("make", [_mistral_window, _qwen2_window, _llama3_scaled, _qwen3_window],
+                         ids=["mistral-window", "qwen2-window", "llama3", "qwen3-window"])
 def test_cached_decoding_equals_full_forward_and_transformers(make):
     model = _hf_model(make())
     gpt, _ = _ours(model)

@@ -89,3 +89,28 @@ def test_inactive_writer_writes_nothing(tmp_path):
     w.log_train(_rec(1, 1.0))
     w.close()
     assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("kv_channels,groups", [(None, 2), (16, 2), (16, 8)])
+def test_flops_equal_the_models_counted_matmuls(kv_channels, groups):
+    """The forward third of the per-token count is what torch's flop counter sees in one forward of the
+    built model (matmuls and attention, the full s x s square), also where the query width is not the hidden
+    size (--kv-channels: Mistral-Nemo, Qwen3) and without GQA."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_ru.config.model import ModelConfig
+    from megatron_ru.model import GPTModel
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, group_query_attention=groups != 8,
+                      num_query_groups=groups, kv_channels=kv_channels, ffn_hidden_size=96,
+                      max_position_embeddings=32, position_embedding_type="rope", normalization="RMSNorm",
+                      swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+                      qk_layernorm=kv_channels is not None, hidden_dropout=0.0, attention_dropout=0.0,
+                      make_vocab_size_divisible_by=1)
+    vocab, seq = 96, 32
+    model = GPTModel(cfg, vocab).eval()
+    # the math kernel: attention as two matmuls the counter sees (the CPU's fused kernel has no flop formula)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, seq, dtype=torch.long))
+    assert counter.get_total_flops() == flops_per_token(ModelShape.of(cfg, vocab, seq)) / 3 * seq

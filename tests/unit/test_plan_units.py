@@ -144,3 +144,24 @@ def test_layout_for_arguments_refuses_a_world_size_tp_pp_does_not_divide():
     assert layout_for_arguments(args).dp == 2
     with pytest.raises(ValueError, match=r"WORLD_SIZE=6 is not divisible by TP x PP = 2 x 2 = 4"):
         layout_for_arguments(args, world_size=6)
+
+
+def test_hf_config_parameter_count_is_transformers(capsys, tmp_path):
+    """The planner's parameters of every imported family (Qwen3's query/key norms and query width, tied and
+    untied, GQA and not) are the parameters transformers builds from the same config.json."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ru.convert.hf_mapping import model_config_from_hf
+    from megatron_ru.plan.params import total_param_count
+    from tests.unit.test_hf_families import CASES
+    for case, make in CASES.items():
+        config = make()
+        hf = {**config.to_dict(), "architectures": [AutoModelForCausalLM._model_mapping[type(config)].__name__]}
+        cfg, vocab = model_config_from_hf(hf)
+        want = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())  # a tied matrix once
+        assert total_param_count(cfg, vocab) == want, case
+        path = tmp_path / f"{case}.json"
+        path.write_text(json.dumps(hf))
+        assert run(["--hf-config", str(path), "--num-gpus", "2", "--gpu", "a100-80gb", "--global-batch-size", "8",
+                    "--seq-length", "32", "--json", "-"]) == 0
+        assert json.loads(capsys.readouterr().out)["model"]["parameters"] == want, case
