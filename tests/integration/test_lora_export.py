@@ -1,4 +1,4 @@
-"""LoRA acceptance 3: a tiny Hugging Face Llama imported, trained with LoRA (or DoRA) at TP = 2 x PP = 2
+"""LoRA acceptance 3: a tiny Hugging Face Llama (and a Qwen3) imported, trained with LoRA (or DoRA) at TP = 2 x PP = 2
 for a few iterations and exported with ``--lora peft`` gives the same logits through peft +
 transformers as megatron_ru computes (<= 1e-5); ``--lora merge`` gives the same logits through a plain
 transformers model; the PEFT adapter imports back (``import-hf --lora-adapter``) to the same tensors."""
@@ -44,17 +44,33 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def _tiny_qwen3(path: str) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                         num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True))
+    with torch.no_grad():  # norms start at 1 in transformers: make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Two LoRA runs from one imported model: fused adapters with a rank pattern and the embeddings
-    and output layer trained alongside; DoRA on peft-style parts with rsLoRA."""
+    """Three LoRA runs: two from one imported Llama (fused adapters with a rank pattern and the embeddings
+    and output layer trained alongside; DoRA on peft-style parts with rsLoRA), one from an imported Qwen3
+    (query/key norms, head size 16 != 64 / 8, tied; every linear a target)."""
     from tests.integration.test_continue_hf import _tiny_llama
     d = tmp_path_factory.mktemp("lora_export")
     hf, imported = str(d / "hf"), str(d / "imported")
     _tiny_llama(hf, tied=False)
-    proc = convert_cli("import-hf", "--load", hf, "--save", imported, "--target-tensor-parallel-size", "2",
-                    "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _tiny_qwen3(str(d / "hf_qwen3"))
+    for source, target in ((hf, imported), (str(d / "hf_qwen3"), str(d / "imported_qwen3"))):
+        proc = convert_cli("import-hf", "--load", source, "--save", target, "--target-tensor-parallel-size", "2",
+                           "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
+        assert proc.returncode == 0, proc.stderr[-3000:]
     pattern = d / "ranks.json"
     pattern.write_text(json.dumps({"*.layers.3.*": 8}))
     prefix = make_corpus(str(d))
@@ -65,14 +81,16 @@ def trained(tmp_path_factory):
     runs = {"lora": base + ["--save", str(d / "lora"), "--lora-alpha", "8", "--lora-rank-pattern", str(pattern),
                             "--lora-modules-to-save", "embedding", "output_layer"],
             "dora": base + ["--save", str(d / "dora"), "--use-dora", "--use-rslora", "--lora-target-modules",
-                            "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
+                            "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+            "qwen3": [a if a != imported else str(d / "imported_qwen3") for a in base]
+            + ["--save", str(d / "qwen3"), "--lora-alpha", "8"]}
     results = run_distributed(train_body, 4, args=(list(runs.values()),), timeout=600, env=ENV)[0]
     assert all(r["iteration"] == 3 for r in results)
     tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
     return {"dir": d, "hf": hf, "tokens": tokens, **{k: str(d / k) for k in runs}}
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora"])
+@pytest.mark.parametrize("kind", ["lora", "dora", "qwen3"])
 def test_peft_export_gives_our_logits(trained, kind):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -89,7 +107,7 @@ def test_peft_export_gives_our_logits(trained, kind):
     assert _rel(theirs, ours) <= TOL, _rel(theirs, ours)
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora"])
+@pytest.mark.parametrize("kind", ["lora", "dora", "qwen3"])
 def test_merged_export_gives_our_logits(trained, kind):
     from transformers import AutoModelForCausalLM
     out = str(trained["dir"] / f"{kind}_merged")
