@@ -35,7 +35,7 @@ class Linear:
     swiglu_parts: bool = False
 
     def has_parts(self, cfg: ModelConfig) -> bool:
-        return bool(self.parts) and (cfg.swiglu or not self.swiglu_parts)
+        return bool(self.parts) and (cfg.gated_mlp or not self.swiglu_parts)
 
     def in_features(self, cfg: ModelConfig) -> int:
         return {"linear_qkv": cfg.hidden_size, "linear_proj": cfg.num_attention_heads * cfg.head_dim,
@@ -47,7 +47,7 @@ class Linear:
         if self.key == "linear_qkv":
             return {"q": nq * d, "k": ng * d, "v": ng * d}
         if self.key == "linear_fc1":
-            return {"gate": ffn, "up": ffn} if cfg.swiglu else {self.key: ffn}
+            return {"gate": ffn, "up": ffn} if cfg.gated_mlp else {self.key: ffn}
         return {self.key: cfg.hidden_size}
 
     def out_features(self, cfg: ModelConfig) -> int:
@@ -55,7 +55,7 @@ class Linear:
 
     def stride(self, cfg: ModelConfig) -> int:
         """Tensor-parallel split stride of the output rows: every rank holds matching gate and up rows."""
-        return 2 if self.swiglu_parts and cfg.swiglu else 1
+        return 2 if self.swiglu_parts and cfg.gated_mlp else 1
 
     def hf_modules(self) -> list[tuple[Optional[str], str]]:
         """(our part, or None for the whole layer; Hugging Face module) in row order."""

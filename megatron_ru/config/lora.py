@@ -299,7 +299,7 @@ def adapter_param_shapes(a: AdapterSpec, in_features: int, out_rows: int, column
 def model_adapters(cfg: ModelConfig) -> list[AdapterSpec]:
     """Every adapter of the model ``cfg`` describes (none without ``cfg.lora``)."""
     spec = cfg.lora_spec
-    return [] if spec is None else resolve_adapters(spec, cfg.num_layers, cfg.swiglu)
+    return [] if spec is None else resolve_adapters(spec, cfg.num_layers, cfg.gated_mlp)
 
 
 def b_stride(cfg: ModelConfig, part: str) -> int:

@@ -51,10 +51,29 @@ class ModelConfig:
         False, "Normalize every attention head's query and key before RoPE, with the norm of --normalization over "
                "the head size (one weight of --kv-channels shared by the heads, replicated across TP ranks): "
                "Qwen3's and Gemma 3's q_norm/k_norm (Megatron's flag).")
+    apply_layernorm_1p: bool = arg(
+        False, "Norm weights centred on zero: every norm scales by (1 + w), its weight starting at 0 (Megatron's "
+               "flag; the same layer and training as a weight w starting at 1, where norm weights take no weight "
+               "decay; Gemma's RMSNorm stores its weights this way).")
+    sandwich_norm: bool = arg(
+        False, "Normalize the attention and MLP outputs too, before each residual add (four norms a layer: "
+               "Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm).")
+    scale_embeddings: bool = arg(
+        False, "Multiply the word embeddings by sqrt(--hidden-size), rounded to the model's dtype (Gemma).")
+    softmax_scale: Optional[float] = arg(
+        None, "Scale of the attention scores (default 1/sqrt(head size)); Gemma 3: query_pre_attn_scalar ** -0.5.")
+    window_attn_skip_freq: Optional[int] = arg(
+        None, "With --sliding-window: every N-th layer (N, 2N, ... counted from 1) attends to the whole sequence, "
+              "the others within the window (Megatron's flag; Gemma 3: 6, five local layers to a global one).")
+    rotary_base_local: Optional[float] = arg(
+        None, "RoPE base of the sliding-window layers when --window-attn-skip-freq mixes them with global ones "
+              "(Gemma 3: 10000; the global layers keep --rotary-base and its scaling).")
     normalization: str = arg("LayerNorm", "Normalization layer (Megatron-DeepSpeed's lower-case spellings too).",
                              choices=("LayerNorm", "RMSNorm", "layernorm", "rmsnorm"))
     norm_epsilon: float = arg(1e-5, "Epsilon of LayerNorm/RMSNorm.")
     swiglu: bool = arg(False, "Use SwiGLU instead of GELU in the MLP.")
+    geglu: bool = arg(False, "A gated MLP with GELU in its tanh approximation instead of SiLU (Gemma's "
+                             "gelu_pytorch_tanh); linear_fc1 holds [gate; up] as with --swiglu.")
     disable_bias_linear: bool = arg(False, "No biases in the attention and MLP linear layers.")
     untie_embeddings_and_output_weights: bool = arg(
         False, "Separate output layer weights instead of reusing the input embedding.")
@@ -95,9 +114,21 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         assert self.hidden_size is not None
-        if self.swiglu:
+        if self.gated_mlp:
             return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
+
+    @property
+    def gated_mlp(self) -> bool:
+        """linear_fc1 holds [gate; up] (SwiGLU or GeGLU)."""
+        return self.swiglu or self.geglu
+
+    def layer_is_local(self, layer_number: int) -> bool:
+        """Whether decoder layer ``layer_number`` (0-based) attends within --sliding-window."""
+        if self.sliding_window is None:
+            return False
+        freq = self.window_attn_skip_freq
+        return freq is None or (layer_number + 1) % freq != 0
 
     @property
     def query_groups(self) -> int:
@@ -174,6 +205,20 @@ class ModelConfig:
                              f"({self.rope_scaling_high_freq_factor})")
         if self.sliding_window is not None and self.sliding_window < 1:
             found.append(f"--sliding-window must be >= 1, got {self.sliding_window}")
+        if self.swiglu and self.geglu:
+            found.append("--swiglu and --geglu are two gated MLPs: give one")
+        if self.window_attn_skip_freq is not None:
+            if self.window_attn_skip_freq < 1:
+                found.append(f"--window-attn-skip-freq must be >= 1, got {self.window_attn_skip_freq}")
+            if self.sliding_window is None:
+                found.append("--window-attn-skip-freq needs --sliding-window (the window of the other layers)")
+        if self.rotary_base_local is not None:
+            if self.window_attn_skip_freq is None or self.position_embedding_type != "rope":
+                found.append("--rotary-base-local needs --window-attn-skip-freq and --position-embedding-type rope")
+            elif self.rotary_base_local <= 0:
+                found.append(f"--rotary-base-local must be > 0, got {self.rotary_base_local}")
+        if self.softmax_scale is not None and self.softmax_scale <= 0:
+            found.append(f"--softmax-scale must be > 0, got {self.softmax_scale}")
         if self.group_query_attention:
             groups = self.num_query_groups
             if groups < 1 or heads % groups:

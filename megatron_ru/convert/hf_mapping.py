@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 <-> megatron_ru: the model configuration and every tensor.
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 (text) <-> megatron_ru: the model configuration and
+every tensor.
 
 Pure functions, no I/O: :mod:`megatron_ru.convert.import_hf` and ``export_hf`` stream the files.
 
@@ -23,9 +24,11 @@ from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.spec import (EMBEDDING, FINAL_NORM, OUTPUT_LAYER, VOCAB_WEIGHTS, WORD_EMBEDDINGS, PartLayout,
                                     layer_prefix, parameter_specs)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3"}
+               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
+GEMMA3 = "Gemma3ForCausalLM"
 #: families whose sliding window covers the layers from max_window_layers on (layer_types in transformers 5)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -36,6 +39,16 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28,
                          "head_dim": 128},
+    GEMMA3: {"max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256,
+             "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "hidden_activation": "gelu_pytorch_tanh", "sliding_window_pattern": 6},
+}
+#: Gemma 3's four norms a layer: HF's post_attention_layernorm normalises the attention output there (in the
+#: other families it is the norm before the MLP)
+_SANDWICH_NORMS = {
+    "post_self_attn_layernorm.weight": ("post_attention_layernorm.weight",),
+    "pre_mlp_layernorm.weight": ("pre_feedforward_layernorm.weight",),
+    "post_mlp_layernorm.weight": ("post_feedforward_layernorm.weight",),
 }
 
 _LAYER_MAP = {  # canonical local name -> HF names under model.layers.{i}. (linear layers: config/linears.py)
@@ -131,6 +144,66 @@ def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma3ForCausalLM config.json beyond the Llama ones (``_rope``: the global
+    layers' RoPE settings, as :func:`rope_settings` gives them): GeGLU, (1 + w) norms, four norms a layer,
+    embeddings times sqrt(hidden), query/key norms, the query_pre_attn_scalar scale, and the local / global
+    layer pattern with each type's RoPE. What the model cannot express is an error naming the field."""
+    defaults = _FAMILY_DEFAULTS[GEMMA3]
+    act = hf.get("hidden_activation", defaults["hidden_activation"])
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise _field_error("hidden_activation", act, "cannot be expressed (megatron_ru's GeGLU is 'gelu_pytorch_tanh')")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise _field_error(key, hf[key], "cannot be expressed (no logit softcapping in megatron_ru)")
+    if hf.get("use_bidirectional_attention", False):
+        raise _field_error("use_bidirectional_attention", True, "cannot be expressed (megatron_ru is causal)")
+    scalar = hf.get("query_pre_attn_scalar", defaults["query_pre_attn_scalar"])
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise _field_error("query_pre_attn_scalar", scalar, "must be a positive number")
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    field = "layer_types"
+    if not types:  # transformers 4: every sliding_window_pattern-th layer is global
+        pattern = hf.get("sliding_window_pattern", defaults["sliding_window_pattern"])
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        field = "sliding_window_pattern"
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise _field_error(field, hf.get(field), f"must name full_attention or sliding_attention for each of the "
+                                                 f"{layers} layers")
+    window = hf.get("sliding_window", defaults["sliding_window"])
+    local = [t == "sliding_attention" for t in types]
+    skip = None
+    if not any(local):
+        window = None
+    elif not all(local):
+        skip = local.index(False) + 1
+        if any(is_local != ((i + 1) % skip != 0) for i, is_local in enumerate(local)):
+            raise _field_error(field, hf.get(field), f"is not a pattern of every {skip}-th layer global, which is "
+                                                     f"what megatron_ru's --window-attn-skip-freq expresses")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise _field_error("sliding_window", window, "must be a positive integer or null")
+    params = hf.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):   # transformers 5: one dict per layer type
+        glob = rope_settings({"rope_parameters": params.get("full_attention", {"rope_theta": 1e6})})
+        local_rope = params.get("sliding_attention", {"rope_type": "default", "rope_theta": 10000.0})
+        field_local = "rope_parameters.sliding_attention"
+        local_base = local_rope.get("rope_theta", 10000.0)
+    else:   # transformers 4: rope_theta and rope_scaling for the global layers, rope_local_base_freq
+        glob = rope_settings({"rope_theta": 1e6, **hf})
+        local_rope, field_local = {}, "rope_local_base_freq"
+        local_base = hf.get("rope_local_base_freq", 10000.0)
+    if skip is None and window is not None:   # every layer local: the local RoPE everywhere
+        glob = {"rope_type": "default", "rope_theta": float(local_base), "_field": field_local}
+    if local_rope.get("rope_type", "default") != "default":
+        raise _field_error(f"{field_local}.rope_type", local_rope["rope_type"],
+                           "cannot be expressed (the sliding-window layers' RoPE is unscaled here)")
+    return {"_rope": glob, "sliding_window": window, "window_attn_skip_freq": skip,
+            "rotary_base_local": float(local_base) if skip is not None else None, "geglu": True,
+            "apply_layernorm_1p": True, "sandwich_norm": True, "scale_embeddings": True,
+            "softmax_scale": float(scalar) ** -0.5}
+
+
 def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
     """(ModelConfig, V) of a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
     config.json."""
@@ -138,14 +211,15 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int) or hf[key] < 1:
             raise _field_error(key, hf.get(key), "must be a positive integer")
+    gemma = _gemma3_fields(hf) if arch == GEMMA3 else {}
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if arch != GEMMA3 and act != "silu":
         raise _field_error("hidden_act", act, "cannot be expressed (megatron_ru's gated MLP is SwiGLU: 'silu')")
     # mlp_bias / attention_bias are Llama's; Mistral and Qwen2 ignore them (their biases are fixed)
     if arch == "LlamaForCausalLM" and hf.get("mlp_bias", False):
         raise _field_error("mlp_bias", True, "cannot be expressed (no MLP biases in this model family)")
     qkv_bias = arch == "Qwen2ForCausalLM"
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and hf.get("attention_bias", False):
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", GEMMA3) and hf.get("attention_bias", False):
         raise _field_error("attention_bias", True, "cannot be expressed: it puts a bias on o_proj too; megatron_ru "
                                                    "supports biases on q/k/v only (Qwen2)")
     heads = hf["num_attention_heads"]
@@ -157,7 +231,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
         raise _field_error("num_key_value_heads", groups, f"must divide num_attention_heads ({heads})")
     head_dim = hf.get("head_dim", _FAMILY_DEFAULTS[arch].get("head_dim"))
     kv_channels = head_dim if head_dim and head_dim * heads != hf["hidden_size"] else None
-    rope = rope_settings(hf)
+    rope = gemma.pop("_rope") if arch == GEMMA3 else rope_settings(hf)
     scaling = {"default": "none"}.get(rope["rope_type"], rope["rope_type"])
     extra: dict[str, Any] = {}
     if scaling in ("linear", "llama3"):
@@ -171,19 +245,19 @@ def model_config_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, int]:
         extra.update(rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
                      rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
                      rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-    window = _sliding_window(hf, arch)
+    window = gemma.pop("sliding_window") if arch == GEMMA3 else _sliding_window(hf, arch)
     max_positions = hf.get("max_position_embeddings", _FAMILY_DEFAULTS[arch]["max_position_embeddings"])
-    tied = bool(hf.get("tie_word_embeddings", False))
+    tied = bool(hf.get("tie_word_embeddings", _FAMILY_DEFAULTS[arch].get("tie_word_embeddings", False)))
     cfg = ModelConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
         kv_channels=kv_channels, max_position_embeddings=max_positions,
         position_embedding_type="rope", rotary_base=float(rope["rope_theta"]), rope_scaling_type=scaling,
-        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
+        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=arch != GEMMA3,
         disable_bias_linear=True, add_qkv_bias=qkv_bias, untie_embeddings_and_output_weights=not tied,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=float(hf.get("initializer_range", 0.02)), sliding_window=window,
-        qk_layernorm=arch == "Qwen3ForCausalLM", **extra)
+        qk_layernorm=arch in ("Qwen3ForCausalLM", GEMMA3), **extra, **gemma)
     problems = cfg.problems()
     if problems:
         raise ValueError("config.json describes a model megatron_ru cannot build: " + "; ".join(problems))
@@ -197,8 +271,8 @@ def export_problems(cfg: ModelConfig) -> list[str]:
         out.append("learned absolute position embeddings (--position-embedding-type learned_absolute)")
     if cfg.normalization != "RMSNorm":
         out.append(f"{cfg.normalization} (Llama/Qwen2 use RMSNorm: --normalization RMSNorm)")
-    if not cfg.swiglu:
-        out.append("a GELU MLP (Llama/Qwen2 use SwiGLU: --swiglu)")
+    if not cfg.gated_mlp:
+        out.append("a GELU MLP (Llama/Qwen2 use SwiGLU: --swiglu; Gemma 3 GeGLU: --geglu)")
     if cfg.add_bias_linear:
         out.append("biases on every linear layer (Llama/Qwen2 have none: --disable-bias-linear)")
     return out
@@ -209,6 +283,8 @@ def architecture_for(cfg: ModelConfig) -> str:
     Mistral with a sliding window, else Llama); whether it can is :func:`hf_config_from_model`'s check."""
     if cfg.add_qkv_bias:
         return "Qwen2ForCausalLM"
+    if cfg.sandwich_norm or cfg.geglu:
+        return GEMMA3
     if cfg.qk_layernorm:
         return "Qwen3ForCausalLM"
     return "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM"
@@ -239,11 +315,24 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
                         f"not have (MistralForCausalLM does)")
     if architecture == "Qwen2ForCausalLM" and not cfg.add_qkv_bias:
         problems.append("no Q/K/V biases, which Qwen2ForCausalLM always has (export as LlamaForCausalLM)")
-    if cfg.qk_layernorm and architecture != "Qwen3ForCausalLM":
+    if cfg.qk_layernorm and architecture not in ("Qwen3ForCausalLM", GEMMA3):
         problems.append(f"query/key norms (--qk-layernorm), which {architecture} does not have (Qwen3ForCausalLM "
                         f"does)")
-    if architecture == "Qwen3ForCausalLM" and not cfg.qk_layernorm:
-        problems.append("no query/key norms, which Qwen3ForCausalLM always has (--qk-layernorm)")
+    if architecture in ("Qwen3ForCausalLM", GEMMA3) and not cfg.qk_layernorm:
+        problems.append(f"no query/key norms, which {architecture} always has (--qk-layernorm)")
+    gemma = {"--geglu": cfg.geglu, "--apply-layernorm-1p": cfg.apply_layernorm_1p, "--sandwich-norm": cfg.sandwich_norm,
+             "--scale-embeddings": cfg.scale_embeddings}
+    if architecture == GEMMA3:
+        problems += [f"no {flag}, which Gemma3ForCausalLM always has" for flag, on in gemma.items() if not on]
+        if cfg.rope_scaling_type == "llama3":
+            problems.append("llama3 RoPE scaling, which Gemma3ForCausalLM does not use (linear or none)")
+    else:
+        problems += [f"{flag}, which {architecture} does not have (Gemma3ForCausalLM does)"
+                     for flag, on in gemma.items() if on]
+        for flag, value in (("--softmax-scale", cfg.softmax_scale), ("--window-attn-skip-freq", cfg.window_attn_skip_freq),
+                            ("--rotary-base-local", cfg.rotary_base_local)):
+            if value is not None:
+                problems.append(f"{flag} {value}, which {architecture} does not have (Gemma3ForCausalLM does)")
     if problems:
         raise ValueError(f"this model cannot be expressed as {architecture}: it has " + "; ".join(problems))
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling_type == "none" else cfg.rope_scaling_type,
@@ -255,7 +344,8 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
                     high_freq_factor=cfg.rope_scaling_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_scaling_original_max_position_embeddings)
     out: dict[str, Any] = dict(extra or {})
-    for stale in ("rope_scaling", "rope_theta", "architectures", "model_type"):
+    for stale in ("rope_scaling", "rope_theta", "architectures", "model_type", "rope_local_base_freq",
+                  "sliding_window_pattern"):
         out.pop(stale, None)
     out.update({
         "architectures": [architecture], "model_type": MODEL_TYPES[architecture], "vocab_size": vocab_size,
@@ -276,11 +366,30 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, architecture: Option
         out["sliding_window"] = cfg.sliding_window
     if architecture == "Qwen3ForCausalLM":
         out["attention_bias"] = False
+    if architecture == GEMMA3:
+        out.update(_gemma3_config(cfg, rope))
+        del out["hidden_act"]   # Gemma's is hidden_activation
     if architecture in _QWEN:   # every layer windowed, or none (stale per-layer fields replaced)
         windowed = cfg.sliding_window is not None
         out.update(use_sliding_window=windowed, sliding_window=cfg.sliding_window,
                    max_window_layers=0 if windowed else cfg.num_layers,
                    layer_types=["sliding_attention" if windowed else "full_attention"] * cfg.num_layers)
+    return out
+
+
+def _gemma3_config(cfg: ModelConfig, rope: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma3ForCausalLM fields of config.json (transformers 5 form), stale transformers 4 ones replaced."""
+    layers = [cfg.layer_is_local(i) for i in range(cfg.num_layers)]
+    scale = cfg.softmax_scale if cfg.softmax_scale is not None else cfg.head_dim ** -0.5
+    scalar = scale ** -2
+    local_base = cfg.rotary_base_local if cfg.rotary_base_local is not None else cfg.rotary_base
+    out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar))
+           < 1e-9 * scalar else scalar, "sliding_window": cfg.sliding_window if cfg.sliding_window is not None else 4096,
+           "layer_types": ["sliding_attention" if local else "full_attention" for local in layers],
+           "rope_parameters": {"full_attention": rope, "sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": float(local_base)}},
+           "attention_bias": False, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+           "use_bidirectional_attention": False}
     return out
 
 
@@ -310,9 +419,10 @@ def _hf_to_canonical_names(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple
             continue
         i = int(spec.name.split(".")[2])
         local = spec.name[len(layer_prefix(i)) + 1:]
-        if local not in _LAYER_MAP:
+        layer_map = {**_LAYER_MAP, **_SANDWICH_NORMS} if cfg.sandwich_norm else _LAYER_MAP
+        if local not in layer_map:
             raise ValueError(f"{spec.name} has no Hugging Face equivalent")
-        out[spec.name] = tuple(f"model.layers.{i}.{n}" for n in _LAYER_MAP[local])
+        out[spec.name] = tuple(f"model.layers.{i}.{n}" for n in layer_map[local])
     return out
 
 

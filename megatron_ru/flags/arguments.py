@@ -252,13 +252,8 @@ def _sequence_rule(a: Arguments) -> list[str]:
         # declared for (checkpoints, conversion to HF's max_position_embeddings): refuse both
         return [f"--seq-length ({seq}) exceeds --max-position-embeddings ({mpe}) with --position-embedding-type "
                 f"{a.model.position_embedding_type}: raise --max-position-embeddings or shorten --seq-length"]
-    window = a.model.sliding_window
-    if seq is not None and window is not None and seq > window:
-        # the attention applies the window (as transformers does), but training on sequences longer than
-        # the window is not supported: refused rather than trained differently from the source model
-        return [f"--seq-length ({seq}) exceeds the model's --sliding-window ({window}): training sequences "
-                f"longer than the attention window are not supported (generation applies the window); use "
-                f"--seq-length {window} or less"]
+    # a --seq-length above --sliding-window trains with the window applied in every windowed layer, as the
+    # source model computes it (tests/integration/test_train_layouts.py: Gemma 3's local and global layers)
     return []
 
 
@@ -357,7 +352,7 @@ def _lora_rule(a: Arguments) -> list[str]:
                 f"{recorded}; drop the --lora-* flags to continue with the checkpoint's adapters"]
     from megatron_ru.config.lora import resolve_adapters
     try:
-        resolve_adapters(spec, a.model.num_layers, a.model.swiglu)
+        resolve_adapters(spec, a.model.num_layers, a.model.gated_mlp)
     except ValueError as e:
         return [str(e)]
     out = []

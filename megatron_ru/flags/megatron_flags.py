@@ -288,8 +288,6 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--no-query-key-layer-scaling", NO_EFFECT, 0, "query-key layer scaling is a fp16 overflow guard that "
                  "does not change the attention scores; it is not applied here"),
     MegatronFlag("--attention-softmax-in-fp32", NO_EFFECT, 0, "the attention softmax runs in fp32 here (torch SDPA)"),
-    MegatronFlag("--apply-layernorm-1p", NO_EFFECT, 0, "LayerNorm's weight stored as 1 + w instead of w: the same "
-                 "layer and the same training (norm weights get no weight decay here, as in Megatron)", source="LM"),
     MegatronFlag("--use-flash-attn", NO_EFFECT, 0, "torch's scaled_dot_product_attention picks the flash or "
                  "memory-efficient kernel itself"),
     MegatronFlag("--use-flash-attn-v2", NO_EFFECT, 0, "see --use-flash-attn", source="DS"),

@@ -232,7 +232,7 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
         ("--openai-gelu", 0, "LM, DS"), ("--qk-l2-norm", 0, "LM"),
         ("--quick-geglu", 0, "LM"), ("--rotary-interleaved", 0, "LM"),
         ("--rotary-seq-len-interpolation-factor", 1, "LM"), ("--squared-relu", 0, "LM, DS"),
-        ("--window-attn-skip-freq", 1, "LM"), ("--window-size", 1, "LM"), ("--yarn-beta-fast", 1, "LM"),
+        ("--window-size", 1, "LM"), ("--yarn-beta-fast", 1, "LM"),
         ("--yarn-beta-slow", 1, "LM"), ("--yarn-correction-range-round-to-int", 0, "LM"),
         ("--yarn-original-max-position-embeddings", 1, "LM"),
     )),

@@ -42,7 +42,7 @@ class ModelShape:
         return cls(num_layers=cfg.num_layers if num_layers is None else num_layers, hidden_size=cfg.hidden_size,
                    ffn_hidden_size=cfg.resolved_ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
                    num_query_groups=cfg.query_groups, seq_length=seq_length, vocab_size=vocab_size,
-                   gated_mlp=cfg.swiglu, head_dim=cfg.head_dim)
+                   gated_mlp=cfg.gated_mlp, head_dim=cfg.head_dim)
 
 
 def flops_per_token(shape: ModelShape, recompute: bool = False) -> float:

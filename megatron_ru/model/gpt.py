@@ -58,6 +58,8 @@ class EmbeddingLayer(nn.Module):
         self.dropout = cfg.hidden_dropout
         self.output_only = output_only
         self.has_position_table = cfg.position_embedding_type == "learned_absolute"
+        #: --scale-embeddings (Gemma): the embeddings times sqrt(hidden), that number rounded to their dtype
+        self.scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_rows(cfg, vocab_size, group_size(tp_group)), cfg.hidden_size, tp_group=tp_group,
@@ -80,6 +82,8 @@ class EmbeddingLayer(nn.Module):
             raise RuntimeError("this EmbeddingLayer was built output_only (last pipeline stage) and has no "
                                "position embeddings; use it through tied_output_logits")
         x = self.word_embeddings(tokens)                   # [b, s, h]
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
         if self.position_embeddings is not None:
             if position_ids is None:
                 position_ids = torch.arange(tokens.shape[1], device=tokens.device)
@@ -123,7 +127,8 @@ class FinalNorm(Norm):
     def __init__(self, cfg: ModelConfig, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
                  *, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, tp_group=tp_group,
-                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+                         sequence_parallel=sequence_parallel, device=device, dtype=dtype,
+                         one_plus=cfg.apply_layernorm_1p)
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         if isinstance(x, tuple):  # a pipeline's (hidden, position_ids[, document_ids]): the ids end here

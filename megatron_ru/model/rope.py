@@ -27,7 +27,11 @@ class RopeSpec:
     original_max_positions: Optional[int] = None
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "RopeSpec":
+    def from_config(cls, cfg: ModelConfig, local: bool = False) -> "RopeSpec":
+        """The RoPE of a layer; ``local``: a sliding-window layer, which has its own unscaled base
+        (--rotary-base-local) where the model mixes local and global layers (Gemma 3)."""
+        if local and cfg.rotary_base_local is not None:
+            return cls(cfg.head_dim, float(cfg.rotary_base_local))
         return cls(cfg.head_dim, float(cfg.rotary_base), cfg.rope_scaling_type, cfg.rope_scaling_factor,
                    cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
                    cfg.rope_scaling_original_max_position_embeddings)

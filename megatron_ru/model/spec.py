@@ -123,9 +123,13 @@ def _layer_params(desc: LayerDesc, cfg: ModelConfig, vocab_size: int) -> list[tu
         out += [(f"self_attention.{which}_layernorm.{n}", s, dim, st, v)
                 for which in ("q", "k") for n, s, dim, st, v in head_norm]
     out += _linear_params(proj, cfg, bias)
+    if cfg.sandwich_norm:
+        out += [("post_self_attn_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
     out += [("pre_mlp_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
     out += _linear_params(fc1, cfg, bias)
     out += _linear_params(fc2, cfg, bias)
+    if cfg.sandwich_norm:
+        out += [("post_mlp_layernorm." + n, s, dim, st, v) for n, s, dim, st, v in norm]
     return out + _adapter_params(desc, cfg)
 
 

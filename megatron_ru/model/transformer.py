@@ -44,7 +44,7 @@ class Norm(nn.Module):
     def __init__(self, hidden_size: int, normalization: str = "LayerNorm", eps: float = 1e-5, *,
                  tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
                  device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                 split_input: bool = False) -> None:
+                 split_input: bool = False, one_plus: bool = False) -> None:
         super().__init__()
         if normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {normalization!r}")
@@ -55,7 +55,9 @@ class Norm(nn.Module):
         assert not sequence_parallel or group_size(tp_group) > 1, "sequence parallelism needs TP > 1"
         self.sequence_parallel = sequence_parallel
         self.sum_grad_over_tp = (sequence_parallel or split_input) and group_size(tp_group) > 1
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        #: --apply-layernorm-1p: the scale is 1 + weight, the weight starting at 0 (Gemma's RMSNorm)
+        self.one_plus = one_plus
+        self.weight = nn.Parameter((torch.zeros if one_plus else torch.ones)(hidden_size, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
                      if normalization == "LayerNorm" else None)
         for p in self.parameters():
@@ -66,6 +68,10 @@ class Norm(nn.Module):
         if self.sum_grad_over_tp:
             weight = copy_to_tensor_model_parallel_region(weight, self.tp_group)
             bias = None if bias is None else copy_to_tensor_model_parallel_region(bias, self.tp_group)
+        if self.one_plus:  # in fp32 and then the input's dtype, as Gemma computes (1 + w) * x_normed
+            if bias is None:
+                return F.rms_norm(x.float(), self.shape, 1.0 + weight.float(), self.eps).to(x.dtype)
+            return F.layer_norm(x.float(), self.shape, 1.0 + weight.float(), bias.float(), self.eps).to(x.dtype)
         if _HAVE_APEX and x.is_cuda:
             if bias is None:
                 return fused_rms_norm_affine(x, weight, self.shape, self.eps)
@@ -111,11 +117,13 @@ _last_document_mask = _LastDocumentMask()
 
 
 def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-                    causal: bool, gqa: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v with attention dropout (drawn from the TP stream: heads differ per rank)."""
+                    causal: bool, gqa: bool, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v (scale 1/sqrt(d) unless --softmax-scale) with attention dropout (drawn
+    from the TP stream: heads differ per rank)."""
     with split_region_rng(dropout > 0):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                              **({"enable_gqa": True} if gqa else {}))
+                                              **({"enable_gqa": True} if gqa else {}),
+                                              **({"scale": scale} if scale is not None else {}))
 
 
 def split_region_rng(active: bool) -> contextlib.AbstractContextManager:
@@ -140,9 +148,11 @@ class Attention(nn.Module):
         self.groups_per_rank = divide(cfg.query_groups, tp, "--num-query-groups over tensor-parallel size")
         self.heads_per_group = divide(cfg.num_attention_heads, cfg.query_groups,
                                       "--num-attention-heads over --num-query-groups")
-        self.rope = RopeSpec.from_config(cfg) if cfg.position_embedding_type == "rope" else None
+        local = cfg.layer_is_local(layer_number)   # --sliding-window, every layer or all but each N-th
+        self.rope = RopeSpec.from_config(cfg, local=local) if cfg.position_embedding_type == "rope" else None
         self.dropout = cfg.attention_dropout
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.sliding_window if local else None
+        self.softmax_scale = cfg.softmax_scale
         self.recompute_core = cfg.recompute_granularity == "selective"
         qkv, proj = LINEARS["linear_qkv"], LINEARS["linear_proj"]
         std = cfg.init_method_std
@@ -154,7 +164,7 @@ class Attention(nn.Module):
         self.q_layernorm = self.k_layernorm = None
         if cfg.qk_layernorm:  # per head, before RoPE; each TP rank holds other heads: gradients summed over TP
             head_norm = dict(normalization=cfg.normalization, eps=cfg.norm_epsilon, tp_group=tp_group,
-                             device=device, dtype=dtype, split_input=True)
+                             device=device, dtype=dtype, split_input=True, one_plus=cfg.apply_layernorm_1p)
             self.q_layernorm = Norm(self.head_dim, **head_norm)
             self.k_layernorm = Norm(self.head_dim, **head_norm)
         self.linear_proj = RowParallelLinear(
@@ -224,15 +234,15 @@ class Attention(nn.Module):
         if self.recompute_core and self.training and torch.is_grad_enabled() and kv_cache is None:
             # --recompute-granularity selective: the core attention's saved tensors (the math path's s x s scores,
             # softmax, dropout mask) are rebuilt in backward from q, k, v; the dropout draws are replayed
-            out = tp_random.checkpoint(_core_attention, q, k, v, mask, dropout, causal, gqa)
+            out = tp_random.checkpoint(_core_attention, q, k, v, mask, dropout, causal, gqa, self.softmax_scale)
         else:
-            out = _core_attention(q, k, v, mask, dropout, causal, gqa)
+            out = _core_attention(q, k, v, mask, dropout, causal, gqa, self.softmax_scale)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         return self.linear_proj(out)
 
 
 class MLP(nn.Module):
-    """h -> ffn -> h with GELU, or SwiGLU with linear_fc1 holding [gate; up] (split per TP
+    """h -> ffn -> h with GELU, or SwiGLU / GeGLU (tanh GELU) with linear_fc1 holding [gate; up] (split per TP
     rank with stride 2 so every rank owns matching gate and up rows)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int, *, tp_group: ProcessGroup | None,
@@ -240,7 +250,7 @@ class MLP(nn.Module):
         super().__init__()
         prefix = layer_prefix(layer_number) + ".mlp."
         fc1, fc2 = LINEARS["linear_fc1"], LINEARS["linear_fc2"]
-        self.swiglu = cfg.swiglu
+        self.gate = "silu" if cfg.swiglu else "gelu_tanh" if cfg.geglu else None
         std = cfg.init_method_std
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                       device=device, dtype=dtype)
@@ -257,9 +267,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
-        if self.swiglu:
+        if self.gate is not None:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = (F.silu(gate) if self.gate == "silu" else F.gelu(gate, approximate="tanh")) * up
         else:
             h = F.gelu(h)
         return self.linear_fc2(h)
@@ -285,12 +295,15 @@ class TransformerLayer(nn.Module):
         #: --distribute-saved-activations: the checkpointed input split across this TP group
         self._distribute_group = tp_group if cfg.distribute_saved_activations and group_size(tp_group) > 1 else None
         norm = dict(normalization=cfg.normalization, eps=cfg.norm_epsilon, tp_group=tp_group,
-                    sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+                    sequence_parallel=sequence_parallel, device=device, dtype=dtype, one_plus=cfg.apply_layernorm_1p)
         parts = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, seed=seed, device=device, dtype=dtype)
         self.input_layernorm = Norm(cfg.hidden_size, **norm)
         self.self_attention = Attention(cfg, layer_number, **parts)
+        # --sandwich-norm (Gemma 2/3): the attention and MLP outputs normalised before their residual adds
+        self.post_self_attn_layernorm = Norm(cfg.hidden_size, **norm) if cfg.sandwich_norm else None
         self.pre_mlp_layernorm = Norm(cfg.hidden_size, **norm)
         self.mlp = MLP(cfg, layer_number, **parts)
+        self.post_mlp_layernorm = Norm(cfg.hidden_size, **norm) if cfg.sandwich_norm else None
         self._compiled = None  # torch.compile'd _forward (--torch-compile); None: eager
 
     def compile_forward(self) -> None:
@@ -310,8 +323,13 @@ class TransformerLayer(nn.Module):
                  rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x), position_ids, kv_cache=kv_cache,
                                    attention_mask=attention_mask, rope_tables=rope_tables)
+        if self.post_self_attn_layernorm is not None:
+            attn = self.post_self_attn_layernorm(attn)
         x = x + self._dropout(attn)
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        mlp = self.mlp(self.pre_mlp_layernorm(x))
+        if self.post_mlp_layernorm is not None:
+            mlp = self.post_mlp_layernorm(mlp)
+        return x + self._dropout(mlp)
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], position_ids: torch.Tensor | None = None, *,
                 kv_cache: LayerKVCache | None = None, attention_mask: torch.Tensor | None = None,

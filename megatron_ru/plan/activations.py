@@ -104,7 +104,7 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
             attn += (m if w == e else w) * scores + w * scores                 # mask, dropped probs
     out["attention"] = attn
     out["dropout_masks"] = 2 * m * T_sp * h if cfg.hidden_dropout > 0 else 0
-    if cfg.swiglu:
+    if cfg.gated_mlp:
         out["mlp"] = e * T * (2 * f // t) + 2 * e * T * (f // t)
     else:
         out["mlp"] = 2 * e * T * (f // t)

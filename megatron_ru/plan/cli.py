@@ -122,7 +122,7 @@ def resolve_model(ns: argparse.Namespace, argv: Sequence[str]) -> tuple[ModelCon
     if lora.enabled:
         from megatron_ru.config.lora import resolve_adapters
         spec = LoraSpec.from_config(lora)
-        resolve_adapters(spec, cfg.num_layers, cfg.swiglu)
+        resolve_adapters(spec, cfg.num_layers, cfg.gated_mlp)
         cfg.lora = spec.to_dict()
     problems = cfg.problems()
     if problems:

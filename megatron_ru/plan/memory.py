@@ -96,7 +96,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
     per_layer = act.layer_bytes(cfg, layout, rt)
     e = layout.param_bytes
     T = layout.seq_length * layout.micro_batch
-    f1 = cfg.resolved_ffn_hidden_size * (2 if cfg.swiglu else 1)
+    f1 = cfg.resolved_ffn_hidden_size * (2 if cfg.gated_mlp else 1)
     best: Optional[MemoryPrediction] = None
     totals = []
     for stage, (n_layers, has_embed, has_head) in enumerate(shape):

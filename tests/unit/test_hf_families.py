@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from megatron_ru.convert.hf_mapping import (from_canonical, hf_config_from_model, hf_to_canonical_names,
                                             model_config_from_hf, to_canonical)
@@ -49,9 +49,26 @@ def _qwen3_untied_mha():  # every head its own key/value (no GQA), head size 8 =
                        **{**COMMON, "num_key_value_heads": 8})
 
 
+def _gemma3(**kw):  # local and global layers (every 3rd global: 2 local + 1 global, twice), windows shorter than
+    # the sequence, each type its own RoPE, scale 1/sqrt(query_pre_attn_scalar) not 1/sqrt(head size), tied
+    cfg = dict(vocab_size=83, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+               layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+               **{**COMMON, "num_hidden_layers": 6})
+    cfg.update(kw)
+    return Gemma3TextConfig(**cfg)
+
+
+def _gemma3_linear_rope():  # Gemma 3 4B's global RoPE: linear scaling by 8 (the local layers unscaled)
+    return _gemma3(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
 CASES = {"llama-gqa-untied": _llama, "llama-tied": lambda: _llama(tied=True), "llama3-scaled": _llama3_scaled,
          "llama-linear": _llama_linear, "qwen2-bias-tied": _qwen2, "mistral-odd-vocab-head16": _mistral,
-         "qwen3-qknorm-head16-tied": _qwen3, "qwen3-untied-mha": _qwen3_untied_mha}
+         "qwen3-qknorm-head16-tied": _qwen3, "qwen3-untied-mha": _qwen3_untied_mha,
+         "gemma3-local-global": _gemma3, "gemma3-linear-rope": _gemma3_linear_rope}
 
 
 def _hf_model(config):
@@ -191,12 +208,13 @@ def test_qwen3_refusals_name_the_field(config, message):
     assert message in str(e.value), str(e.value)
 
 
-def test_mistral_window_refuses_longer_sequences():
+def test_mistral_window_trains_longer_sequences():
+    """--seq-length above the window trains with the window applied (Gemma 3's 512-token local layers in 32k
+    sequences); the training numbers are checked in tests/integration/test_train_layouts.py."""
     from megatron_ru.flags.arguments import parse_arguments
     from tests.integration._train_helpers import tiny_argv
     argv = tiny_argv("/nonexistent", "/tmp") + ["--sliding-window", "16"]
-    with pytest.raises(ValueError, match=r"--seq-length \(32\) exceeds the model's --sliding-window \(16\): "
-                                         r"training sequences longer than the attention window are not supported"):
-        parse_arguments(argv, world_size=1, device_type="cpu")
+    args = parse_arguments(argv, world_size=1, device_type="cpu", validate=False)
+    assert args.model.sliding_window == 16 and args.data.seq_length == 32
     cfg, _ = model_config_from_hf({**_mistral().to_dict(), "architectures": ["MistralForCausalLM"]})
     assert cfg.sliding_window == 32 and cfg.kv_channels == 16

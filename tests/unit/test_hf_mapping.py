@@ -199,8 +199,8 @@ def test_bad_tensors_are_named():
     (dict(normalization="LayerNorm", swiglu=False, disable_bias_linear=False, position_embedding_type=
           "learned_absolute", max_position_embeddings=32), None,
      "learned absolute position embeddings (--position-embedding-type learned_absolute); LayerNorm (Llama/Qwen2 "
-     "use RMSNorm: --normalization RMSNorm); a GELU MLP (Llama/Qwen2 use SwiGLU: --swiglu); biases on every "
-     "linear layer (Llama/Qwen2 have none: --disable-bias-linear)"),
+     "use RMSNorm: --normalization RMSNorm); a GELU MLP (Llama/Qwen2 use SwiGLU: --swiglu; Gemma 3 GeGLU: "
+     "--geglu); biases on every linear layer (Llama/Qwen2 have none: --disable-bias-linear)"),
 ])
 def test_export_refuses_what_the_architecture_cannot_hold(kw, arch, message):
     with pytest.raises(ValueError) as e:
