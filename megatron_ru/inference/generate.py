@@ -48,7 +48,6 @@ def generate(runner: StageRunner, prompts: Sequence[Sequence[int]], *, max_new_t
     batch = left_pad(prompts, pad_id, device)
     b, width = batch.tokens.shape
     check_positions(runner.cfg, width, max_new_tokens)
-    window = getattr(runner.cfg, "sliding_window", None)
     generators = None
     if not params.greedy and runner.is_source():
         generators = sample_generators(seed, indices if indices is not None else range(b))
@@ -59,7 +58,9 @@ def generate(runner: StageRunner, prompts: Sequence[Sequence[int]], *, max_new_t
     out = [Completion(list(map(int, p))) for p in prompts]
     done = [False] * b
     for step in range(max_new_tokens):
-        mask = attention_mask(valid, step_tokens.shape[1], window)
+        # causal over the real tokens; each windowed layer narrows it to its own window (Gemma 3's global
+        # layers see everything)
+        mask = attention_mask(valid, step_tokens.shape[1])
         with torch.no_grad():
             logits = runner(step_tokens, step_positions, attention_mask=mask, kv_caches=caches, last_only=True)
         nxt = torch.zeros(b, dtype=torch.long, device=device)

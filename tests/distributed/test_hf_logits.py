@@ -9,7 +9,8 @@ logits (fp32, eager attention, <= 1e-5 relative) through the inference runner at
 * Llama-3.2-shaped (tied, llama3 RoPE scaling) and Mistral-Nemo-shaped (head size 16 with hidden 32 and 4
   heads: the query width is not the hidden size);
 * Qwen3 with per-head query/key norms and a head size whose query width is not the hidden size, tied; and
-  Qwen3 windowed in every layer (use_sliding_window, max_window_layers 0), untied.
+  Qwen3 windowed in every layer (use_sliding_window, max_window_layers 0), untied;
+* Gemma 3 with local and global layers (window 12 < the sequence), linear RoPE scaling on the global ones.
 
 Each layout is one spawned process group that runs every model (imported at that layout). A second
 batch, left-padded with an attention mask and per-sample positions, is compared with transformers
@@ -36,7 +37,7 @@ _COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_at
 
 def _hf_models() -> dict[str, object]:
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-        Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+        Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Gemma3TextConfig, Gemma3ForCausalLM
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     return {
@@ -57,6 +58,13 @@ def _hf_models() -> dict[str, object]:
         "qwen3_window": Qwen3ForCausalLM(Qwen3Config(vocab_size=77, tie_word_embeddings=False, head_dim=8,
                                                      use_sliding_window=True, sliding_window=24,
                                                      max_window_layers=0, **_COMMON)),
+        # local (window 12 < 40) and global layers, each with its RoPE, scale 1/sqrt(20), GeGLU, four (1 + w)
+        # norms a layer, embeddings x sqrt(h), tied
+        "gemma3": Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=86, head_dim=16, sliding_window=12, query_pre_attn_scalar=20,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **_COMMON)),
     }
 
 
@@ -119,12 +127,12 @@ def _body(rank: int, world_size: int, tp: int, pp: int, cases: dict) -> dict:
         reader = read_checkpoint(ckpt)
         runner = StageRunner(reader.cfg, reader.vocab_size, state)
         runner.load(reader.get)
-        window = getattr(reader.cfg, "sliding_window", None)
         positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
         plain_pos = torch.arange(SEQ).expand(2, SEQ)
         with torch.no_grad():
-            plain = runner(tokens, plain_pos, attention_mask=attention_mask(torch.ones_like(valid), SEQ, window))
-            masked = runner(tokens.masked_fill(~valid, 0), positions, attention_mask=attention_mask(valid, SEQ, window))
+            # causal masks: each windowed layer narrows them to its window (Gemma 3's global layers do not)
+            plain = runner(tokens, plain_pos, attention_mask=attention_mask(torch.ones_like(valid), SEQ))
+            masked = runner(tokens.masked_fill(~valid, 0), positions, attention_mask=attention_mask(valid, SEQ))
         if runner.is_last:
             out[name] = (plain, masked)
     return out

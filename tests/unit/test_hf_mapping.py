@@ -2,7 +2,7 @@
 
 * decoding with the KV cache (a prefill, a multi-token chunk, then token by token) gives the logits
   of the full forward, which equal transformers' (eager), also beyond a sliding window (Mistral, and
-  Qwen2 and Qwen3 with every layer windowed) and for a left-padded row under an explicit attention mask;
+  Qwen2 and Qwen3 with every layer windowed, Gemma 3's local layers between global ones) and for a left-padded row under an explicit attention mask;
 * the packing is the documented one (QKV rows per query group, fc1 = [gate; up]), so TP shards hold
   whole groups and matching gate/up rows; the mapping back is bit-identical (bf16);
 * bad tensors, configurations that cannot be imported or exported, and missing config.json fields
@@ -19,7 +19,7 @@ from megatron_ru.convert.hf_mapping import (from_canonical, hf_config_from_model
                                             model_config_from_hf, to_canonical)
 from megatron_ru.model.kv_cache import KVCache, LayerKVCache
 from megatron_ru.parallel.utils import shard_tensor, unshard_tensors
-from tests.unit.test_hf_families import COMMON, _hf_model, _llama3_scaled, _ours
+from tests.unit.test_hf_families import COMMON, _gemma3, _hf_model, _llama3_scaled, _ours
 
 
 def _mistral_window():   # window 8 << sequence 20; head size 16 != 64 / 8
@@ -50,8 +50,8 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("make", [_mistral_window, _qwen2_window, _llama3_scaled, _qwen3_window],
-                         ids=["mistral-window", "qwen2-window", "llama3", "qwen3-window"])
+@pytest.mark.parametrize("make", [_mistral_window, _qwen2_window, _llama3_scaled, _qwen3_window, _gemma3],
+                         ids=["mistral-window", "qwen2-window", "llama3", "qwen3-window", "gemma3-local-global"])
 def test_cached_decoding_equals_full_forward_and_transformers(make):
     model = _hf_model(make())
     gpt, _ = _ours(model)
