@@ -102,6 +102,8 @@ def wait_while_running(proc: subprocess.Popen, predicate: Callable[[], bool], ti
     deadline = time.monotonic() + timeout
     while not predicate():
         code = proc.poll()
+        if code is not None and predicate():   # it came true just before the process ended
+            return
         if code is not None or time.monotonic() >= deadline:
             how = f"exited with status {code}" if code is not None else f"still runs after {timeout:.0f} s"
             raise AssertionError(f"{what}: not seen; the process {how}; its output ends:\n{output()[-4000:]}")
