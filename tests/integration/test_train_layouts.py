@@ -17,11 +17,12 @@ FP32_RTOL = 1e-5
 BF16_RTOL, BF16_NORM_RTOL = 2e-3, 3e-2
 ENV = {"DS_ACCELERATOR": "cpu"}
 DECOUPLED = ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
-# Qwen3's attention: per-head query/key norms (one weight for all heads, replicated over TP while each TP rank
-# holds other heads: its gradient is the sum over TP) and a head size whose query width (128) is not the hidden
-QK_NORM = ["--qk-layernorm", "--kv-channels", "16"]
-# Gemma 3's block: GeGLU, (1 + w) norms, four norms a layer, embeddings x sqrt(h), query/key norms, its own softmax
-# scale, and local layers (window 8 < the 32 tokens) between global ones, each with its own RoPE base
+# Gemma 3's block: GeGLU, (1 + w) norms, four norms a layer, embeddings x sqrt(h), its own softmax scale, local
+# layers (window 8 < the 32 tokens) between global ones, each with its own RoPE base, and Qwen3's attention too:
+# per-head query/key norms (one weight for all heads, replicated over TP while each TP rank holds other heads: its
+# gradient is the sum over TP; without that sum TP 2 is off by 7e-4 in the gradient norm) and a head size whose
+# query width (128) is not the hidden size (64); tied embeddings, so at PP 2 the word embedding's two copies on
+# the first and last stage have their gradients summed
 GEMMA = ["--geglu", "--sandwich-norm", "--apply-layernorm-1p", "--scale-embeddings", "--qk-layernorm",
          "--kv-channels", "16", "--softmax-scale", "0.2", "--sliding-window", "8", "--window-attn-skip-freq", "2",
          "--rotary-base-local", "10000"]
@@ -29,10 +30,6 @@ GEMMA = ["--geglu", "--sandwich-norm", "--apply-layernorm-1p", "--scale-embeddin
 
 def _gemma(argv):
     return [a for a in argv if a != "--swiglu"] + GEMMA
-
-
-# tied embeddings (Llama-3.2, Qwen3's small sizes): at PP > 1 the word embedding lives on the first and the last
-# stage, its two gradients summed between them
 
 
 def _tied(argv):
@@ -74,21 +71,11 @@ def _runs(prefix, cache):
         runs.append(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
             "--eval-iters", "0", "--recompute-granularity", "full", *extra]))
-    for tp, pp, stage, extra in ((2, 2, 1, ["--sequence-parallel"]), (2, 1, 3, []), (4, 1, 0, [])):
-        names.append((tp, pp, 4 // (tp * pp), stage, "fp32 --qk-layernorm " + " ".join(extra)))
-        runs.append(tiny_argv(prefix, cache, extra=[
-            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--zero-stage", str(stage), "--eval-iters", "0", *QK_NORM, *extra]))
-    for tp, pp, stage, extra in ((2, 2, 1, ["--sequence-parallel"]), (2, 1, 3, [])):
+    for tp, pp, stage, extra in ((2, 2, 1, ["--sequence-parallel"]), (2, 1, 3, []), (1, 2, 0, [])):
         names.append((tp, pp, 4 // (tp * pp), stage, "fp32 gemma " + " ".join(extra)))
         runs.append(_tied(_gemma(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--zero-stage", str(stage), "--eval-iters", "0", *extra]))))
-    for tp, pp, stage in ((2, 2, 1), (1, 2, 0)):
-        names.append((tp, pp, 4 // (tp * pp), stage, "fp32 tied"))
-        runs.append(_tied(tiny_argv(prefix, cache, extra=[
-            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--zero-stage", str(stage), "--eval-iters", "0"])))
     for tp, pp, stage in ((2, 2, 1), (1, 1, 2)):
         names.append((tp, pp, 4 // (tp * pp), stage, "bf16"))
         runs.append(tiny_argv(prefix, cache, extra=[
@@ -99,17 +86,14 @@ def _runs(prefix, cache):
 
 def test_every_layout_matches_single_process(tmp_path):
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
-    ref, ref_decoupled, ref_qk, ref_tied, ref_gemma = run_distributed(
-        train_body, 1, args=([tiny_argv(prefix, cache, extra=["--eval-iters", "0", *extra])
-                              for extra in ([], DECOUPLED, QK_NORM)]
-                             + [_tied(tiny_argv(prefix, cache, extra=["--eval-iters", "0"])),
-                                _tied(_gemma(tiny_argv(prefix, cache, extra=["--eval-iters", "0"])))],),
+    ref, ref_decoupled, ref_gemma = run_distributed(
+        train_body, 1, args=([tiny_argv(prefix, cache, extra=["--eval-iters", "0", *extra]) for extra in ([], DECOUPLED)]
+                             + [_tied(_gemma(tiny_argv(prefix, cache, extra=["--eval-iters", "0"])))],),
         timeout=300, env=ENV)[0]
     assert len(ref["losses"]) == 10 and ref["losses"][10] < ref["losses"][1] - 0.3  # it learns
     # the embedding's own learning rate changes the run (from the second update: the first is at lr 0)
     assert relative_diff(ref_decoupled["losses"], ref["losses"]) > 1e-3
-    assert relative_diff(ref_qk["losses"], ref["losses"]) > 1e-3 and ref_qk["losses"][10] < ref_qk["losses"][1] - 0.3
-    assert ref_gemma["losses"][10] < ref_gemma["losses"][1] - 0.3
+    assert relative_diff(ref_gemma["losses"], ref["losses"]) > 1e-3 and ref_gemma["losses"][10] < ref_gemma["losses"][1] - 0.3
     names, runs = _runs(prefix, cache)
     results = run_distributed(train_body, 4, args=(runs,), timeout=900, env=ENV)[0]
     by_name = dict(zip((n[-1] for n in names), results))
@@ -126,8 +110,7 @@ def test_every_layout_matches_single_process(tmp_path):
             continue  # compared with each other above (the reference runs without dropout)
         fp32 = name[-1].startswith("fp32")
         tol = FP32_RTOL if fp32 else BF16_RTOL
-        want = {"--decoupled-lr": ref_decoupled, "--qk-layernorm": ref_qk, "tied": ref_tied, "gemma": ref_gemma}.get(
-            next((k for k in ("--decoupled-lr", "--qk-layernorm", "tied", "gemma") if k in name[-1]), ""), ref)
+        want = ref_decoupled if "--decoupled-lr" in name[-1] else ref_gemma if "gemma" in name[-1] else ref
         d_loss = relative_diff(res["losses"], want["losses"])
         d_norm = relative_diff(res["grad_norms"], want["grad_norms"])
         if d_loss > tol or d_norm > (1e-4 if fp32 else BF16_NORM_RTOL):
