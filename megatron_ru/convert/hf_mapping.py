@@ -413,13 +413,13 @@ def hf_to_canonical_names(cfg: ModelConfig, vocab_size: int = 1) -> dict[str, tu
 
 def _hf_to_canonical_names(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
+    layer_map = {**_LAYER_MAP, **_SANDWICH_NORMS} if cfg.sandwich_norm else _LAYER_MAP
     for spec in parameter_specs(cfg, vocab_size):
         if spec.name in _TOP_MAP:
             out[spec.name] = _TOP_MAP[spec.name]
             continue
         i = int(spec.name.split(".")[2])
         local = spec.name[len(layer_prefix(i)) + 1:]
-        layer_map = {**_LAYER_MAP, **_SANDWICH_NORMS} if cfg.sandwich_norm else _LAYER_MAP
         if local not in layer_map:
             raise ValueError(f"{spec.name} has no Hugging Face equivalent")
         out[spec.name] = tuple(f"model.layers.{i}.{n}" for n in layer_map[local])

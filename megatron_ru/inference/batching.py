@@ -46,16 +46,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: Optional[tor
     return PaddedBatch(tokens.to(device), valid.to(device), positions.to(device), lengths)
 
 
-def attention_mask(valid_keys: torch.Tensor, num_queries: int, sliding_window: Optional[int] = None) -> torch.Tensor:
+def attention_mask(valid_keys: torch.Tensor, num_queries: int) -> torch.Tensor:
     """Mask [b, 1, q, k] for the last ``num_queries`` of ``k`` cached positions (``valid_keys``
-    [b, k] True on real tokens): causal, real keys only, within ``sliding_window`` (query index
-    minus key index < window) when given; a padding query sees only itself."""
+    [b, k] True on real tokens): causal, real keys only; a padding query sees only itself. A windowed layer
+    narrows it to its own window (``Attention.forward``): the window is a property of the layer (Gemma 3's
+    global layers have none), not of the batch."""
     b, k = valid_keys.shape
     q_idx = torch.arange(k - num_queries, k, device=valid_keys.device).unsqueeze(-1)   # [q, 1]
     k_idx = torch.arange(k, device=valid_keys.device).unsqueeze(0)                     # [1, k]
     allowed = k_idx <= q_idx
-    if sliding_window is not None and sliding_window > 0:
-        allowed = allowed & (q_idx - k_idx < sliding_window)
     mask = allowed.unsqueeze(0) & valid_keys.unsqueeze(1)                              # [b, q, k]
     self_only = (k_idx == q_idx).unsqueeze(0) & ~valid_keys[:, k - num_queries:].unsqueeze(-1)
     return (mask | self_only).unsqueeze(1)

@@ -76,13 +76,6 @@ def test_left_pad_positions_and_masks() -> None:
     assert step[1, 0, 0].tolist() == [False, False, True, True]
 
 
-def test_sliding_window_mask() -> None:
-    valid = torch.ones(1, 5, dtype=torch.bool)
-    m = attention_mask(valid, 5, sliding_window=2)[0, 0]
-    assert m.tolist()[4] == [False, False, False, True, True]
-    assert attention_mask(valid, 1, sliding_window=3)[0, 0, 0].tolist() == [False, False, True, True, True]
-
-
 def test_prompt_files(tmp_path) -> None:
     text = tmp_path / "p.txt"
     text.write_text("first prompt\n\nsecond {not json}\n", encoding="utf-8")
