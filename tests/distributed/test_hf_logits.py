@@ -12,6 +12,9 @@ logits (fp32, eager attention, <= 1e-5 relative) through the inference runner at
   Qwen3 windowed in every layer (use_sliding_window, max_window_layers 0), untied;
 * Gemma 3 with local and global layers (window 12 < the sequence), linear RoPE scaling on the global ones.
 
+An odd TP (3, one stage) runs the four families of the model-families issue (Qwen3, Gemma 3, Llama-3.2- and
+Nemo-shaped) built with 6 query and 3 key/value heads, vocabularies that 3 does not divide (padded).
+
 Each layout is one spawned process group that runs every model (imported at that layout). A second
 batch, left-padded with an attention mask and per-sample positions, is compared with transformers
 given the same mask: the padded path of generation.
@@ -33,6 +36,9 @@ TOL = 1e-5
 
 _COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+_ODD = dict(_COMMON, hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=3)
 
 
 def _hf_models() -> dict[str, object]:
@@ -77,15 +83,40 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
 
 
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("hf")
+def _hf_models_odd_tp() -> dict[str, object]:
+    """The new families and the shapes that already loaded, with heads that TP 3 divides."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, \
+        Qwen3ForCausalLM, Gemma3TextConfig, Gemma3ForCausalLM
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return {
+        "llama32_tied_rope_scaling": LlamaForCausalLM(LlamaConfig(vocab_size=83, tie_word_embeddings=True,
+                                                                  rope_parameters=llama3, **_ODD)),
+        "nemo_head_dim": MistralForCausalLM(MistralConfig(vocab_size=71, tie_word_embeddings=False, head_dim=16,
+                                                          sliding_window=None, **_ODD)),
+        "qwen3_qknorm_tied": Qwen3ForCausalLM(Qwen3Config(vocab_size=89, tie_word_embeddings=True, head_dim=16,
+                                                          **_ODD)),
+        "gemma3": Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=85, head_dim=16, sliding_window=12, query_pre_attn_scalar=20,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **_ODD)),
+    }
+
+
+def _save(root, models: dict[str, object]) -> dict[str, str]:
     torch.manual_seed(0)
     out = {}
-    for i, (name, model) in enumerate(_hf_models().items()):
+    for i, (name, model) in enumerate(models.items()):
         _perturb(model, i)
         model.save_pretrained(str(root / name))
         out[name] = str(root / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    out = _save(tmp_path_factory.mktemp("hf"), _hf_models())
     from safetensors import safe_open
     with safe_open(os.path.join(out["qwen2_bias_tied"], "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -144,6 +175,15 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
 def test_imported_logits_equal_transformers(hf_dirs: dict[str, str], tmp_path, tp: int, pp: int) -> None:
+    _check_layout(hf_dirs, tmp_path, tp, pp)
+
+
+def test_imported_logits_equal_transformers_at_odd_tp(tmp_path) -> None:
+    """TP 3: each rank 2 query heads and 1 key/value head, the vocabulary padded to a multiple of 3."""
+    _check_layout(_save(tmp_path / "hf", _hf_models_odd_tp()), tmp_path, 3, 1)
+
+
+def _check_layout(hf_dirs: dict[str, str], tmp_path, tp: int, pp: int) -> None:
     from megatron_ru.convert.import_hf import import_hf
 
     cases, refs = {}, {}
