@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ru.convert.hf_mapping import FAMILIES
 from megatron_ru.utils import cli
 from megatron_ru.utils.logging import get_logger, log_rank0
 from megatron_ru.utils.dtypes import DTYPES
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("Model and layout")
     g.add_argument("--load", required=True,
-                   help="megatron_ru checkpoint (any TP/PP) or Hugging Face Llama/Mistral/Qwen2 directory")
+                   help=f"megatron_ru checkpoint (any TP/PP) or Hugging Face {FAMILIES} directory")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer to use instead of the model's (SentencePiece .model or Hugging Face directory)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree")

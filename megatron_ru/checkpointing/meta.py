@@ -16,6 +16,7 @@ from megatron_ru.checkpointing.files import CheckpointError, derive_expected
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
+HF_SOURCE_DIR = "hf_source"   # import-hf's copy of the source config.json / generation_config.json (export reads it)
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 #: metadata.json files read by this process: (path, mtime, size) -> CheckpointMeta
 _READ: dict[tuple[str, int, int], Any] = {}

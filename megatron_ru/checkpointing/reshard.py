@@ -5,7 +5,8 @@ layout, ZeRO 0 fp32 or ZeRO 1) as canonical full tensors, one layer at a time, a
 at the target layout (:func:`write_checkpoint`: temporary directory renamed at the end, ``--force`` to
 replace). ``pretrain_gpt.py --load`` reads any checkpoint at any layout itself; this writes a layout to disk
 once, for a checkpoint many runs will load (each then reads only its own files). Carried: weights, fp32
-master weights, Adam moments, step count, LR schedule, consumed samples, iteration, loss scale.
+master weights, Adam moments, step count, LR schedule, consumed samples, iteration, loss scale, the
+tokenizer files and import-hf's copy of the source config (so an export names the source architecture).
 Not carried: RNG states (the resumed run seeds fresh ones from --seed; with dropout on, its random
 streams differ from an uninterrupted run). We wrote this instead of using DeepSpeed's universal
 checkpoint (``ds_to_universal``): that tool does not know our TP split rules (SwiGLU stride, packed
@@ -19,6 +20,7 @@ import shutil
 from typing import Any
 
 from megatron_ru.checkpointing.hints import resume_resharded
+from megatron_ru.checkpointing.meta import HF_SOURCE_DIR
 from megatron_ru.checkpointing.reader import read_checkpoint
 from megatron_ru.checkpointing.writer import write_checkpoint
 from megatron_ru.utils.cli import ArgumentParser
@@ -44,17 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing --save directory")
 
 
-def _copy_tokenizer(meta_tokenizer: Any, load_dir: str):
-    """The tokenizer files a checkpoint names relative to its directory (import-hf), copied along."""
-    if not isinstance(meta_tokenizer, dict):
-        return None
-    rel = [meta_tokenizer[k] for k in _TOKENIZER_PATH_KEYS
-           if isinstance(meta_tokenizer.get(k), str) and not os.path.isabs(meta_tokenizer[k])]
+def _copy_side_files(meta_tokenizer: Any, load_dir: str):
+    """The tokenizer files a checkpoint names relative to its directory (import-hf), and import-hf's copy of
+    the source config (export-hf writes the source architecture and token ids from it), copied along."""
+    rel = []
+    if isinstance(meta_tokenizer, dict):
+        rel = [meta_tokenizer[k] for k in _TOKENIZER_PATH_KEYS
+               if isinstance(meta_tokenizer.get(k), str) and not os.path.isabs(meta_tokenizer[k])]
+    named = set(rel)
+    if os.path.isdir(os.path.join(load_dir, HF_SOURCE_DIR)):
+        rel.append(HF_SOURCE_DIR)
 
     def copy(tmp: str) -> None:
         for path in rel:
             src, dst = os.path.join(load_dir, path), os.path.join(tmp, path)
-            if not os.path.exists(src):
+            if not os.path.exists(src) and path in named:
                 raise FileNotFoundError(f"{src} is missing: the checkpoint's metadata.json names it as its "
                                         f"tokenizer; restore it, or reshard a checkpoint that has it")
             os.makedirs(os.path.dirname(dst) or tmp, exist_ok=True)
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "args": meta.args, "tokenizer": meta.tokenizer}
     out = write_checkpoint(save, cfg=reader.cfg, vocab_size=reader.vocab_size, tp=tp, pp=pp, get_tensor=reader.get,
                            iteration=meta.iteration, optimizer=optimizer, extra_meta=extra, force=args.force,
-                           extra_files=_copy_tokenizer(meta.tokenizer, load))
+                           extra_files=_copy_side_files(meta.tokenizer, load))
     return {"load": reader.dir, "save": out, "iteration": meta.iteration,
             "source": {"tensor_model_parallel_size": reader.tp, "pipeline_model_parallel_size": reader.pp,
                        "data_parallel_size": meta.data_parallel_size, "zero_stage": meta.zero_stage,

@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
 GEMMA3 = "Gemma3ForCausalLM"
+FAMILIES = "Llama/Mistral/Qwen2/Qwen3/Gemma 3"   # the families above, as help texts name them
 #: families whose sliding window covers the layers from max_window_layers on (layer_types in transformers 5)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

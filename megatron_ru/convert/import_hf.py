@@ -21,7 +21,9 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
+from megatron_ru.checkpointing.meta import HF_SOURCE_DIR
 from megatron_ru.convert.hf_io import HFWeights
+from megatron_ru.convert.hf_mapping import FAMILIES
 from megatron_ru.utils.staging import check_output
 from megatron_ru.checkpointing.hints import continue_pretraining
 from megatron_ru.convert.tokenizer_files import HF_TYPE, TOKENIZER_DIR, copy_hf_tokenizer
@@ -30,8 +32,7 @@ from megatron_ru.utils.dtypes import DTYPES
 
 log = get_logger(__name__)
 
-HELP = "Hugging Face Llama/Mistral/Qwen2 directory -> megatron_ru checkpoint at a TP x PP layout"
-HF_SOURCE_DIR = "hf_source"
+HELP = f"Hugging Face {FAMILIES} directory -> megatron_ru checkpoint at a TP x PP layout"
 HF_SIDE_FILES = ("config.json", "generation_config.json")
 _MAX_LISTED = 12
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_ru.config.base import accept_negative_numbers, add_config_arguments, explicit_dests
 from megatron_ru.config.tokenizer import TokenizerConfig
+from megatron_ru.convert.hf_mapping import FAMILIES
 from megatron_ru.inference.prompts import collect_prompts, result_record, write_jsonl
 from megatron_ru.inference.sampling import SamplingParams
 from megatron_ru.parallel.failure import distributed_tool_main
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("Checkpoint and layout")
     g.add_argument("--load", help="checkpoint directory (written by pretrain_gpt.py --save or "
                    "tools/convert_checkpoint.py; the model's arguments come from it), or a Hugging Face "
-                   "Llama/Mistral/Qwen2 directory (config.json, safetensors and its tokenizer)")
+                   f"{FAMILIES} directory (config.json, safetensors and its tokenizer)")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="iteration to load (default: the one latest_checkpointed_iteration.txt names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP degree")

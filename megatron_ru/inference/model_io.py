@@ -3,8 +3,8 @@
 The adaptation tools (``adapt_vocab``, ``propagate_embeddings``, ``evaluate``) read models as
 canonical tensors (docs/model.md) and write them back as the kind the user works with:
 
-* :func:`open_model` — a directory with ``config.json`` is a Hugging Face Llama/Mistral/Qwen2
-  model; a directory with ``latest_checkpointed_iteration.txt`` (or an ``iter_*`` directory) is a
+* :func:`open_model` — a directory with ``config.json`` is a Hugging Face
+  Llama/Mistral/Qwen2/Qwen3/Gemma 3 model; a directory with ``latest_checkpointed_iteration.txt`` (or an ``iter_*`` directory) is a
   megatron_ru checkpoint at any TP × PP, in any format the checkpoint reader reads;
 * :func:`save_model` — the same tensors as a Hugging Face directory (config, safetensors, tokenizer,
   generation config) or a megatron_ru checkpoint at a chosen TP × PP with its tokenizer copied into

@@ -2,10 +2,12 @@
 and acceptance 6 for conversion).
 
 Tiny Llama (GQA, untied and tied, sharded files), Qwen2 (Q/K/V biases, tied: no lm_head.weight in
-its safetensors), Mistral (odd vocabulary, bf16) and Qwen3 (query/key norms, a head size whose query width
-is not the hidden size, tied) models are saved with ``save_pretrained``
-together with a tiny tokenizer built with the ``tokenizers`` library; each is imported at
-(TP, PP) = (1, 1) and (2, 2) and exported again: every tensor is bit-identical to the original,
+its safetensors), Mistral (odd vocabulary, bf16), Qwen3 (query/key norms, a head size whose query width
+is not the hidden size, tied), Llama-3.2-shaped (tied, llama3 RoPE scaling), Mistral-Nemo-shaped (head
+size != hidden / heads) and Gemma 3 (local and global layers, four (1 + w) norms a layer, bf16, tied)
+models are saved with ``save_pretrained`` together with a tiny tokenizer built with the ``tokenizers``
+library; each is imported at (TP, PP) = (1, 1) and (2, 2), the latter resharded to (1, 2) with the
+reshard tool, and each of the three exported again: every tensor is bit-identical to the original,
 the row count and tie flag are kept, transformers loads the export and gives the same logits,
 and the tokenizer encodes the same ids. A SentencePiece model exports to a fast Llama tokenizer
 with SentencePiece's ids. Every bad input is refused with a message naming what is wrong, and
@@ -82,6 +84,18 @@ def save_model(path: str, family: str, *, tied: bool = False, vocab: int = 101, 
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None))
     elif family == "qwen3":  # query/key norms; head size 16: the query width (64) is not the hidden size (32)
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=16, rope_theta=1e6))
+    elif family == "llama32":  # Llama-3.2's shape: tied, llama3 RoPE scaling
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    elif family == "nemo":  # Mistral-Nemo's shape: head size 16 with hidden 32 and 4 heads, no window
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, head_dim=16, sliding_window=None))
+    elif family == "gemma3":  # local and global layers with their RoPE, four (1 + w) norms a layer, q/k norms
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **common, head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
     else:
         raise ValueError(family)
     _perturb_norms(model)
@@ -116,6 +130,9 @@ CASES = {
     "qwen2-bias-tied": dict(family="qwen2", tied=True),
     "mistral-odd-vocab-bf16": dict(family="mistral", vocab=97, dtype=torch.bfloat16),
     "qwen3-qknorm-tied": dict(family="qwen3", tied=True),
+    "llama32-tied-rope-scaling": dict(family="llama32", tied=True),
+    "nemo-head-dim": dict(family="nemo"),
+    "gemma3-local-global-bf16": dict(family="gemma3", tied=True, dtype=torch.bfloat16),
 }
 
 
@@ -132,10 +149,14 @@ def test_hf_round_trip_bit_identical(tmp_path, case):
     want = logits(hf, ids)
     from transformers import AutoTokenizer
     src_tok = AutoTokenizer.from_pretrained(hf)
-    for tp, pp in ((1, 1), (2, 2)):
+    for tp, pp, resharded in ((1, 1, False), (2, 2, False), (1, 2, True)):
         ckpt, out = tmp_path / f"ckpt{tp}{pp}", tmp_path / f"out{tp}{pp}"
-        assert convert("import-hf", "--load", hf, "--save", ckpt, "--target-tensor-parallel-size", tp,
-                       "--target-pipeline-parallel-size", pp) == 0
+        if resharded:   # the TP 2 x PP 2 import rewritten at TP 1 x PP 2 by the reshard tool
+            assert convert("reshard", "--load", tmp_path / "ckpt22", "--save", ckpt, "--target-tensor-parallel-size",
+                           tp, "--target-pipeline-parallel-size", pp) == 0
+        else:
+            assert convert("import-hf", "--load", hf, "--save", ckpt, "--target-tensor-parallel-size", tp,
+                           "--target-pipeline-parallel-size", pp) == 0
         assert os.path.isfile(ckpt / "tokenizer" / "tokenizer.json")
         assert convert("export-hf", "--load", ckpt, "--save", out, "--max-shard-size", "30KB") == 0
         exported = hf_tensors(str(out))
