@@ -1,4 +1,4 @@
-"""LoRA acceptance 3: a tiny Hugging Face Llama (and a Qwen3) imported, trained with LoRA (or DoRA) at TP = 2 x PP = 2
+"""LoRA acceptance 3: a tiny Hugging Face Llama (and a Qwen3, a Gemma 3, a Llama-3.2- and a Nemo-shaped model) imported, trained with LoRA (or DoRA) at TP = 2 x PP = 2
 for a few iterations and exported with ``--lora peft`` gives the same logits through peft +
 transformers as megatron_ru computes (<= 1e-5); ``--lora merge`` gives the same logits through a plain
 transformers model; the PEFT adapter imports back (``import-hf --lora-adapter``) to the same tensors."""
@@ -35,6 +35,13 @@ def _our_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)[..., :src.vocab_size].float()
 
 
+def _convert(*argv: str) -> None:
+    """tools/convert_checkpoint.py in this process (the tool as a subprocess, its exit status and messages:
+    test_lora_checkpoint_needs_a_lora_mode and test_convert_hf.py)."""
+    from tests.integration.test_convert_hf import convert
+    assert convert(*argv) == 0, argv
+
+
 def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
@@ -44,12 +51,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _tiny_qwen3(path: str) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+FAMILIES = ("qwen3", "gemma3", "llama32", "nemo")
+
+
+def _tiny_family(path: str, family: str) -> None:
+    import transformers as tf
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                         num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True))
+    common = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+    if family == "qwen3":      # query/key norms, head size 16 != 64 / 8, tied
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, tie_word_embeddings=True, **common))
+    elif family == "gemma3":   # local (window 8 < the 24 tokens scored) and global layers, four (1 + w) norms, tied
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            head_dim=16, sliding_window=8, query_pre_attn_scalar=20, layer_types=["sliding_attention",
+                                                                                  "full_attention"] * 2,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **common))
+    elif family == "llama32":  # tied, llama3 RoPE scaling
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, **common))
+    else:                      # Mistral-Nemo's shape: head size 16 != 64 / 8, untied, no window
+        model = tf.MistralForCausalLM(tf.MistralConfig(head_dim=16, sliding_window=None, tie_word_embeddings=False,
+                                                       **common))
     with torch.no_grad():  # norms start at 1 in transformers: make them count
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -59,18 +83,18 @@ def _tiny_qwen3(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Three LoRA runs: two from one imported Llama (fused adapters with a rank pattern and the embeddings
-    and output layer trained alongside; DoRA on peft-style parts with rsLoRA), one from an imported Qwen3
-    (query/key norms, head size 16 != 64 / 8, tied; every linear a target)."""
+    """Six LoRA runs: two from one imported Llama (fused adapters with a rank pattern and the embeddings
+    and output layer trained alongside; DoRA on peft-style parts with rsLoRA), one from each family of
+    FAMILIES (every linear a target; DoRA on Gemma 3)."""
     from tests.integration.test_continue_hf import _tiny_llama
     d = tmp_path_factory.mktemp("lora_export")
     hf, imported = str(d / "hf"), str(d / "imported")
     _tiny_llama(hf, tied=False)
-    _tiny_qwen3(str(d / "hf_qwen3"))
-    for source, target in ((hf, imported), (str(d / "hf_qwen3"), str(d / "imported_qwen3"))):
-        proc = convert_cli("import-hf", "--load", source, "--save", target, "--target-tensor-parallel-size", "2",
-                           "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    for family in FAMILIES:
+        _tiny_family(str(d / f"hf_{family}"), family)
+    for source, target in ((hf, imported), *((str(d / f"hf_{f}"), str(d / f"imported_{f}")) for f in FAMILIES)):
+        _convert("import-hf", "--load", source, "--save", target, "--target-tensor-parallel-size", "2",
+                 "--target-pipeline-parallel-size", "2", "--dtype", "fp32")
     pattern = d / "ranks.json"
     pattern.write_text(json.dumps({"*.layers.3.*": 8}))
     prefix = make_corpus(str(d))
@@ -82,21 +106,21 @@ def trained(tmp_path_factory):
                             "--lora-modules-to-save", "embedding", "output_layer"],
             "dora": base + ["--save", str(d / "dora"), "--use-dora", "--use-rslora", "--lora-target-modules",
                             "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
-            "qwen3": [a if a != imported else str(d / "imported_qwen3") for a in base]
-            + ["--save", str(d / "qwen3"), "--lora-alpha", "8"]}
+            **{f: [a if a != imported else str(d / f"imported_{f}") for a in base]
+               + ["--save", str(d / f), "--lora-alpha", "8"] + (["--use-dora"] if f == "gemma3" else [])
+               for f in FAMILIES}}
     results = run_distributed(train_body, 4, args=(list(runs.values()),), timeout=600, env=ENV)[0]
     assert all(r["iteration"] == 3 for r in results)
     tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(5))
     return {"dir": d, "hf": hf, "tokens": tokens, **{k: str(d / k) for k in runs}}
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora", "qwen3"])
+@pytest.mark.parametrize("kind", ["lora", "dora", *FAMILIES])
 def test_peft_export_gives_our_logits(trained, kind):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     out = str(trained["dir"] / f"{kind}_peft")
-    proc = convert_cli("export-hf", "--load", trained[kind], "--save", out, "--lora", "peft")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _convert("export-hf", "--load", trained[kind], "--save", out, "--lora", "peft")
     assert sorted(os.listdir(os.path.join(out, "adapter"))) == ["adapter_config.json", "adapter_model.safetensors"]
     ours = _our_logits(trained[kind], trained["tokens"])
     base = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
@@ -107,12 +131,11 @@ def test_peft_export_gives_our_logits(trained, kind):
     assert _rel(theirs, ours) <= TOL, _rel(theirs, ours)
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora", "qwen3"])
+@pytest.mark.parametrize("kind", ["lora", "dora", *FAMILIES])
 def test_merged_export_gives_our_logits(trained, kind):
     from transformers import AutoModelForCausalLM
     out = str(trained["dir"] / f"{kind}_merged")
-    proc = convert_cli("export-hf", "--load", trained[kind], "--save", out, "--lora", "merge")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _convert("export-hf", "--load", trained[kind], "--save", out, "--lora", "merge")
     assert not os.path.exists(os.path.join(out, "adapter"))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     assert _rel(_hf_logits(model, trained["tokens"]), _our_logits(trained[kind], trained["tokens"])) <= TOL
