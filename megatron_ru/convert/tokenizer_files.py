@@ -163,6 +163,12 @@ def sentencepiece_to_llama_fast(model_file: str, out_dir: str) -> None:
         backend = tok.backend_tokenizer
         backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
         backend.pre_tokenizer = None
+        if proto.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+            # transformers' Llama conversion makes a BPE of any model (merges guessed from the vocabulary),
+            # which segments a unigram model's text differently: the pieces with their scores, as SentencePiece
+            from tokenizers import models
+            backend.model = models.Unigram([(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())],
+                                           unk_id=sp.unk_id(), byte_fallback=proto.trainer_spec.byte_fallback)
     # saved as a plain fast tokenizer: transformers' LlamaTokenizer class would rebuild the pipeline
     # above from its own settings when loading, instead of using tokenizer.json as written
     from transformers import PreTrainedTokenizerFast

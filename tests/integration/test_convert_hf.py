@@ -224,25 +224,29 @@ def test_pickle_weights_only_with_allow_pickle(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- tokenizers
-def _train_sentencepiece(prefix: str, dummy_prefix: bool) -> str:
+def _train_sentencepiece(prefix: str, dummy_prefix: bool, kind: str = "bpe") -> str:
     from megatron_ru.data.tokenizers.train import train_sentencepiece
     words = ["привет", "мир", "hello", "world", "12345", "тест", "данные", "модель", "x"]
     texts = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(25)) + "\n  " + words[i % len(words)]
              for i in range(200)]
-    return train_sentencepiece(iter(texts), prefix, "bpe", 340, byte_fallback=True, add_dummy_prefix=dummy_prefix)
+    return train_sentencepiece(iter(texts), prefix, kind, 340 if kind == "bpe" else 296, byte_fallback=True,
+                               add_dummy_prefix=dummy_prefix)
 
 
-@pytest.mark.parametrize("dummy_prefix", [False, True])
-def test_sentencepiece_to_fast_llama_tokenizer(tmp_path, dummy_prefix):
+@pytest.mark.parametrize("kind,dummy_prefix", [("bpe", False), ("bpe", True), ("unigram", False), ("unigram", True)])
+def test_sentencepiece_to_fast_llama_tokenizer(tmp_path, kind, dummy_prefix):
+    """SentencePiece's ids for BPE and unigram models (a unigram model segments by its pieces' scores: a BPE
+    built from its vocabulary, as transformers' Llama conversion makes, splits words differently)."""
     import sentencepiece
     from transformers import AutoTokenizer
     from megatron_ru.convert.tokenizer_files import sentencepiece_to_llama_fast
-    model = _train_sentencepiece(str(tmp_path / "sp"), dummy_prefix)
+    model = _train_sentencepiece(str(tmp_path / "sp"), dummy_prefix, kind)
     sentencepiece_to_llama_fast(model, str(tmp_path / "tok"))
     sp = sentencepiece.SentencePieceProcessor(model_file=model)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     assert tok.eos_token_id == sp.eos_id() and tok.bos_token_id == sp.bos_id()
-    texts = SAMPLE + ["hello  world 12345 данные\n\nмодель", " leading", "trailing ", "漢字 🙂\t", ""]
+    texts = SAMPLE + ["hello  world 12345 данные\n\nмодель", " leading", "trailing ", "漢字 🙂\t", "",
+                      "приветмирмодельданные helloworld"]
     for text in texts:
         assert tok(text)["input_ids"] == sp.encode(text), text
         assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text))

@@ -1,8 +1,10 @@
-"""The adaptation recipe on Qwen3, as its authors now publish it (docs/adaptation.md, "Qwen3"): a Qwen3 base
-model's byte-level BPE extended with the pieces of a Russian SentencePiece *unigram* tokenizer, new rows the
-mean of the old pieces; LEP of the learned rows into the instruct twin; bits per byte and greedy generation of
-the result. A tiny Qwen3 (per-head query/key norms, head size != hidden / heads, tied embeddings, a config
-vocabulary larger than its tokenizer, as Qwen's) stands in for Qwen3-4B:
+"""The adaptation recipe on the families people adapt today. On Qwen3, as its authors now publish it
+(docs/adaptation.md, "Qwen3"): a Qwen3 base model's byte-level BPE extended with the pieces of a Russian
+SentencePiece *unigram* tokenizer, new rows the mean of the old pieces; LEP of the learned rows into the
+instruct twin; bits per byte and greedy generation of the result. A tiny Qwen3 (per-head query/key norms, head
+size != hidden / heads, tied embeddings, a config vocabulary larger than its tokenizer, as Qwen's) stands in for
+Qwen3-4B. The same steps run on a tiny Gemma 3 (embeddings scaled by sqrt(hidden), four (1 + w) norms a layer,
+local sliding-window and global layers, tied), with the same tokenizers:
 
 * extend: every old row bit-identical, the new pieces appended as real BPE entries, English encodes exactly as
   before and Russian in fewer tokens; transformers loads the result and its old-vocabulary logits are the
@@ -10,7 +12,8 @@ vocabulary larger than its tokenizer, as Qwen's) stands in for Qwen3-4B:
 * LEP into the instruct twin: its non-embedding tensors are the instruct model's, its vocabulary rows the
   instruct rows plus the adapted model's learned new rows (``--mode direct``);
 * evaluate: bits per byte of the adapted model through our runner equal transformers' loss on the same text;
-* generate: our greedy tokens from the LEP model equal transformers' ``generate``.
+* generate: our greedy tokens from the LEP model equal transformers' ``generate``;
+* compare_inits: its scores of the mean and random rows (replace) equal adapt_vocab + evaluate's.
 """
 from __future__ import annotations
 
@@ -40,21 +43,36 @@ def _tool(name: str, *argv: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def _qwen3(path: str, tokenizer_dir: str, vocab: int, seed: int, base: str | None = None) -> str:
-    """A tiny Qwen3ForCausalLM with the tokenizer's files; ``base``: the instruct twin of that model (its
+FAMILIES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+
+def _config(family: str, vocab: int):
+    from transformers import Gemma3TextConfig, Qwen3Config
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+                  initializer_range=0.2)
+    if family == "qwen3":
+        return Qwen3Config(rope_theta=1e6, **common)
+    # one local layer (window 8, shorter than the texts scored and generated) and one global layer
+    return Gemma3TextConfig(sliding_window=8, query_pre_attn_scalar=16,
+                            layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                            **common)
+
+
+def _model(family: str, path: str, tokenizer_dir: str, vocab: int, seed: int, base: str | None = None) -> str:
+    """A tiny model of the family with the tokenizer's files; ``base``: the instruct twin of that model (its
     weights plus a perturbation, as instruction tuning moves every tensor)."""
     import shutil
 
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     if base is not None:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     else:
-        config = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                             rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, bos_token_id=None,
-                             eos_token_id=1, initializer_range=0.2)
-        model = Qwen3ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(_config(family, vocab))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_((0.1 if "norm" in name or base is not None else 0.0) * torch.randn_like(p))
@@ -64,21 +82,22 @@ def _qwen3(path: str, tokenizer_dir: str, vocab: int, seed: int, base: str | Non
     return path
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3_recipe")
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def recipe(request, tmp_path_factory):
+    family = request.param
+    d = tmp_path_factory.mktemp(f"{family}_recipe")
     old_tok = make_hf_tokenizer_dir(d, vocab=400, texts=sample_texts(200))           # byte-level BPE, as Qwen's
     new_sp = make_sentencepiece(d, kind="unigram", vocab=500, texts=language_texts("ru", 200, 5), name="ru_unigram")
     from transformers import AutoTokenizer
     old_size = len(AutoTokenizer.from_pretrained(old_tok))
     vocab = old_size + 13   # the config's vocabulary exceeds the tokenizer's (unused rows), as Qwen3's does
-    base = _qwen3(str(d / "base"), old_tok, vocab, seed=0)
-    instruct = _qwen3(str(d / "instruct"), old_tok, vocab, seed=1, base=base)
+    base = _model(family, str(d / "base"), old_tok, vocab, seed=0)
+    instruct = _model(family, str(d / "instruct"), old_tok, vocab, seed=1, base=base)
     adapted = d / "adapted"
     proc = _tool("adapt_vocab.py", "--model", base, "--new-tokenizer", new_sp, "--mode", "extend",
                  "--extend-filter", "[а-яё]", "--save", adapted)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"dir": d, "base": base, "instruct": instruct, "adapted": str(adapted), "vocab": vocab,
+    return {"family": family, "dir": d, "base": base, "instruct": instruct, "adapted": str(adapted), "vocab": vocab,
             "tokens": old_size, "report": report, "new_sp": new_sp}
 
 
@@ -91,13 +110,14 @@ def test_extend_keeps_the_old_model_and_adds_unigram_pieces(recipe):
     v = recipe["tokens"]
     assert adapted.vocab_size == v + recipe["report"]["appended_pieces"] > recipe["vocab"]
     assert adapted.cfg.qk_layernorm and adapted.cfg.tied_embeddings and adapted.cfg.kv_channels == 16
+    assert adapted.cfg == base.cfg
     for name in base.names():
         new, old = adapted.get(name), base.get(name)
         if name == "embedding.word_embeddings.weight":
             new, old = new[:v], old[:v]
         assert torch.equal(new, old), name
     with open(os.path.join(recipe["adapted"], "config.json"), encoding="utf-8") as f:
-        assert json.load(f)["architectures"] == ["Qwen3ForCausalLM"]
+        assert json.load(f)["architectures"] == [FAMILIES[recipe["family"]]]
     old_tok, new_tok = AutoTokenizer.from_pretrained(recipe["base"]), AutoTokenizer.from_pretrained(recipe["adapted"])
     assert new_tok(EN)["input_ids"] == old_tok(EN)["input_ids"]                  # English as before
     assert len(new_tok(RU)["input_ids"]) < len(old_tok(RU)["input_ids"])          # Russian in fewer tokens
@@ -168,3 +188,23 @@ def test_greedy_generation_equals_transformers(recipe):
     record = json.loads(out.read_text().splitlines()[0])
     assert record["prompt_token_ids"] == prompt
     assert record["token_ids"] == want
+
+
+def test_compare_inits_equals_adapt_vocab_and_evaluate(recipe):
+    """compare_inits' score of mean rows (replace) is adapt_vocab --mode replace --init mean + evaluate's."""
+    data = recipe["dir"] / "ru_compare.jsonl"
+    data.write_text("".join(json.dumps({"text": t[:160]}, ensure_ascii=False) + "\n"
+                            for t in language_texts("ru", 3, 13)), encoding="utf-8")
+    report = recipe["dir"] / "compare.json"
+    _tool("compare_inits.py", "--model", recipe["base"], "--new-tokenizer", recipe["new_sp"], "--input", data,
+          "--seq-length", "64", "--methods", "mean", "random", "--output-json", report)
+    rows = {r["method"]: r for r in json.loads(report.read_text())["results"]}
+    assert list(rows) == ["original", "mean", "random"]
+    assert rows["mean"]["bits_per_byte"] < rows["random"]["bits_per_byte"]
+    replaced = recipe["dir"] / "replaced_mean"
+    _tool("adapt_vocab.py", "--model", recipe["base"], "--new-tokenizer", recipe["new_sp"], "--mode", "replace",
+          "--init", "mean", "--save", replaced)
+    scored = recipe["dir"] / "replaced_mean.json"
+    _tool("evaluate.py", "--load", replaced, "--input", data, "--seq-length", "64", "--output-json", scored)
+    want = json.loads(scored.read_text())["overall"]["bits_per_byte"]
+    assert rows["mean"]["bits_per_byte"] == pytest.approx(want, rel=1e-9)
