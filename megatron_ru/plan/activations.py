@@ -66,9 +66,17 @@ def _norm_bytes(cfg: ModelConfig, tokens: int, h: int, e: int, rt: Runtime) -> i
     return 4 * tokens * h + 4 * tokens + 4 * tokens * h
 
 
-def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]:
+def _one_plus_w(cfg: ModelConfig, width: int) -> int:
+    """--apply-layernorm-1p: the fp32 (1 + w) a norm computes and its product keeps."""
+    return 4 * width if cfg.apply_layernorm_1p else 0
+
+
+def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime, local: bool | None = None) -> dict[str, int]:
     """Bytes one rank saves in the forward of one transformer layer for one micro batch, by tensor
-    group (no recomputation)."""
+    group (no recomputation). ``local``: a sliding-window layer (its attention keeps an s x s mask);
+    None: the largest layer of the model (local if any is)."""
+    if local is None:
+        local = any(cfg.layer_is_local(i) for i in range(cfg.num_layers or 0))
     s, b, t = layout.seq_length, layout.micro_batch, layout.tp
     h, a, g, d = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     f = cfg.resolved_ffn_hidden_size
@@ -79,7 +87,8 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
     T_sp = T // sp
     qw, kw = a * d // t, g * d // t
     out: dict[str, int] = {}
-    out["norms"] = 2 * _norm_bytes(cfg, T_sp, h, e, rt)                      # both norms, inputs included
+    n_norms = 4 if cfg.sandwich_norm else 2   # Gemma's post-attention and post-MLP norms (their inputs too)
+    out["norms"] = n_norms * (_norm_bytes(cfg, T_sp, h, e, rt) + _one_plus_w(cfg, h))
     out["norm_outputs"] = 2 * e * T * h                                        # QKV and fc1 inputs
     attn = e * T * (qw + 2 * kw)                                               # fused QKV output
     if cfg.position_embedding_type == "rope":
@@ -102,6 +111,16 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
         attn += e * T * qw + w * scores                                        # proj input, softmax
         if cfg.attention_dropout > 0:
             attn += (m if w == e else w) * scores + w * scores                 # mask, dropped probs
+    if cfg.qk_layernorm:
+        # one norm over the head size per query head and per key head (the query's input a copy; the key's a
+        # view of the QKV output, except where a 16-bit input is upcast)
+        qn = _norm_bytes(cfg, T * (a // t), d, e, rt) + _one_plus_w(cfg, d)
+        kn = _norm_bytes(cfg, T * (g // t), d, e, rt) + _one_plus_w(cfg, d)
+        if rt.device != "cuda" and e == 4:
+            kn -= e * T * kw
+        attn += qn + kn
+    if local and cfg.sliding_window is not None and s > cfg.sliding_window:
+        attn += e * s * s                                                      # the window's additive mask
     out["attention"] = attn
     out["dropout_masks"] = 2 * m * T_sp * h if cfg.hidden_dropout > 0 else 0
     if cfg.gated_mlp:
@@ -111,11 +130,12 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime) -> dict[str, int]
     return out
 
 
-def layer_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
-    """Bytes one layer keeps per micro batch until its backward (its input only with recomputation)."""
+def layer_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime, local: bool | None = None) -> int:
+    """Bytes one layer keeps per micro batch until its backward (its input only with recomputation);
+    ``local`` as :func:`layer_terms` (a stage counts every layer as the model's largest)."""
     if layout.recompute == "full":
         return recompute_input_bytes(cfg, layout)
-    return sum(layer_terms(cfg, layout, rt).values())
+    return sum(layer_terms(cfg, layout, rt, local).values())
 
 
 def recompute_input_bytes(cfg: ModelConfig, layout: Layout) -> int:
@@ -159,7 +179,7 @@ def final_norm_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
     e = layout.param_bytes
     T = layout.seq_length * layout.micro_batch
     sp = layout.tp if layout.sequence_parallel else 1
-    return _norm_bytes(cfg, T // sp, cfg.hidden_size, e, rt)
+    return _norm_bytes(cfg, T // sp, cfg.hidden_size, e, rt) + _one_plus_w(cfg, cfg.hidden_size)
 
 
 def logits_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: int) -> dict[str, int]:

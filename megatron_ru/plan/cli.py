@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(p, ModelConfig)
     add_config_arguments(p, LoraConfig)
     g = p.add_argument_group("Model source (instead of the model flags)")
-    g.add_argument("--hf-config", help="A Hugging Face config.json (LLaMA, Mistral, Qwen2, GPT-2 ...).")
+    g.add_argument("--hf-config", help="A Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text, GPT-2 ...).")
     g.add_argument("--load", help="A megatron_ru checkpoint directory (with --use-checkpoint-args).")
     g.add_argument("--use-checkpoint-args", action="store_true", help="Take the model from --load's checkpoint.")
     g.add_argument("--vocab-size", type=int, help="Vocabulary size (not needed with --hf-config or --load).")

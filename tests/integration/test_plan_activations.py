@@ -27,6 +27,12 @@ LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=8, group_query_at
              ffn_hidden_size=176, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
              disable_bias_linear=True, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
              attention_dropout=0.0, max_position_embeddings=64)
+# Gemma 3's layer: query/key norms, four (1 + w) norms, GeGLU, a head size != hidden / heads, local layers (window
+# 16 < S: an s x s mask) and global ones
+GEMMA = dict(LLAMA, swiglu=False, geglu=True, qk_layernorm=True, sandwich_norm=True, apply_layernorm_1p=True,
+             kv_channels=16, sliding_window=16, window_attn_skip_freq=2, softmax_scale=0.2, rotary_base_local=1e4,
+             scale_embeddings=True, untie_embeddings_and_output_weights=False)
+KINDS = {"gpt": GPT, "llama": LLAMA, "gemma": GEMMA}
 
 
 def saved_bytes(fn: Any, exclude: Any = ()) -> int:
@@ -65,7 +71,7 @@ def _layer_case(kind: str, precision: str, tp: int, sp: bool, recompute: bool, t
     from megatron_ru.model.transformer import TransformerLayer
     from megatron_ru.plan.activations import Runtime, layer_bytes
     from megatron_ru.plan.layout import Layout
-    cfg = ModelConfig(**(GPT if kind == "gpt" else LLAMA), recompute_granularity="full" if recompute else None)
+    cfg = ModelConfig(**KINDS[kind], recompute_granularity="full" if recompute else None)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     layer = TransformerLayer(cfg, 0, tp_group, sp, dtype=dtype).train()
     x = torch.randn(S // (tp if sp else 1), B, cfg.hidden_size, dtype=dtype, requires_grad=True)
@@ -84,7 +90,7 @@ def _model_case(kind: str, precision: str) -> tuple[int, int]:
     from megatron_ru.plan import activations as act
     from megatron_ru.plan.layout import Layout
     from megatron_ru.model.shards import padded_vocab_rows
-    cfg = ModelConfig(**(GPT if kind == "gpt" else LLAMA))
+    cfg = ModelConfig(**KINDS[kind])
     vocab = 1000
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = GPTModel(cfg, vocab, dtype=dtype).train()
@@ -100,7 +106,7 @@ def _model_case(kind: str, precision: str) -> tuple[int, int]:
 
 
 CASES_1 = [("gpt", "fp32", False), ("gpt", "bf16", False), ("llama", "fp32", False), ("llama", "bf16", False),
-           ("gpt", "fp32", True), ("llama", "bf16", True)]
+           ("gemma", "fp32", False), ("gemma", "bf16", False), ("gpt", "fp32", True), ("llama", "bf16", True)]
 
 
 def _seed(tp_rank: int = 0) -> None:
@@ -115,14 +121,15 @@ def test_layer_activations_tp1(kind, precision, recompute):
     assert abs(measured / predicted - 1) <= TOLERANCE, (measured, predicted)
 
 
-@pytest.mark.parametrize("kind,precision", [("gpt", "fp32"), ("llama", "bf16")])
+@pytest.mark.parametrize("kind,precision", [("gpt", "fp32"), ("llama", "bf16"), ("gemma", "bf16")])
 def test_model_activations_pp1(kind, precision):
     _seed()
     measured, predicted = _model_case(kind, precision)
     assert abs(measured / predicted - 1) <= TOLERANCE, (measured, predicted)
 
 
-CASES_2 = [("gpt", "fp32", False), ("gpt", "fp32", True), ("llama", "bf16", False), ("llama", "bf16", True)]
+CASES_2 = [("gpt", "fp32", False), ("gpt", "fp32", True), ("llama", "bf16", False), ("llama", "bf16", True),
+           ("gemma", "bf16", True)]
 
 
 def _tp2_body(rank: int, world_size: int) -> list[tuple[int, int]]:

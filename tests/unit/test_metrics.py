@@ -114,3 +114,22 @@ def test_flops_equal_the_models_counted_matmuls(kv_channels, groups):
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(torch.zeros(1, seq, dtype=torch.long))
     assert counter.get_total_flops() == flops_per_token(ModelShape.of(cfg, vocab, seq)) / 3 * seq
+
+
+@pytest.mark.parametrize("window,skip,local", [(8, 2, 2), (8, None, 4), (64, 2, 2)])
+def test_flops_of_sliding_window_layers(window, skip, local):
+    """A local layer counts min(s, window) keys per query instead of s (Gemma 3: all but every skip-th layer;
+    Mistral: every layer); a window not shorter than the sequence changes nothing; a stage's share of local
+    layers is the model's."""
+    from megatron_ru.config.model import ModelConfig
+    common = dict(num_layers=4, hidden_size=64, num_attention_heads=8, kv_channels=16, ffn_hidden_size=96,
+                  max_position_embeddings=64, position_embedding_type="rope", normalization="RMSNorm", geglu=True,
+                  disable_bias_linear=True)
+    seq, vocab = 32, 96
+    windowed = ModelConfig(**common, sliding_window=window, window_attn_skip_freq=skip)
+    shape = ModelShape.of(windowed, vocab, seq)
+    assert (shape.window, shape.local_layers) == (window, local)
+    full = flops_per_token(ModelShape.of(ModelConfig(**common), vocab, seq))
+    saved = 3 * 4 * (8 * 16) * max(0, seq - window) * local   # fwd + bwd, Q.K^T and scores.V, per local layer
+    assert flops_per_token(shape) == full - saved
+    assert ModelShape.of(windowed, vocab, seq, num_layers=2).local_layers == local // 2

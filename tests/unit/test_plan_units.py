@@ -165,3 +165,34 @@ def test_hf_config_parameter_count_is_transformers(capsys, tmp_path):
         assert run(["--hf-config", str(path), "--num-gpus", "2", "--gpu", "a100-80gb", "--global-batch-size", "8",
                     "--seq-length", "32", "--json", "-"]) == 0
         assert json.loads(capsys.readouterr().out)["model"]["parameters"] == want, case
+
+
+# google/gemma-3-1b-pt's config.json as published (transformers 4 spelling: sliding_window_pattern,
+# rope_local_base_freq): a 262,144-row tied vocabulary, one KV head, head size 256 != 1152 / 4, 22 local layers
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+             "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+             "sliding_window": 512, "query_pre_attn_scalar": 256, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+             "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+             "attention_bias": False, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+             "rope_scaling": None, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16"}
+
+
+def test_gemma3_1b_plan(capsys, tmp_path):
+    """The planner on Gemma 3 1B's own config.json: transformers' parameter count (999,885,952), the 262k
+    vocabulary unpadded, FLOPs with 22 local layers (window 512) and 4 global ones at sequence 4096."""
+    from megatron_ru.convert.hf_mapping import model_config_from_hf
+    from megatron_ru.model.flops import ModelShape, flops_per_token
+    cfg, vocab = model_config_from_hf(GEMMA3_1B)
+    shape = ModelShape.of(cfg, vocab, 4096)
+    assert (vocab, shape.window, shape.local_layers) == (262144, 512, 22)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA3_1B))
+    assert run(["--hf-config", str(path), "--num-gpus", "8", "--gpu", "h100-80gb", "--global-batch-size", "64",
+                "--seq-length", "4096", "--json", "-"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["parameters"] == 999_885_952 and plan["model"]["vocab_size"] == 262144
+    assert plan["best"]["layout"]["tp"] == 1   # one KV head: TP 1 only
+    global_keys = 4 * 4096 + 22 * 512
+    assert flops_per_token(shape) == 3 * (26 * (2 * 1152 * (1024 + 512) + 2 * 1024 * 1152 + 2 * 1152 * 6912 * 3)
+                                          + 4 * 1024 * global_keys + 2 * 1152 * 262144)
