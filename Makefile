@@ -29,11 +29,12 @@ adapt-demo: install real-model
 adapt-demo-tiny: install
 	$(PY) examples/adapt_language.py
 
-# two pytest workers (pytest-xdist): the suite's fault tests mostly wait for a timeout and its tools run
-# one process at a time, so one worker alone leaves about half of 2 cores idle; tests/conftest.py sends
+# three pytest workers (pytest-xdist) on 2 cores: the suite's fault tests mostly wait for a timeout, its
+# schedulers for their daemons, and its tools run one process at a time, so one worker alone leaves about
+# half of 2 cores idle and two still leave a part of them idle while both wait; tests/conftest.py sends
 # the tests of one file to one worker (their module fixtures are built once) and the scheduler files to
 # one worker together. TEST_WORKERS=0 runs the suite in this process, test by test as before.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: install real-model
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) tests
 

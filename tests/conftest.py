@@ -68,7 +68,7 @@ def _start_order(item: pytest.Item) -> tuple[int, int]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): the tests of one file go to one
+    """Under pytest-xdist (``make test`` runs ``-n 3 --dist loadgroup``): the tests of one file go to one
     worker, so that a module's fixtures (a trained checkpoint, a corpus, a converted real model) are built
     once; the files that bring up the schedulers go to one worker together. Runs before xdist's own hook,
     which turns the mark into the group."""
