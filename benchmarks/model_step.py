@@ -3,6 +3,12 @@ LlamaForCausalLM of the same shape on the same batch, in one process and the sam
 
     .venv/bin/python benchmarks/model_step.py                     # CPU preset (fp32)
     .venv/bin/python benchmarks/model_step.py --preset 1b --dtype bf16   # on a GPU: TFLOP/s and MFU
+    .venv/bin/python benchmarks/model_step.py --family gemma3     # another family: transformers' own class
+
+``--family`` (qwen3, gemma3, llama32, nemo) builds transformers' model of that family at the preset's shape
+(Qwen3 and Nemo: head size 64 with hidden 256 and 8 heads, a query width twice the hidden size; Gemma 3: three
+local layers of window 128 < the sequence and one global, tied; Llama-3.2: tied, llama3 RoPE scaling) and ours
+from its config.json (the import's mapping), so both are the same architecture by construction.
 
 Steps of the two models are interleaved (A B A B ...) so machine load affects both alike;
 the figure is the ratio of median step times, transformers / ours (>= 1.0: ours no slower).
@@ -41,6 +47,41 @@ def build_models(p: dict, device: torch.device, dtype: torch.dtype):
                          tie_word_embeddings=False, attn_implementation="sdpa")
     hf = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype)
     return ours, hf
+
+
+FAMILIES = ("qwen3", "gemma3", "llama32", "nemo")
+
+
+def build_family(family: str, p: dict, device: torch.device, dtype: torch.dtype):
+    """(ours, transformers') of ``family`` at preset ``p``: ours built from the Hugging Face config.json."""
+    import transformers as tf
+
+    from megatron_ru.convert.hf_mapping import model_config_from_hf
+    common = dict(vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["ffn"],
+                  num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["groups"],
+                  max_position_embeddings=p["seq"], rms_norm_eps=1e-5)
+    wide = 2 * p["hidden"] // p["heads"]   # a head size whose query width is twice the hidden size
+    if family == "qwen3":
+        config, cls = tf.Qwen3Config(head_dim=wide, tie_word_embeddings=False, **common), tf.Qwen3ForCausalLM
+    elif family == "gemma3":
+        config = tf.Gemma3TextConfig(head_dim=wide, sliding_window=p["seq"] // 2, query_pre_attn_scalar=wide,
+                                     layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * (p["layers"] // 4),
+                                     tie_word_embeddings=True, **common)
+        cls = tf.Gemma3ForCausalLM
+    elif family == "llama32":
+        config = tf.LlamaConfig(tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": p["seq"] // 2}, **common)
+        cls = tf.LlamaForCausalLM
+    elif family == "nemo":
+        config = tf.MistralConfig(head_dim=wide, sliding_window=None, tie_word_embeddings=False, **common)
+        cls = tf.MistralForCausalLM
+    else:
+        raise ValueError(family)
+    config._attn_implementation = "sdpa"
+    hf = cls(config).to(device=device, dtype=dtype)
+    cfg, vocab = model_config_from_hf({**config.to_dict(), "architectures": [cls.__name__]})
+    return GPTModel(cfg, vocab, device=device, dtype=dtype), hf
 
 
 def step_fns(ours, hf, tokens, labels):
@@ -93,6 +134,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--family", choices=("llama",) + FAMILIES, default="llama",
+                    help="the architecture of both models (default: Llama, ours built from flags)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per model (after 2 warm-up steps)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default by GPU name)")
@@ -103,7 +146,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     p = PRESETS[args.preset]
     torch.manual_seed(0)
-    ours, hf = build_models(p, device, dtype)
+    ours, hf = build_models(p, device, dtype) if args.family == "llama" else build_family(args.family, p, device, dtype)
     tokens = torch.randint(0, p["vocab"], (p["batch"], p["seq"]), device=device)
     labels = torch.randint(0, p["vocab"], (p["batch"], p["seq"]), device=device)
     ours_step, hf_step = step_fns(ours, hf, tokens, labels)
@@ -116,7 +159,7 @@ def main() -> None:
     m_ours, m_hf = (statistics.median(t[0] for t in ts) for ts in (t_ours, t_hf))
     c_ours, c_hf = (statistics.median(t[1] for t in ts) for ts in (t_ours, t_hf))
     tokens_per_step = p["batch"] * p["seq"]
-    result = {"preset": args.preset, "dtype": args.dtype, "device": str(device),
+    result = {"preset": args.preset, "family": args.family, "dtype": args.dtype, "device": str(device),
               "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "threads": torch.get_num_threads(), "shape": p,
               "ours_s_per_step": round(m_ours, 4), "transformers_s_per_step": round(m_hf, 4),
