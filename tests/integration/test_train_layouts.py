@@ -104,6 +104,10 @@ def test_every_layout_matches_single_process(tmp_path):
     for label, res in by_name.items():
         if label.startswith("fp32 recompute full"):
             assert res["losses"] == same_layout["losses"] and res["grad_norms"] == same_layout["grad_norms"], label
+    # no op in any run's graph that autograd cannot differentiate (torch warns "... silently incorrect
+    # behavior"): the tied embedding's broadcast between the first and last stage at PP 2 once was one
+    noisy = [(name, res["autograd_warnings"][0]) for name, res in zip(names, results) if res["autograd_warnings"]]
+    assert not noisy, noisy
     failures = []
     for name, res in zip(names, results):
         if "--attention-dropout" in name[-1]:
