@@ -27,7 +27,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# a hang guard, not a speed limit: about 10 minutes beside the suite's other workers on 2 cores, more than
+# 18 beside a CPU hog; the walkthrough's own limit (2,400 s) fires first, with its output
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -46,7 +48,7 @@ def out(tmp_path):
 
 def test_adapt_real_quick(real_model_cache, out) -> None:
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "adapt_real.py"), "--quick", "--iters",
-                           str(EMB_ITERS), "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100)
+                           str(EMB_ITERS), "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "every check held" in proc.stdout
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
