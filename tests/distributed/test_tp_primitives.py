@@ -157,8 +157,9 @@ def _check_embedding_and_loss(group, rank: int, size: int, out: dict) -> None:
     out["embedding.dW"] = _rel(gather_full_tensor(emb.weight.grad, group, 0), Wr.grad)
 
     # 50 over 2/4 ranks: the last rank is partly padding; 10 padded to 8*tp: at TP=4 ranks 2 and 3
-    # hold nothing but padding
-    for vocab, divisible_by in ((50, 3), (10, 8)):
+    # hold nothing but padding; 262,208 (multimodal Gemma 3's rows, Gemma 3 1B has 262,144): a 262k
+    # vocabulary padded to 128*tp
+    for vocab, divisible_by in ((50, 3), (10, 8), (262208, 128)):
         padded = pad_vocab_size(vocab, divisible_by, size)
         logits = _randn(5, 3, padded, seed=10) * 3
         logits[..., vocab:] = 40.0                     # garbage in padded columns must not matter
