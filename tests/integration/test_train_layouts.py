@@ -71,7 +71,9 @@ def _runs(prefix, cache):
         runs.append(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
             "--eval-iters", "0", "--recompute-granularity", "full", *extra]))
-    for tp, pp, stage, extra in ((2, 2, 1, ["--sequence-parallel"]), (2, 1, 3, []), (1, 2, 0, [])):
+    # (with full recomputation across the pipeline under SP, and selective recomputation at PP 2)
+    for tp, pp, stage, extra in ((2, 2, 1, ["--sequence-parallel", "--recompute-granularity", "full"]), (2, 1, 3, []),
+                                 (1, 2, 0, ["--recompute-granularity", "selective"])):
         names.append((tp, pp, 4 // (tp * pp), stage, "fp32 gemma " + " ".join(extra)))
         runs.append(_tied(_gemma(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),

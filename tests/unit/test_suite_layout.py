@@ -11,7 +11,7 @@ FAST_FILES = {"tests/integration/test_golden_loss.py"}
 
 def _all_slow(source: str) -> bool:
     """The module is marked slow, or every test function in it is."""
-    if re.search(r"^pytestmark = pytest\.mark\.slow", source, re.M):
+    if re.search(r"^pytestmark = \[?pytest\.mark\.slow", source, re.M):
         return True
     lines = source.splitlines()
     for i, line in enumerate(lines):
