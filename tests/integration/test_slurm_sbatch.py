@@ -45,8 +45,9 @@ def test_slurm_srun_then_torchrun_resume(slurm_cluster, tiny_corpus, tmp_path): 
     save = tmp_path / "checkpoints"
     m1, m2 = tmp_path / "metrics_1.jsonl", tmp_path / "metrics_2.jsonl"
 
-    log = submit(slurm_cluster, "scripts/slurm/submit_pyxis.sbatch", job_env(tiny_corpus, save, m1, 8),
-                 tmp_path / "job1.log")
+    # 8 iterations well inside the time left: the default margin left ~60 s, which a CPU hog's start-up used up
+    log = submit(slurm_cluster, "scripts/slurm/submit_pyxis.sbatch",
+                 job_env(tiny_corpus, save, m1, 8, extra={"EXIT_MARGIN_SECONDS": "120"}), tmp_path / "job1.log")
     first = check_fresh_run(log, m1, save, 8)
     check_ranks(log, save, "slurm")
     assert "1 node(s) x 2 GPU(s), head " in log
