@@ -85,7 +85,8 @@ def _tiny_family(path: str, family: str) -> None:
 def trained(tmp_path_factory):
     """Six LoRA runs: two from one imported Llama (fused adapters with a rank pattern and the embeddings
     and output layer trained alongside; DoRA on peft-style parts with rsLoRA), one from each family of
-    FAMILIES (every linear a target; DoRA on Gemma 3)."""
+    FAMILIES (every linear a target; DoRA on Gemma 3, with its query norms and post-attention norms trained
+    fully next to the adapters)."""
     from tests.integration.test_continue_hf import _tiny_llama
     d = tmp_path_factory.mktemp("lora_export")
     hf, imported = str(d / "hf"), str(d / "imported")
@@ -107,7 +108,9 @@ def trained(tmp_path_factory):
             "dora": base + ["--save", str(d / "dora"), "--use-dora", "--use-rslora", "--lora-target-modules",
                             "q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
             **{f: [a if a != imported else str(d / f"imported_{f}") for a in base]
-               + ["--save", str(d / f), "--lora-alpha", "8"] + (["--use-dora"] if f == "gemma3" else [])
+               + ["--save", str(d / f), "--lora-alpha", "8"]
+               + (["--use-dora", "--lora-modules-to-save", "*q_layernorm*", "*post_self_attn_layernorm*"]
+                  if f == "gemma3" else [])
                for f in FAMILIES}}
     results = run_distributed(train_body, 4, args=(list(runs.values()),), timeout=600, env=ENV)[0]
     assert all(r["iteration"] == 3 for r in results)
@@ -129,6 +132,15 @@ def test_peft_export_gives_our_logits(trained, kind):
     theirs = _hf_logits(model, trained["tokens"])
     assert _rel(plain, ours) > 1e-3          # the adapters (and trained embeddings) change the logits
     assert _rel(theirs, ours) <= TOL, _rel(theirs, ours)
+    if kind == "gemma3":   # the norms trained next to the adapters are in the exported base; the others are not
+        from safetensors.torch import load_file
+        src = load_file(str(trained["dir"] / "hf_gemma3" / "model.safetensors"))
+        got = load_file(os.path.join(out, "model.safetensors"))
+        layer = "model.layers.0."
+        for name in ("self_attn.q_norm.weight", "post_attention_layernorm.weight"):
+            assert not torch.equal(got[layer + name], src[layer + name]), name
+        for name in ("self_attn.k_norm.weight", "input_layernorm.weight", "pre_feedforward_layernorm.weight"):
+            assert torch.equal(got[layer + name], src[layer + name]), name
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora", *FAMILIES])
