@@ -127,14 +127,16 @@ def _ensure_gguf_reader() -> None:
                        check=True)
 
 
-def build_model(out: str) -> None:
+def _build_from_gguf(out: str, fetch, label: str) -> None:
+    """``out`` as a Hugging Face directory (fp32 safetensors, tokenizer) of the GGUF file ``fetch(work)``
+    returns, dequantized by transformers; staged in a temporary directory and renamed when complete."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _ensure_gguf_reader()
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="smollm2-", dir=os.path.dirname(out)) as work:
-        gguf = _gguf_file(work)
+    with tempfile.TemporaryDirectory(prefix="gguf-", dir=os.path.dirname(out)) as work:
+        gguf = fetch(work)
         src, name = os.path.dirname(gguf), os.path.basename(gguf)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
@@ -142,7 +144,7 @@ def build_model(out: str) -> None:
         # a GGUF-loaded model refuses save_pretrained ("quantized with gguf"): the same weights in a plain model
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        model = LlamaForCausalLM(config)
+        model = type(loaded)(config)
         model.load_state_dict(loaded.state_dict())
         model.tie_weights()
         model.generation_config = loaded.generation_config
@@ -152,7 +154,11 @@ def build_model(out: str) -> None:
         if os.path.isdir(out):
             shutil.rmtree(out)
         os.replace(staged, out)
-    _say(f"SmolLM2-135M-Instruct saved in {out}")
+    _say(f"{label} saved in {out}")
+
+
+def build_model(out: str) -> None:
+    _build_from_gguf(out, _gguf_file, "SmolLM2-135M-Instruct")
 
 
 def _gemma3_gguf(work: str) -> str:
@@ -181,30 +187,7 @@ def _gemma3_gguf(work: str) -> str:
 
 
 def build_gemma3(out: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
-
-    _ensure_gguf_reader()
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="gemma3-", dir=os.path.dirname(out)) as work:
-        gguf = _gemma3_gguf(work)
-        src, name = os.path.dirname(gguf), os.path.basename(gguf)
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = Gemma3ForCausalLM(config)
-        model.load_state_dict(loaded.state_dict())
-        model.tie_weights()
-        model.generation_config = loaded.generation_config
-        staged = os.path.join(work, "hf")
-        model.save_pretrained(staged)
-        tok.save_pretrained(staged)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(staged, out)
-    _say(f"Gemma 3 270M saved in {out}")
+    _build_from_gguf(out, _gemma3_gguf, "Gemma 3 270M")
 
 
 def ensure_gemma3() -> str:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.integration.test_real_model import _safetensors
 
 pytestmark = pytest.mark.slow
 
@@ -78,15 +79,6 @@ def _body(rank: int, world_size: int, tp: int, pp: int, ckpt: str, prompts: dict
                 out[name] = _rows(logits[0])
     done = generate(runner, [prompts["english"]], max_new_tokens=NEW_TOKENS, params=SamplingParams(greedy=True))
     out["generated"] = done[0].token_ids
-    return out
-
-
-def _safetensors(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
     return out
 
 
