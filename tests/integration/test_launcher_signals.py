@@ -29,6 +29,15 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 
 # torchrun as the venv's (the job scripts activate it first), found without relying on PATH
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# How long torchrun may take to end after a signal, whatever its workers do: it waits up to 30 s
+# for them after passing the signal on, then SIGKILLs them and waits up to 30 s more
+# (torch.distributed.elastic's SubprocessContext._close). The second wait is not only for a
+# stuck worker: when the signal interrupts torchrun's own poll of a worker between
+# Popen._waitpid_lock.acquire() and the try that releases it (CPython; about 1 in 70 signals
+# that land in a busy poll loop here), that worker exits and saves but torchrun can no longer
+# reap it and sits out both waits. Seen once beside the full suite with a CPU hog.
+TORCHRUN_TEARDOWN_S = 30 + 30
+TORCHRUN_END_S = TORCHRUN_TEARDOWN_S + 30  # + the 2 s save, start-up of the exit path, a loaded machine
 
 RANK_PROGRAM = """
 import os, signal, sys, time
@@ -109,6 +118,7 @@ def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> tuple[int,
     its workers in sessions of their own: a rank it failed to stop would train on, orphaned)."""
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     ended = False
+    states = "-"
     try:
         proc.wait(timeout=timeout)
         ended = True
@@ -116,6 +126,7 @@ def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> tuple[int,
         while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
     except subprocess.TimeoutExpired:
+        states = ", ".join(f"{p} {process_state(p)}" for p in pids)  # Z: exited, not reaped by the launcher
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
@@ -123,9 +134,17 @@ def finish(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> tuple[int,
         for p in orphans:
             os.kill(p, signal.SIGKILL)
     out = (tmp_path / "launcher.txt").read_text()
-    assert ended, f"the launcher did not end within {timeout:.0f} s of the signal:\n{out}"
+    assert ended, f"the launcher did not end within {timeout:.0f} s of the signal (workers then: {states}):\n{out}"
     assert not orphans, f"ranks {orphans} outlived their launcher:\n{out}"
     return proc.returncode, out
+
+
+def process_state(pid: int) -> str:
+    """The state letter in /proc/PID/stat (R, S, D, Z...) or 'gone'."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "gone"
 
 
 def saved(tmp_path: Path) -> list[str]:
@@ -139,7 +158,7 @@ def test_torchrun_passes_slurms_signal_to_its_workers(tmp_path, sig):
     (torchrun ends 1 after any signal it handled, whatever its workers did.)"""
     proc = start(tmp_path, [*TORCHRUN, "--nproc-per-node=2", *torchrun_signal_options(tmp_path)], via_shell=False)
     proc.send_signal(getattr(signal, f"SIG{sig}"))
-    rc, out = finish(proc, tmp_path, 60)
+    rc, out = finish(proc, tmp_path, TORCHRUN_END_S)
     assert saved(tmp_path) == [f"SIG{sig}"] * 2, out
     assert rc == 1, out
 
@@ -149,7 +168,7 @@ def test_torchrun_job_ends_0_after_a_signal_triggered_save(tmp_path):
     reports 1, and the job shell, seeing a checkpoint completed after the signal, ends 0."""
     proc = start(tmp_path, [*TORCHRUN, "--nproc-per-node=2", *torchrun_signal_options(tmp_path)], via_shell=True)
     os.killpg(proc.pid, signal.SIGTERM)
-    rc, out = finish(proc, tmp_path, 60)
+    rc, out = finish(proc, tmp_path, TORCHRUN_END_S)
     assert saved(tmp_path)[0] in ("SIGTERM", "SIGUSR1") and "-" not in saved(tmp_path), out
     assert "the launcher exited with status 1 after the signal, but the ranks saved iteration 7 in " \
            f"{tmp_path / 'ckpt'} after it: ending with status 0" in out
