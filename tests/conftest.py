@@ -8,7 +8,9 @@ schedulers belongs in the slow set (``pytestmark = pytest.mark.slow``).
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import resource
 import time
 
@@ -38,6 +40,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(f"the fast suite cannot fit its budget: mark the slowest tests slow "
                                 f"(pytest --durations=20 -m 'not slow' names them)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+#: MEGATRON_RU_TEST_CPU_LOG=FILE: one JSON line per test (setup, call and teardown) with its wall time and CPU
+#: time, this process's and its reaped children's (tools, launchers, ranks; not a scheduler daemon's jobs), so
+#: that the suite's budget is spent where it is measured: ``python tests/cpu_log.py FILE`` sums it per file
+CPU_LOG = os.environ.get("MEGATRON_RU_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    if not CPU_LOG:
+        yield
+        return
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    yield
+    record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2), "cpu_s": round(_cpu_seconds() - cpu, 2),
+              "worker": os.environ.get("PYTEST_XDIST_WORKER", "-")}
+    with open(CPU_LOG, "a", encoding="utf-8") as f:  # one short line per write: workers' lines never interleave
+        f.write(json.dumps(record) + "\n")
 
 
 #: the tests that share the machine's schedulers (one Slurm and one Grid Engine per machine, and apt): one worker
