@@ -26,6 +26,20 @@ def _cpu_seconds() -> float:
                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
+def _forkserver_cpu_seconds() -> float:
+    """CPU time of this process's multiprocessing fork server and its reaped children (tests/dist_utils.py's
+    ranks are forked from it, not from this process)."""
+    import multiprocessing.forkserver as fs
+    pid = getattr(fs._forkserver, "_forkserver_pid", None)
+    if not pid:
+        return 0.0
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if session.config.getoption("markexpr") != "not slow" or session.testscollected < 100:
         return  # not the fast suite (a file, a -k selection, the full suite)
@@ -43,8 +57,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 #: MEGATRON_RU_TEST_CPU_LOG=FILE: one JSON line per test (setup, call and teardown) with its wall time and CPU
-#: time, this process's and its reaped children's (tools, launchers, ranks; not a scheduler daemon's jobs), so
-#: that the suite's budget is spent where it is measured: ``python tests/cpu_log.py FILE`` sums it per file
+#: time, this process's and its reaped children's (tools, launchers, ranks, the fork server's ranks; not a
+#: scheduler daemon's jobs), so that the suite's budget is spent where it is measured: ``python tests/cpu_log.py
+#: FILE`` sums it per file
 CPU_LOG = os.environ.get("MEGATRON_RU_TEST_CPU_LOG")
 
 
@@ -53,9 +68,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     if not CPU_LOG:
         yield
         return
-    wall, cpu = time.monotonic(), _cpu_seconds()
+    wall, cpu, served = time.monotonic(), _cpu_seconds(), _forkserver_cpu_seconds()
     yield
-    record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2), "cpu_s": round(_cpu_seconds() - cpu, 2),
+    # (a fork server the test started counts whole)
+    cpu = _cpu_seconds() - cpu + max(0.0, _forkserver_cpu_seconds() - served)
+    record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2), "cpu_s": round(cpu, 2),
               "worker": os.environ.get("PYTEST_XDIST_WORKER", "-")}
     with open(CPU_LOG, "a", encoding="utf-8") as f:  # one short line per write: workers' lines never interleave
         f.write(json.dumps(record) + "\n")

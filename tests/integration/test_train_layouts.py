@@ -71,9 +71,10 @@ def _runs(prefix, cache):
         runs.append(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
             "--eval-iters", "0", "--recompute-granularity", "full", *extra]))
-    # (with full recomputation across the pipeline under SP, and selective recomputation at PP 2)
+    # (TP 2 x PP 2 with full recomputation under SP; TP 2 x DP 2 with ZeRO 3; PP 2 x DP 2 with ZeRO 1 and selective
+    # recomputation)
     for tp, pp, stage, extra in ((2, 2, 1, ["--sequence-parallel", "--recompute-granularity", "full"]), (2, 1, 3, []),
-                                 (1, 2, 0, ["--recompute-granularity", "selective"])):
+                                 (1, 2, 1, ["--recompute-granularity", "selective"])):
         names.append((tp, pp, 4 // (tp * pp), stage, "fp32 gemma " + " ".join(extra)))
         runs.append(_tied(_gemma(tiny_argv(prefix, cache, extra=[
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
