@@ -1,0 +1,106 @@
+"""Context-parallel attention (megatron_ru/parallel/context.py): the ring and the all-to-all exchange give
+torch's own attention over the whole sequence, forward and backward, on real gloo ranks.
+
+The reference is ``F.scaled_dot_product_attention`` on one process with the model's own packed-document
+mask (``document_causal_mask``) and a sliding-window band; each rank compares its tokens' outputs and the
+gradients of its q, k and v with the reference's rows for those tokens. In fp64 the only difference is the
+order of the sums (1e-12); in fp32 the log-sum-exp merge of CP blocks rounds differently from one softmax
+(a few ulp of values of order 1, summed over at most 48 keys: 1e-5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.slow
+
+B, HEADS, D, SEQ = 2, 4, 8, 48
+SCALE = 0.3
+# packed documents: odd lengths, documents crossing every chunk boundary (chunks of 8 tokens at CP 3, 12 at
+# CP 2), a one-token document, and another layout in the second sample
+DOCS = [[5, 1, 13, 7, 22], [30, 9, 9]]
+
+
+def _doc_ids(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+
+
+def _inputs(groups: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, HEADS, SEQ, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, groups, SEQ, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, groups, SEQ, D, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(B, HEADS, SEQ, D, generator=g, dtype=torch.float64).to(dtype)
+    docs = torch.stack([_doc_ids(lengths) for lengths in DOCS])
+    return q, k, v, dout, docs
+
+
+def _reference(q, k, v, dout, docs, window):
+    import torch.nn.functional as F
+
+    from megatron_ru.model.transformer import document_causal_mask
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    mask = document_causal_mask(docs) if docs is not None else torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if window is not None:
+        idx = torch.arange(SEQ)
+        mask = mask & ((idx[:, None] - idx[None, :]) < window)
+    r = HEADS // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), attn_mask=mask,
+                                         scale=SCALE)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _run(rank, world, comm, groups, dtype, packed, window):
+    import torch.distributed as dist
+
+    from megatron_ru.parallel import context
+    q, k, v, dout, docs = _inputs(groups, dtype)
+    docs = docs if packed else None
+    ref = _reference(q, k, v, dout, docs, window)
+    group = dist.new_group(list(range(world)))
+    local = [context.split_sequence(t, 2, world, rank).clone().requires_grad_(True) for t in (q, k, v)]
+    fn = context.ring_attention if comm == "p2p" else context.a2a_attention
+    out = fn(*local, group, seq_length=SEQ, scale=SCALE, window=window,
+             document_ids=None if docs is None else context.split_sequence(docs, 1, world, rank))
+    out.backward(context.split_sequence(dout, 2, world, rank))
+    mine = [out.detach(), *(t.grad for t in local)]
+    theirs = [context.split_sequence(t, 2, world, rank) for t in ref]
+    return [float((a - b).abs().max()) for a, b in zip(mine, theirs)], [float(t.abs().max()) for t in theirs]
+
+
+CASES = [  # (comm, cp, key/value groups, packed documents, window)
+    ("p2p", 2, 2, False, None), ("p2p", 2, 2, True, None), ("p2p", 3, 1, True, None), ("p2p", 3, 4, True, 10),
+    ("a2a", 2, 2, True, None), ("a2a", 2, 1, True, 10), ("a2a", 4, 4, True, None), ("a2a", 4, 2, False, None),
+]
+
+
+@pytest.mark.parametrize("comm, cp, groups, packed, window", CASES)
+def test_cp_attention_equals_one_process(comm, cp, groups, packed, window):
+    results = run_distributed(_run, cp, args=(comm, groups, torch.float64, packed, window), timeout=120)
+    for rank, (errors, sizes) in enumerate(results):
+        assert all(s > 0.1 for s in sizes), sizes  # outputs and every gradient are really there
+        assert max(errors) < 1e-12, (rank, errors)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_cp_attention_fp32(comm):
+    for errors, _ in run_distributed(_run, 2, args=(comm, 2, torch.float32, True, None), timeout=120):
+        assert max(errors) < 1e-5, errors
+
+
+def test_sequence_and_head_rules_are_one_line_errors():
+    from megatron_ru.parallel import context
+    assert context.local_token_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert context.local_token_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"--seq-length 50 is not divisible by 2 x --context-parallel-size = 4"):
+        context.local_token_indices(50, 2, 0)
+    with pytest.raises(ValueError, match=r"6 heads per tensor-parallel rank are not divisible by "
+                                         r"--context-parallel-size 4"):
+        context.check_a2a_heads(6, 2, 4)
+    with pytest.raises(ValueError, match=r"3 key/value groups per tensor-parallel rank and --context-parallel-size 2"):
+        context.check_a2a_heads(6, 3, 2)
+    context.check_a2a_heads(8, 1, 4)  # one group repeated over 4 ranks
+    context.check_a2a_heads(8, 8, 4)
