@@ -152,3 +152,56 @@ def test_parallel_state_has_every_mpu_method_deepspeed_calls():
     missing = sorted(m for m in wanted if not callable(getattr(ParallelState, m, None)))
     assert missing == []
     assert not hasattr(ParallelState, "initialize_sequence_parallel")
+
+
+# ---- the context-parallel dimension (Megatron's order tp-cp-dp-pp) ----------------------------------------
+CP_SHAPES = [(w, tp, pp, cp) for w in range(2, 33) for tp, pp in valid_pairs(w) for cp in range(2, w // (tp * pp) + 1)
+             if w % (tp * pp * cp) == 0]
+
+
+def test_context_parallel_grid_for_every_shape_up_to_32():
+    assert len(CP_SHAPES) > 150
+    for w, tp, pp, cp in CP_SHAPES:
+        lay = ParallelLayout(w, tp, pp, cp)
+        assert lay.dp * tp * cp * pp == w
+        coords = [lay.coord(r) for r in range(w)]
+        for r, c in enumerate(coords):
+            assert r == c.tp + tp * (c.cp + cp * (c.dp + lay.dp * c.pp)) == lay.rank(c.tp, c.dp, c.pp, c.cp)
+        axes = ("tp", "cp", "dp", "pp")
+        for kind, varying, size in (("tp", {"tp"}, tp), ("cp", {"cp"}, cp), ("dp", {"dp"}, lay.dp),
+                                    ("pp", {"pp"}, pp), ("mp", {"tp", "pp"}, tp * pp),
+                                    ("dp_cp", {"dp", "cp"}, lay.dp * cp)):
+            groups = dict(lay.groups())[kind]
+            _assert_partition(groups, w, size)
+            for g in groups:  # members differ only in the varying axes
+                assert len({tuple(getattr(coords[x], a) for a in axes if a not in varying) for x in g}) == 1
+            member_of = {r: g for g in groups for r in g}
+            assert all(lay.group_of(kind, r) == member_of[r] for r in range(w)), (w, tp, pp, cp, kind)
+        assert lay.embedding_groups() == ([] if pp == 1 else [[g[0], g[-1]] for g in lay.pp_groups()])
+
+
+def test_context_parallel_example_16_ranks_and_deepspeeds_data_axis():
+    """16 ranks, TP 2 x CP 2 x PP 2 (DP 2), as Megatron-LM's rank generator orders them; DeepSpeed's
+    topology with a data axis of DP x CP gives the gradient groups (dp_cp) and the same pipelines."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    lay = ParallelLayout(16, tp=2, pp=2, cp=2)
+    assert lay.dp == 2
+    assert lay.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert lay.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert lay.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert lay.dp_cp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert lay.pp_groups() == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=lay.dp * lay.cp)
+    assert sorted(topo.get_axis_comm_lists("data")) == lay.dp_cp_groups()
+    assert sorted(topo.get_axis_comm_lists("pipe")) == lay.pp_groups()
+    assert sorted(topo.get_axis_comm_lists("model")) == lay.tp_groups()
+    # without CP nothing changes: no CP groups are created, the describe() format is the same
+    assert "cp" not in dict(ParallelLayout(8, 2, 2).groups()) and "cp" not in ParallelLayout(8, 2, 2).describe()
+
+
+def test_context_parallel_size_that_does_not_divide_is_one_error():
+    (problem,) = layout_problems(12, 2, 1, 4)
+    assert problem.startswith("WORLD_SIZE=12 is not divisible by TP x CP x PP = 2 x 4 x 1 = 8")
+    assert "--context-parallel-size from [1, 2, 3, 6]" in problem
+    with pytest.raises(ValueError, match="CP=0 must be an integer >= 1"):
+        ParallelLayout(8, 1, 1, 0)
