@@ -302,10 +302,14 @@ class GPTModel(nn.Module):
         """Vocab-parallel logits [b, s, padded_vocab/tp], or the mean loss when ``labels`` is given (a tensor
         or :class:`GPTLoss`'s tuple). ``document_ids`` [b, s]: attention within each packed document."""
         x = self.embedding((tokens, position_ids))
-        # built once for all layers, additive in the activations' dtype (see document_causal_mask)
-        mask = None if document_ids is None else document_causal_mask(document_ids, x.dtype)
-        for layer in self.decoder.layers:
-            x = layer(x, position_ids, attention_mask=mask)
+        if self.decoder.layers and self.decoder.layers[0].self_attention.cp_group is not None:
+            for layer in self.decoder.layers:  # context parallelism: the layers' attention takes the documents
+                x = layer(x, position_ids, document_ids=document_ids)
+        else:
+            # built once for all layers, additive in the activations' dtype (see document_causal_mask)
+            mask = None if document_ids is None else document_causal_mask(document_ids, x.dtype)
+            for layer in self.decoder.layers:
+                x = layer(x, position_ids, attention_mask=mask)
         x = self.decoder.final_layernorm(x)
         if self.output_layer is None:
             logits = tied_output_logits(self.embedding, x)

@@ -21,6 +21,7 @@ from megatron_ru.model.lora import add_layer_adapters
 from megatron_ru.model.rope import RopeSpec, apply_rotary, cached_cos_sin, rotary_cos_sin
 from megatron_ru.model.spec import layer_prefix, split_heads
 from megatron_ru.parallel import random as tp_random
+from megatron_ru.parallel.context import context_attention
 from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_ru.parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron_ru.parallel.utils import ProcessGroup, divide, group_size
@@ -154,6 +155,10 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_window if local else None
         self.softmax_scale = cfg.softmax_scale
         self.recompute_core = cfg.recompute_granularity == "selective"
+        #: context parallelism (:func:`megatron_ru.parallel.context.enable_context_parallel`): the CP group and
+        #: exchange ("p2p" ring or "a2a"); None: this rank holds whole sequences
+        self.cp_group: ProcessGroup | None = None
+        self.cp_comm_type = "p2p"
         qkv, proj = LINEARS["linear_qkv"], LINEARS["linear_proj"]
         std = cfg.init_method_std
         common = dict(tp_group=tp_group, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
@@ -210,6 +215,16 @@ class Attention(nn.Module):
             cos, sin = rotary_cos_sin(positions, self.rope.inv_freq(x.device), q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))   # [b, heads, s, d]
+        if self.cp_group is not None:
+            # this rank's tokens of each sample; the layer passes their document ids (int64) in the mask's place
+            if kv_cache is not None:
+                raise RuntimeError("incremental decoding (a KV cache) runs without context parallelism")
+            if attention_mask is not None and (attention_mask.is_floating_point() or attention_mask.dtype == torch.bool):
+                raise RuntimeError("under context parallelism attention takes document ids, not a mask")
+            out = context_attention(q, k, v, self.cp_group, self.cp_comm_type, document_ids=attention_mask,
+                                    scale=self.softmax_scale if self.softmax_scale is not None else self.head_dim ** -0.5,
+                                    window=self.sliding_window)
+            return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)                   # [b, groups/tp, s_k, d]
         s_k = k.shape[2]
@@ -342,7 +357,12 @@ class TransformerLayer(nn.Module):
             hidden, positions, *rest = x
             out = self.forward(hidden, positions, document_ids=rest[0] if rest else None)
             return (out, *x[1:])
-        if document_ids is not None and attention_mask is None:
+        if self.self_attention.cp_group is not None:
+            # context parallelism: the CP attention builds its masks from token indices and these documents
+            if attention_mask is not None:
+                raise RuntimeError("under context parallelism pass document_ids, not attention_mask")
+            attention_mask = document_ids
+        elif document_ids is not None and attention_mask is None:
             attention_mask = _last_document_mask(document_ids, x.dtype)
         elif document_ids is not None:
             attention_mask = attention_mask & document_causal_mask(document_ids)

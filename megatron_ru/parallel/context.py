@@ -36,7 +36,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 __all__ = ["local_token_indices", "split_sequence", "check_sequence", "check_a2a_heads", "ring_attention",
-           "a2a_attention", "attention_reference"]
+           "a2a_attention", "attention_reference", "context_attention", "enable_context_parallel", "COMM_TYPES"]
+
+#: --cp-comm-type values that run here
+COMM_TYPES = ("p2p", "a2a")
 
 
 def check_sequence(seq_length: int, cp_size: int) -> None:
@@ -285,3 +288,30 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, se
     reproduce."""
     idx = torch.arange(seq_length, device=q.device)
     return _masked_attention(q, k, v, _allowed(idx, idx, document_ids, document_ids, window), scale)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, comm_type: str, *,
+                      scale: float, document_ids: Optional[torch.Tensor] = None,
+                      window: Optional[int] = None) -> torch.Tensor:
+    """The attention layer's entry: ``comm_type`` "p2p" (ring) or "a2a"; the sample's length is this rank's
+    tokens x CP."""
+    fn = {"p2p": ring_attention, "a2a": a2a_attention}.get(comm_type)
+    if fn is None:
+        raise ValueError(f"--cp-comm-type {comm_type!r}: one of {', '.join(COMM_TYPES)}")
+    return fn(q, k, v, group, seq_length=q.shape[2] * dist.get_world_size(group), scale=scale,
+              document_ids=document_ids, window=window)
+
+
+def enable_context_parallel(model: torch.nn.Module, group: Optional[ProcessGroup], comm_type: str = "p2p") -> int:
+    """Give every attention layer of ``model`` (a whole model or a pipeline stage) the CP group and exchange;
+    returns how many. A group of one rank (or None) leaves the model as it is."""
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"--cp-comm-type {comm_type!r}: one of {', '.join(COMM_TYPES)}")
+    if group is None or dist.get_world_size(group) == 1:
+        return 0
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "cp_group") and hasattr(module, "linear_qkv"):
+            module.cp_group, module.cp_comm_type = group, comm_type
+            count += 1
+    return count

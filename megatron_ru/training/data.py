@@ -67,6 +67,30 @@ class Batch:
         mask = self.loss_mask if self.loss_mask is not None else torch.ones_like(self.labels, dtype=torch.float32)
         return (self.labels, mask) + (() if self.loss_denominator is None else (self.loss_denominator,))
 
+    def for_context_parallel(self, cp_size: int, cp_rank: int) -> "Batch":
+        """This context-parallel rank's tokens of the micro batch (:mod:`megatron_ru.parallel.context`: chunks
+        ``cp_rank`` and ``2 x cp_size - 1 - cp_rank`` of each sample), each with its position and document
+        (positions made explicit: RoPE needs a token's place in the sample). The loss's denominator is the
+        whole micro batch's, divided by CP: the CP ranks' losses then average (as the gradients do over
+        DP x CP) to the micro batch's mean, and a rank whose tokens are all masked adds 0, not NaN."""
+        if cp_size == 1:
+            return self
+        from megatron_ru.parallel.context import split_sequence
+        b, s = self.tokens.shape
+        if self.loss_denominator is not None:
+            denominator = self.loss_denominator / cp_size
+        else:
+            count = torch.tensor(float(self.labels.numel())) if self.loss_mask is None else \
+                self.loss_mask.to(torch.float32).sum().clamp_min(1.0)
+            denominator = (count / cp_size).to(torch.float32)
+        positions = self.position_ids if self.position_ids is not None else \
+            torch.arange(s, device=self.tokens.device).expand(b, s)
+
+        def split(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else split_sequence(t, 1, cp_size, cp_rank)
+        return Batch(split(self.tokens), split(self.labels), split(positions), split(self.document_ids),
+                     split(self.loss_mask), denominator.to(self.tokens.device))
+
     def scored_tokens(self) -> int:
         """Tokens whose loss counts."""
         return self.labels.numel() if self.loss_mask is None else int(self.loss_mask.sum().item())
