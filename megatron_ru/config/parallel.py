@@ -7,6 +7,9 @@ from typing import Optional
 from megatron_ru.config.base import arg
 
 BACKENDS = ("auto", "nccl", "gloo")
+#: --cp-comm-type: the ring (p2p), the all-to-all (a2a), and Megatron-LM's all_gather (the keys/values of every
+#: rank gathered: the same result as the ring, which runs it here)
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
 
 @dataclass
@@ -17,6 +20,14 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = arg(
         1, "Pipeline-parallel degree (PP): stages the layers are cut into. "
            "Data-parallel degree = WORLD_SIZE / (TP x PP).")
+    context_parallel_size: int = arg(
+        1, "Context-parallel degree (CP): ranks that split each sample's sequence (each holds 2 of 2 x CP chunks, "
+           "load-balanced for causal attention). Data-parallel degree = WORLD_SIZE / (TP x CP x PP); the "
+           "sequence length must be a multiple of 2 x CP.")
+    cp_comm_type: str = arg(
+        "p2p", "How context-parallel attention exchanges keys/values: p2p (a ring over the CP ranks), a2a "
+               "(DeepSpeed-Ulysses all-to-all: heads per TP rank divisible by CP), all_gather (runs as p2p, the "
+               "same result); a2a+p2p is refused.", choices=CP_COMM_TYPES)
     sequence_parallel: bool = arg(
         False, "Megatron sequence parallelism: LayerNorm/dropout regions split along the sequence "
                "across the tensor-parallel group (needs TP > 1).")
@@ -45,6 +56,14 @@ class ParallelConfig:
             out.append(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
         if pp < 1:
             out.append(f"--pipeline-model-parallel-size must be >= 1 (got {pp})")
+        if self.context_parallel_size < 1:
+            out.append(f"--context-parallel-size must be >= 1 (got {self.context_parallel_size})")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            out.append(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)} (got {self.cp_comm_type!r})")
+        elif self.cp_comm_type == "a2a+p2p":
+            out.append("--cp-comm-type a2a+p2p is not supported: the hierarchical exchange (all-to-all inside a group, "
+                       "a ring across groups) needs --hierarchical-context-parallel-sizes, which is not available; "
+                       "use --cp-comm-type p2p or a2a")
         if self.sequence_parallel and tp < 1:
             out.append(f"--sequence-parallel needs --tensor-model-parallel-size > 1 (got {tp}); "
                        "drop --sequence-parallel or raise TP")

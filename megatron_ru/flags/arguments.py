@@ -107,9 +107,14 @@ class Arguments:
         return self.parallel.pipeline_model_parallel_size
 
     @property
+    def cp(self) -> int:
+        return self.parallel.context_parallel_size
+
+    @property
     def dp(self) -> int:
-        """WORLD_SIZE / (TP x PP), exact: validation refuses a world size it does not divide."""
-        return data_parallel_size(self.world_size, self.tp, self.pp)
+        """WORLD_SIZE / (TP x CP x PP), exact: validation refuses a world size it does not divide. The ranks that
+        read different samples (the CP ranks of one sample read the same ones)."""
+        return data_parallel_size(self.world_size, self.tp, self.pp, self.cp)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -167,7 +172,8 @@ def _derivable(a: Arguments) -> bool:
     """Whether DP, the global batch, accumulation and the iteration count are defined: rules that
     use them run only then (the rules for the flags involved report what is wrong)."""
     t = a.training
-    if a.tp < 1 or a.pp < 1 or a.world_size < 1 or a.world_size % (a.tp * a.pp) or t.micro_batch_size < 1:
+    if (a.tp < 1 or a.pp < 1 or a.cp < 1 or a.world_size < 1 or a.world_size % (a.tp * a.pp * a.cp)
+            or t.micro_batch_size < 1):
         return False
     if t.global_batch_size is not None and (t.global_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * a.dp)):
         return False
@@ -180,7 +186,34 @@ def _derivable(a: Arguments) -> bool:
 
 
 def _layout_rule(a: Arguments) -> list[str]:
-    return layout_problems(a.world_size, a.tp, a.pp) + model_parallel_problems(a.model, a.tp, a.pp)
+    return layout_problems(a.world_size, a.tp, a.pp, a.cp) + model_parallel_problems(a.model, a.tp, a.pp)
+
+
+def _context_parallel_rule(a: Arguments) -> list[str]:
+    """What context parallelism needs (megatron_ru.parallel.context)."""
+    cp = a.cp
+    if cp <= 1:
+        return []
+    out = []
+    s = a.data.seq_length
+    if s % (2 * cp):
+        out.append(f"--seq-length {s} is not divisible by 2 x --context-parallel-size = {2 * cp} (each CP rank holds "
+                   f"two of 2 x CP equal chunks): use a sequence length that is a multiple of {2 * cp}")
+    m = a.model
+    if m.attention_dropout > 0:
+        out.append(f"--attention-dropout {m.attention_dropout} cannot be combined with --context-parallel-size {cp}: "
+                   "the CP attention has no dropout; use --attention-dropout 0")
+    if a.training.torch_compile:
+        out.append(f"--torch-compile cannot be combined with --context-parallel-size {cp}: the CP attention's "
+                   "exchange runs eagerly; drop --torch-compile")
+    if a.parallel.cp_comm_type == "a2a" and a.tp >= 1 and m.num_attention_heads % a.tp == 0 \
+            and m.query_groups % a.tp == 0:
+        from megatron_ru.parallel.context import check_a2a_heads
+        try:
+            check_a2a_heads(m.num_attention_heads // a.tp, m.query_groups // a.tp, cp)
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def _zero_rule(a: Arguments) -> list[str]:
@@ -446,7 +479,7 @@ def _recompute_rule(a: Arguments) -> list[str]:
 
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
-    _recompute_rule, _layout_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _rampup_rule, _sequence_rule, _lr_rule,
+    _recompute_rule, _layout_rule, _context_parallel_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _rampup_rule, _sequence_rule, _lr_rule,
     _freeze_rule, _lora_rule, _checkpoint_rule, _output_paths_rule, _deepspeed_config_rule, _data_rule)
 
 
@@ -507,5 +540,5 @@ def parse_arguments(argv: Optional[Sequence[str]] = None, *, world_size: Optiona
                             "master weights and gradient sums (the same results; the optimizer state is sharded "
                             "over the data-parallel ranks)")
         args.training.zero_stage = 1
-    args.layout = ParallelLayout(args.world_size, args.tp, args.pp)  # valid: refused above otherwise
+    args.layout = ParallelLayout(args.world_size, args.tp, args.pp, args.cp)  # valid: refused above otherwise
     return args

@@ -19,7 +19,10 @@ def build_ds_config(args: "Arguments") -> dict[str, Any]:
         with open(t.deepspeed_config, encoding="utf-8") as f:
             cfg = json.load(f)
     cfg.update({
-        "train_batch_size": args.global_batch_size,
+        # DeepSpeed's data-parallel world is DP x CP (the CP ranks of a sample hold the same weights): each of
+        # them runs micro batch x accumulation "samples" (a CP rank's share of them), so it counts the global
+        # batch CP times
+        "train_batch_size": args.global_batch_size * args.cp,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": args.grad_accum,
     })

@@ -12,7 +12,7 @@ The classes, for every flag of the two parents' vocabulary a dense GPT/LLaMA job
 * **no effect**: a kernel, memory, profiling or logging knob that cannot change what is computed; accepted
   and listed once in the start-up banner's debug record;
 * **refused**: a feature we do not have; one line names the flag, says it is not supported and what to use
-  instead. Some flags are refused only for some values (``--context-parallel-size 2``; 1 is the same).
+  instead. Some flags are refused only for some values (``--rotary-percent 0.5``; 1.0 is the same).
 
 This module imports only the standard library and ``megatron_ru.config``.
 """
@@ -109,6 +109,14 @@ def _data_impl(args: "Arguments", value: Any, explicit: set[str]) -> Optional[st
         return None
     return (f"--data-impl {value} is not supported: megatron_ru reads the mmap format (.bin/.idx, MMIDIDX) that "
             f"tools/preprocess_data.py writes; use --data-impl mmap (or drop the flag)")
+
+
+def _ds_sequence_parallel(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+    size = int(value)
+    if size == 1:
+        return None
+    return (_set(args, explicit, "parallel", "context_parallel_size", size, f"--ds-sequence-parallel-size {value}")
+            or _set(args, explicit, "parallel", "cp_comm_type", "a2a", f"--ds-sequence-parallel-size {value}"))
 
 
 def _value_equals(flag: str, number: float, instead: str) -> Apply:
@@ -222,13 +230,8 @@ TABLE: tuple[MegatronFlag, ...] = (
     MegatronFlag("--wandb-name", SPELLING, 1, "= --wandb-exp-name", _wandb_name, "DS"),
     MegatronFlag("--data-impl", SPELLING, 1, "mmap (and infer, which finds mmap files) is the one format read here; "
                  "lazy and cached are refused", _data_impl, "DS"),
-    MegatronFlag("--context-parallel-size", SPELLING, 1, "1 is what runs here; more is refused",
-                 _value_equals("--context-parallel-size", 1, "context parallelism splits the sequence across ranks, "
-                            "which megatron_ru does not do; use --sequence-parallel with TP > 1 to split activations, "
-                            "or a shorter --seq-length"), "LM"),
-    MegatronFlag("--ds-sequence-parallel-size", SPELLING, 1, "1 is what runs here; more (DeepSpeed-Ulysses) is refused",
-                 _value_equals("--ds-sequence-parallel-size", 1, "DeepSpeed-Ulysses sequence parallelism is not "
-                            "available; use --sequence-parallel with TP > 1"), "DS"),
+    MegatronFlag("--ds-sequence-parallel-size", SPELLING, 1, "= --context-parallel-size N --cp-comm-type a2a "
+                 "(DeepSpeed-Ulysses: the all-to-all exchange)", _ds_sequence_parallel, "DS"),
     MegatronFlag("--rotary-percent", SPELLING, 1, "1.0 (rotary on the whole head) is what runs here; partial rotary "
                  "is refused", _value_equals("--rotary-percent", 1, "partial rotary embeddings are not available; "
                                              "use --rotary-percent 1.0"), "LM"),

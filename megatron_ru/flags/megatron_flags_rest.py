@@ -471,13 +471,11 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
      "data phases are not available: one blend per run; continue from a checkpoint with another --data-path", (
         ("--phase-transition-iterations", 1, "LM"),
     )),
-    (NO_EFFECT,
-     "read only with --context-parallel-size > 1, which is refused", (
-        ("--cp-comm-type", "+", "LM"), ("--hierarchical-context-parallel-sizes", "+", "LM"),
-    )),
     (REFUSED,
-     "see --context-parallel-size", (
-        ("--hybrid-context-parallel", 0, "LM"), ("--max-seqlen-per-dp-cp-rank", 1, "LM"),
+     "hierarchical and hybrid context parallelism are not available: one CP group per sample with "
+     "--cp-comm-type p2p or a2a", (
+        ("--hierarchical-context-parallel-sizes", "+", "LM"), ("--hybrid-context-parallel", 0, "LM"),
+        ("--max-seqlen-per-dp-cp-rank", 1, "LM"),
     )),
     (REFUSED,
      "gradient reduction in fp32 for chosen parameters is not available: gradients are reduced in fp32 under "

@@ -42,16 +42,27 @@ class ParallelState(DeepSpeedMpu):
         self.rank = rank
         coord = layout.coord(rank)
         self.coord: RankCoord = coord
-        self.tp_rank, self.dp_rank, self.pp_rank = coord.tp, coord.dp, coord.pp
+        self.tp_rank, self.pp_rank = coord.tp, coord.pp
+        cp = layout.cp > 1
+        #: the context-parallel rank and group (None at CP 1: the whole sequence on every rank)
+        self.cp_rank = coord.cp
+        self.cp_group = groups["cp"] if cp else None
+        self.cp_ranks: list[int] | None = ranks["cp"] if cp else None
+        #: the ranks that read different samples (the sampler's DP; the CP ranks of one sample read the same)
+        self.data_rank, self.data_size = coord.dp, layout.dp
+        self.data_group = groups["dp"]
+        #: DeepSpeed's data-parallel axis: the ranks holding the same weights, over which gradients are reduced
+        #: and ZeRO partitions (DP x CP; rank cp + CP x dp): what it reads through the mpu methods
+        self.dp_rank = coord.cp + layout.cp * coord.dp
         self.tp_group = groups["tp"]
-        self.dp_group = groups["dp"]
+        self.dp_group = groups["dp_cp"] if cp else groups["dp"]
         self.pp_group = groups["pp"]
         self.mp_group = groups["mp"]
         #: first + last stage of this rank's pipeline; None when PP=1 or this rank is a middle stage
         self.embedding_group = groups["embedding"]
         #: global ranks of each of this rank's groups (embedding: None when not a member)
         self.tp_ranks: list[int] = ranks["tp"]  # type: ignore[assignment]
-        self.dp_ranks: list[int] = ranks["dp"]  # type: ignore[assignment]
+        self.dp_ranks: list[int] = ranks["dp_cp" if cp else "dp"]  # type: ignore[assignment]
         self.pp_ranks: list[int] = ranks["pp"]  # type: ignore[assignment]
         self.mp_ranks: list[int] = ranks["mp"]  # type: ignore[assignment]
         self.embedding_ranks: list[int] | None = ranks["embedding"]
@@ -74,12 +85,17 @@ class ParallelState(DeepSpeedMpu):
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dp
+        """DeepSpeed's data-parallel size: DP x CP (:attr:`data_size` is DP)."""
+        return self.layout.dp * self.layout.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
 
     @classmethod
     def build(cls, tp: int, pp: int = 1, *, world_size: int | None = None,
               sequence_parallel: bool = False, timeout_minutes: float | None = None,
-              device: torch.device | None = None) -> "ParallelState":
+              device: torch.device | None = None, cp: int = 1) -> "ParallelState":
         """Create every group with ``torch.distributed.new_group`` (collective: all ranks call
         it with the same arguments). Needs an initialised default process group."""
         if not dist.is_available() or not dist.is_initialized():
@@ -89,7 +105,7 @@ class ParallelState(DeepSpeedMpu):
         if world_size is not None and world_size != actual:
             raise ValueError(f"ParallelState.build(world_size={world_size}) but the process group has "
                              f"WORLD_SIZE={actual}; drop world_size= or launch {world_size} processes")
-        layout = ParallelLayout(actual, tp, pp)
+        layout = ParallelLayout(actual, tp, pp, cp)
         if sequence_parallel and tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1)")
         rank = dist.get_rank()

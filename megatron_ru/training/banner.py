@@ -103,8 +103,10 @@ def banner_lines(args: "Arguments", counts: ParameterCounts, dataset_sizes: Sequ
     recompute = (f"full ({method}, {n} layer{'s' if n != 1 else ''}"
                  f"{', inputs split over TP' if m.distribute_saved_activations else ''})" if m.recompute else
                  "selective (core attention)" if m.recompute_granularity == "selective" else "none")
+    cp_comm = {"a2a": "all-to-all"}.get(args.parallel.cp_comm_type, "ring")
     lines = [
-        f"layout: TP {args.tp} x PP {args.pp} x DP {args.dp} = {args.layout.world_size} ranks | micro batch "
+        f"layout: TP {args.tp} x {f'CP {args.cp} ({cp_comm}) x ' if args.cp > 1 else ''}PP {args.pp} x DP {args.dp} = "
+        f"{args.layout.world_size} ranks | micro batch "
         f"{t.micro_batch_size} x gradient accumulation {args.grad_accum} x DP {args.dp} = global batch "
         f"{args.global_batch_size} | ZeRO {t.zero_stage} | {args.precision} | sequence parallel "
         f"{'on' if args.sequence_parallel else 'off'} | recomputation {recompute}",

@@ -134,8 +134,9 @@ class Trainer:
         if logging.log_num_zeros_in_grad:  # a count before every optimizer step; nothing installed otherwise
             from megatron_ru.training.engine import NumZerosInGrad
             self._num_zeros = NumZerosInGrad(engine, state)
+        # the sampler's data-parallel rank and size: the CP ranks of one sample read the same samples
         self.train_batches = micro_batches(train_ds, progress.consumed_train_samples, plan.micro_batch_size,
-                                           state.dp_rank, state.dp_size, self.device, plan.num_workers, documents)
+                                           state.data_rank, state.data_size, self.device, plan.num_workers, documents)
         self._last_lr = engine.lr_scheduler.get_lr()[0]
         if self.train_batches is None:
             raise ValueError("the training dataset is empty: check --data-path and --split")
@@ -157,9 +158,9 @@ class Trainer:
             return
         log_rank0(log, f"batch size ramp-up: global batch {global_batch} from iteration {self.progress.iteration + 1} "
                        f"(consumed samples {self.progress.consumed_train_samples})")
-        self.engine.set_train_batch_size(global_batch)
+        self.engine.set_train_batch_size(global_batch * self.state.cp_size)  # DeepSpeed's count (DP x CP replicas)
         self.current_batch = global_batch
-        self.grad_accum = global_batch // (self.plan.micro_batch_size * self.state.dp_size)
+        self.grad_accum = global_batch // (self.plan.micro_batch_size * self.state.data_size)
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -186,12 +187,21 @@ class Trainer:
         their unmasked tokens summed over the data-parallel ranks, each given its share of that count
         (:func:`per_token_denominators`); the weight is the count (Megatron-LM's sums of losses and tokens)."""
         if not self.training.calculate_per_token_loss:
-            return batches, 1.0
+            return self._context_split(batches), 1.0
         step = [next(batches) for _ in range(count)]
         tokens = torch.tensor([float(sum(b.scored_tokens() for b in step))], dtype=torch.float64, device=self.device)
-        if self.state.dp_size > 1:
-            dist.all_reduce(tokens, group=self.state.dp_group)
-        return iter(per_token_denominators(step, float(tokens.item()), self.state.dp_size)), float(tokens.item())
+        if self.state.data_size > 1:
+            dist.all_reduce(tokens, group=self.state.data_group)
+        step = per_token_denominators(step, float(tokens.item()), self.state.data_size)
+        return self._context_split(iter(step)), float(tokens.item())
+
+    def _context_split(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """With context parallelism, this rank's chunks of each micro batch (:meth:`Batch.for_context_parallel`);
+        the batches themselves otherwise."""
+        cp = self.state.cp_size
+        if cp == 1:
+            return batches
+        return (b.for_context_parallel(cp, self.state.cp_rank) for b in batches)
 
     def evaluate(self) -> Optional[float]:
         t = self.training
@@ -237,9 +247,9 @@ class Trainer:
         if self.text_tables is None:
             return None
         from megatron_ru.training.metrics import bits_per_text
-        counts = self._text_counts.clone()
-        if self.state.dp_size > 1:
-            dist.all_reduce(counts, group=self.state.dp_group)
+        counts = self._text_counts.clone()  # of whole micro batches: summed over the ranks reading other samples
+        if self.state.data_size > 1:
+            dist.all_reduce(counts, group=self.state.data_group)
         nbytes, nchars, tokens = (int(x) for x in counts.tolist())
         return bits_per_text(mean_loss, tokens, nbytes, nchars)
 
@@ -251,8 +261,8 @@ class Trainer:
         start = self.progress.consumed_valid_samples % n
         while True:
             got = 0
-            for batch in micro_batches(self.valid_ds, start, self.plan.micro_batch_size, self.state.dp_rank,
-                                       self.state.dp_size, self.device, documents=self.documents):
+            for batch in micro_batches(self.valid_ds, start, self.plan.micro_batch_size, self.state.data_rank,
+                                       self.state.data_size, self.device, documents=self.documents):
                 got += 1
                 yield batch
             if got == 0 and start == 0:

@@ -236,7 +236,8 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
     init_distributed(p.backend, p.distributed_timeout_minutes)
     # the layout validated at parse time, checked against the real process group
     state = ParallelState.build(args.tp, args.pp, world_size=args.layout.world_size,
-                                sequence_parallel=args.sequence_parallel, timeout_minutes=p.distributed_timeout_minutes)
+                                sequence_parallel=args.sequence_parallel, timeout_minutes=p.distributed_timeout_minutes,
+                                cp=args.cp)
     lock = claim_save_dir(args, state)
     if lock is not None and resources is not None:
         resources.callback(lock.release)
@@ -253,6 +254,9 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
     with quiet():
         attach_comm()
         model = build_model(args, state, vocab_size)
+        if state.cp_size > 1:  # every attention layer exchanges over the CP group (all_gather runs as the ring)
+            from megatron_ru.parallel.context import enable_context_parallel
+            enable_context_parallel(model, state.cp_group, "a2a" if p.cp_comm_type == "a2a" else "p2p")
         pp_group = state.pp_group if state.pp_size > 1 else None
         apply_freezing(model, args.model, train_only_embeddings=args.training.train_only_embeddings,
                        freeze=args.training.freeze, group=pp_group)

@@ -89,14 +89,13 @@ def test_no_effect_flags_change_nothing_and_are_listed(corpus):
 
 def test_refused_flags_say_so_in_one_line_each(corpus):
     with pytest.raises(ValueError) as e:
-        _parse(corpus, "--context-parallel-size", "2", "--data-impl", "lazy", "--num-experts", "8")
+        _parse(corpus, "--rotary-percent", "0.5", "--data-impl", "lazy", "--num-experts", "8")
     lines = str(e.value).splitlines()
     assert lines[0] == "invalid configuration (3 problems):"
     assert lines[1:] == [  # in the table's order
         "  - --data-impl lazy is not supported: megatron_ru reads the mmap format (.bin/.idx, MMIDIDX) that "
         "tools/preprocess_data.py writes; use --data-impl mmap (or drop the flag)",
-        "  - --context-parallel-size 2 is not supported: context parallelism splits the sequence across ranks, which "
-        "megatron_ru does not do; use --sequence-parallel with TP > 1 to split activations, or a shorter --seq-length",
+        "  - --rotary-percent 0.5 is not supported: partial rotary embeddings are not available; use --rotary-percent 1.0",
         "  - --num-experts is not supported: mixture-of-experts layers are not available: dense models only"]
 
 
