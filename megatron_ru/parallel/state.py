@@ -155,13 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     cfg = from_namespace(ParallelConfig, ns)
     problems = cfg.problems()
-    if cfg.tensor_model_parallel_size >= 1 and cfg.pipeline_model_parallel_size >= 1:
+    if cfg.tensor_model_parallel_size >= 1 and cfg.pipeline_model_parallel_size >= 1 and cfg.context_parallel_size >= 1:
         problems += layout_problems(ns.world_size, cfg.tensor_model_parallel_size,
-                                    cfg.pipeline_model_parallel_size)
+                                    cfg.pipeline_model_parallel_size, cfg.context_parallel_size)
     if problems:
         cli.error("\n       ".join(problems))
         return 2
-    layout = ParallelLayout(ns.world_size, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    layout = ParallelLayout(ns.world_size, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                            cfg.context_parallel_size)
     cli.emit(json.dumps(layout.describe()) if ns.json else layout.format())
     return 0
 

@@ -205,3 +205,13 @@ def test_context_parallel_size_that_does_not_divide_is_one_error():
     assert "--context-parallel-size from [1, 2, 3, 6]" in problem
     with pytest.raises(ValueError, match="CP=0 must be an integer >= 1"):
         ParallelLayout(8, 1, 1, 0)
+
+
+def test_state_cli_prints_the_context_parallel_grid(capsys):
+    assert main(["--world-size", "16", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                 "--context-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("WORLD_SIZE=16 TP=2 PP=2 DP=2 CP=2 (rank = tp + TP*(cp + CP*(dp + DP*pp)))")
+    assert "context-parallel groups:       [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]" in out
+    assert "gradient (DPxCP) groups:       [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]" in out
+    assert "  5: (1, 0, 0, 1)" in out  # rank 5: tp 1, dp 0, pp 0, cp 1
