@@ -214,4 +214,4 @@ def test_state_cli_prints_the_context_parallel_grid(capsys):
     assert out.startswith("WORLD_SIZE=16 TP=2 PP=2 DP=2 CP=2 (rank = tp + TP*(cp + CP*(dp + DP*pp)))")
     assert "context-parallel groups:       [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]" in out
     assert "gradient (DPxCP) groups:       [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]" in out
-    assert "  5: (1, 0, 0, 1)" in out  # rank 5: tp 1, dp 0, pp 0, cp 1
+    assert "  3: (1, 0, 0, 1)" in out and "  5: (1, 1, 0, 0)" in out  # (tp, dp, pp, cp): 3 = 1 + 2 x 1, 5 = 1 + 2 x 2 x 1
