@@ -195,10 +195,11 @@ def _context_parallel_rule(a: Arguments) -> list[str]:
     if cp <= 1:
         return []
     out = []
-    s = a.data.seq_length
-    if s % (2 * cp):
-        out.append(f"--seq-length {s} is not divisible by 2 x --context-parallel-size = {2 * cp} (each CP rank holds "
-                   f"two of 2 x CP equal chunks): use a sequence length that is a multiple of {2 * cp}")
+    from megatron_ru.parallel.context import check_a2a_heads, check_sequence
+    try:
+        check_sequence(a.data.seq_length, cp)
+    except ValueError as e:
+        out.append(str(e))
     m = a.model
     if m.attention_dropout > 0:
         out.append(f"--attention-dropout {m.attention_dropout} cannot be combined with --context-parallel-size {cp}: "
@@ -208,7 +209,6 @@ def _context_parallel_rule(a: Arguments) -> list[str]:
                    "exchange runs eagerly; drop --torch-compile")
     if a.parallel.cp_comm_type == "a2a" and a.tp >= 1 and m.num_attention_heads % a.tp == 0 \
             and m.query_groups % a.tp == 0:
-        from megatron_ru.parallel.context import check_a2a_heads
         try:
             check_a2a_heads(m.num_attention_heads // a.tp, m.query_groups // a.tp, cp)
         except ValueError as e:

@@ -216,45 +216,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Pro
     return _RingAttention.apply(q, k, v, document_ids, seq_length, scale, window, group)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """[b, H, s_local, d] sequence slices of all heads -> [b, H / cp, cp x s_local, d] all tokens (the ranks'
-    local tokens one rank after another) of this rank's heads. The backward is the inverse exchange."""
+class _AllToAll(torch.autograd.Function):
+    """Split ``x`` along ``split_dim`` over the ranks of ``group`` and concatenate what they send along ``cat_dim``
+    (in rank order). [b, H, s_local, d] with (1, 2): sequence slices of all heads -> [b, H / cp, cp x s_local, d],
+    all tokens of this rank's heads; (2, 1) is the inverse, which is also the backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
+    def forward(ctx, x, group, split_dim, cat_dim):
+        ctx.args = (group, cat_dim, split_dim)
+        return _all_to_all(x, group, split_dim, cat_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return _all_to_all(grad, *ctx.args), None, None, None
 
 
-def _seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: ProcessGroup, split_dim: int, cat_dim: int) -> torch.Tensor:
     cp = dist.get_world_size(group)
-    parts = [p.contiguous() for p in x.chunk(cp, dim=1)]
+    parts = [p.contiguous() for p in x.chunk(cp, dim=split_dim)]
     received = [torch.empty_like(parts[0]) for _ in range(cp)]
     dist.all_to_all(received, parts, group=group)
-    return torch.cat(received, dim=2)
-
-
-def _heads_to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    cp = dist.get_world_size(group)
-    parts = [p.contiguous() for p in x.chunk(cp, dim=2)]
-    received = [torch.empty_like(parts[0]) for _ in range(cp)]
-    dist.all_to_all(received, parts, group=group)
-    return torch.cat(received, dim=1)
+    return torch.cat(received, dim=cat_dim)
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, *, seq_length: int,
@@ -269,12 +251,12 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Proc
     check_a2a_heads(heads, groups, cp)
     if groups < cp:  # each rank needs the groups of its heads: repeat them so that they split evenly
         k, v = (t.repeat_interleave(cp // groups, dim=1) for t in (k, v))
-    qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    qh, kh, vh = (_AllToAll.apply(t, group, 1, 2) for t in (q, k, v))
     idx = torch.cat([local_token_indices(seq_length, cp, j, q.device) for j in range(cp)])
     docs = _gather_docs(document_ids, group)
     doc = None if docs is None else torch.cat(docs, dim=1)
     out = _masked_attention(qh, kh, vh, _allowed(idx, idx, doc, doc, window), scale)
-    return _HeadsToSeq.apply(out, group)
+    return _AllToAll.apply(out, group, 2, 1)
 
 
 def _masked_attention(q, k, v, allowed, scale):
