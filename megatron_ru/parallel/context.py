@@ -18,6 +18,11 @@ its RoPE position and its document id (packed documents, ``--reset-attention-mas
   a second all-to-all turns the result back. Heads per TP rank must be divisible by CP; key/value groups
   fewer than CP are repeated (CP divisible by them), as DeepSpeed and Megatron do for GQA.
 
+**Memory that grows linearly with the sequence.** Both exchanges compute attention blockwise (:data:`TILE`
+queries x :data:`TILE` keys at a time, merged by log-sum-exp; the backward recomputes each tile's
+probabilities): no rank builds a sequence x sequence mask or score matrix, and tiles that the causal rule,
+the window or the documents rule out entirely are skipped.
+
 Masks are built from token indices and document ids, so a document that crosses chunk boundaries, an odd
 document length and a row of queries that sees no key of a block all give the one-process result; a row
 that sees no key at all (never the case under the causal rule: a token sees itself) gives zeros, not NaN.
@@ -40,6 +45,9 @@ __all__ = ["local_token_indices", "split_sequence", "check_sequence", "check_a2a
 
 #: --cp-comm-type values that run here
 COMM_TYPES = ("p2p", "a2a")
+#: queries and keys per tile of the blockwise attention: whatever the sequence length, the scores held at once
+#: are (heads x TILE x TILE) floats, and tiles in which no query sees a key are skipped
+TILE = 512
 
 
 def check_sequence(seq_length: int, cp_size: int) -> None:
@@ -120,6 +128,52 @@ def _merge(out, lse, out_b, lse_b):
     return (out * torch.exp(lse - base).unsqueeze(-1) + out_b * torch.exp(lse_b - base).unsqueeze(-1)), new
 
 
+def _spans(n: int) -> list[tuple[int, int]]:
+    return [(i, min(i + TILE, n)) for i in range(0, n, TILE)]
+
+
+def _part(doc: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+    return None if doc is None else doc[:, a:b]
+
+
+def _tiles(s: int, t: int, q_idx, k_idx, q_doc, k_doc, window):
+    """The (query span, key span, allowed) tiles of an s x t block in which some query sees some key; the others
+    (above the causal diagonal, outside the window, between different documents) are skipped."""
+    for i0, i1 in _spans(s):
+        for j0, j1 in _spans(t):
+            allowed = _allowed(q_idx[i0:i1], k_idx[j0:j1], _part(q_doc, i0, i1), _part(k_doc, j0, j1), window)
+            if bool(allowed.any()):
+                yield (i0, i1), (j0, j1), allowed
+
+
+def _attend(qg, k, v, q_idx, k_idx, q_doc, k_doc, window, scale):
+    """Blockwise attention of qg [b, g, r, s, d] over k/v [b, g, t, d], one TILE x TILE tile at a time, merged
+    by log-sum-exp: (out [b, g, r, s, d] fp32, lse [b, g, r, s]; -inf where a query sees no key)."""
+    b, g, r, s, d = qg.shape
+    out = qg.new_zeros((b, g, r, s, d), dtype=torch.promote_types(qg.dtype, torch.float32))
+    lse = out.new_full((b, g, r, s), float("-inf"))
+    for (i0, i1), (j0, j1), allowed in _tiles(s, k.shape[2], q_idx, k_idx, q_doc, k_doc, window):
+        o, l = _block(qg[:, :, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], allowed, scale)
+        out[:, :, :, i0:i1], lse[:, :, :, i0:i1] = _merge(out[:, :, :, i0:i1], lse[:, :, :, i0:i1], o, l)
+    return out, lse
+
+
+def _attend_backward(qg, k, v, dog, delta, lse, q_idx, k_idx, q_doc, k_doc, window, scale):
+    """The gradients (dq [b, g, r, s, d], dk, dv [b, g, t, d]) that one key/value block contributes, given the
+    output's gradient ``dog``, ``delta`` = (dout * out).sum(-1) and the log-sum-exp ``lse`` of the whole row
+    (all blocks): the probabilities are recomputed tile by tile, never held for the whole block."""
+    dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(k), torch.zeros_like(v)
+    base = _finite(lse)
+    for (i0, i1), (j0, j1), allowed in _tiles(qg.shape[3], k.shape[2], q_idx, k_idx, q_doc, k_doc, window):
+        q_t, k_t, v_t, do_t = qg[:, :, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], dog[:, :, :, i0:i1]
+        p = torch.exp(_scores(q_t, k_t, allowed, scale) - base[:, :, :, i0:i1].unsqueeze(-1))  # [b, g, r, s, t]
+        dv[:, :, j0:j1] += torch.einsum("bgrst,bgrsd->bgtd", p, do_t)
+        ds = p * (torch.einsum("bgrsd,bgtd->bgrst", do_t, v_t) - delta[:, :, :, i0:i1].unsqueeze(-1))
+        dq[:, :, :, i0:i1] += torch.einsum("bgrst,bgtd->bgrsd", ds, k_t) * scale
+        dk[:, :, j0:j1] += torch.einsum("bgrst,bgrsd->bgtd", ds, q_t) * scale
+    return dq, dk, dv
+
+
 def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     b, h, s, d = q.shape
     return q.reshape(b, groups, h // groups, s, d)
@@ -156,9 +210,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             owner = (rank - step) % cp
             pending = _exchange([kv], group) if step < cp - 1 else None
-            allowed = _allowed(idx[rank], idx[owner], None if docs is None else docs[rank],
-                               None if docs is None else docs[owner], window)
-            out_b, lse_b = _block(qg, kv[0], kv[1], allowed, scale)
+            out_b, lse_b = _attend(qg, kv[0], kv[1], idx[rank], idx[owner], None if docs is None else docs[rank],
+                                   None if docs is None else docs[owner], window, scale)
             out, lse = (out_b, lse_b) if out is None else _merge(out, lse, out_b, lse_b)
             if pending is not None:
                 received, works = pending
@@ -178,19 +231,17 @@ class _RingAttention(torch.autograd.Function):
         groups = k.shape[1]
         qg, dog = _acc(_grouped(q, groups)), _acc(_grouped(dout, groups))
         delta = (dog * out).sum(-1)                                   # [b, g, r, s]
-        base = _finite(lse).unsqueeze(-1)
         dq = torch.zeros_like(qg)
         kv = _acc(torch.stack([k, v]))
         dkv = torch.zeros_like(kv)
         for step in range(cp):
             owner = (rank - step) % cp
-            allowed = _allowed(idx[rank], idx[owner], None if docs is None else docs[rank],
-                               None if docs is None else docs[owner], window)
-            p = torch.exp(_scores(qg, kv[0], allowed, scale) - base)  # [b, g, r, s, t]
-            dkv[1] += torch.einsum("bgrst,bgrsd->bgtd", p, dog)
-            ds = p * (torch.einsum("bgrsd,bgtd->bgrst", dog, kv[1]) - delta.unsqueeze(-1))
-            dq += torch.einsum("bgrst,bgtd->bgrsd", ds, kv[0]) * scale
-            dkv[0] += torch.einsum("bgrst,bgrsd->bgtd", ds, qg) * scale
+            dq_b, dk_b, dv_b = _attend_backward(qg, kv[0], kv[1], dog, delta, lse, idx[rank], idx[owner],
+                                                None if docs is None else docs[rank],
+                                                None if docs is None else docs[owner], window, scale)
+            dq += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
             # the block and its gradients go on to the next rank; after CP sends the gradients are home
             send = [kv, dkv] if step < cp - 1 else [dkv]
             received, works = _exchange(send, group)
@@ -255,8 +306,29 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Proc
     idx = torch.cat([local_token_indices(seq_length, cp, j, q.device) for j in range(cp)])
     docs = _gather_docs(document_ids, group)
     doc = None if docs is None else torch.cat(docs, dim=1)
-    out = _masked_attention(qh, kh, vh, _allowed(idx, idx, doc, doc, window), scale)
+    out = _Attention.apply(qh, kh, vh, idx, doc, window, scale)
     return _AllToAll.apply(out, group, 2, 1)
+
+
+class _Attention(torch.autograd.Function):
+    """Blockwise attention of one rank's heads over the whole sequence (the all-to-all's middle step): keeps
+    q, k, v, the output and its log-sum-exp, never a sequence x sequence matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, doc, window, scale):
+        out, lse = _attend(_grouped(q, k.shape[1]), k, v, idx, idx, doc, doc, window, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (idx, doc, window, scale)
+        return out.reshape(q.shape).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        idx, doc, window, scale = ctx.meta
+        qg, dog = _acc(_grouped(q, k.shape[1])), _acc(_grouped(dout, k.shape[1]))
+        dq, dk, dv = _attend_backward(qg, _acc(k), _acc(v), dog, (dog * out).sum(-1), lse, idx, idx, doc, doc,
+                                      window, scale)
+        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _masked_attention(q, k, v, allowed, scale):

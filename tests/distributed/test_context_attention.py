@@ -59,7 +59,8 @@ def _run(rank, world, cases):
 
     from megatron_ru.parallel import context
     out = []
-    for comm, groups, dtype, packed, window in cases:
+    for comm, groups, dtype, packed, window, tile in cases:
+        context.TILE = tile
         q, k, v, dout, docs = _inputs(groups, dtype)
         docs = docs if packed else None
         ref = _reference(q, k, v, dout, docs, window)
@@ -76,12 +77,18 @@ def _run(rank, world, cases):
     return out
 
 
-CASES = {  # CP size: (comm, key/value groups, dtype, packed documents, window) for 4 query heads
-    2: [("p2p", 2, torch.float64, False, None), ("p2p", 2, torch.float64, True, None),
-        ("a2a", 2, torch.float64, True, None), ("a2a", 1, torch.float64, True, 10),
-        ("p2p", 2, torch.float32, True, None), ("a2a", 2, torch.float32, True, None)],
-    3: [("p2p", 1, torch.float64, True, None), ("p2p", 4, torch.float64, True, 10)],
-    4: [("a2a", 4, torch.float64, True, None), ("a2a", 2, torch.float64, False, None)],
+BIG = 512  # the module's tile: one tile per block at these lengths
+CASES = {  # CP size: (comm, key/value groups, dtype, packed documents, window, tile) for 4 query heads; the
+    # small tiles divide neither the chunks nor the sequence, so blocks have partial tiles and skipped ones
+    2: [("p2p", 2, torch.float64, False, None, BIG), ("p2p", 2, torch.float64, True, None, BIG),
+        ("a2a", 2, torch.float64, True, None, BIG), ("a2a", 1, torch.float64, True, 10, BIG),
+        ("p2p", 2, torch.float32, True, None, BIG), ("a2a", 2, torch.float32, True, None, BIG),
+        ("p2p", 2, torch.float64, True, None, 5), ("a2a", 1, torch.float64, True, 10, 5),
+        ("p2p", 2, torch.float64, False, 10, 7)],
+    3: [("p2p", 1, torch.float64, True, None, BIG), ("p2p", 4, torch.float64, True, 10, BIG),
+        ("p2p", 4, torch.float64, True, 10, 5)],
+    4: [("a2a", 4, torch.float64, True, None, BIG), ("a2a", 2, torch.float64, False, None, BIG),
+        ("a2a", 4, torch.float64, True, None, 7), ("p2p", 2, torch.float64, True, None, 5)],
 }
 
 
@@ -108,3 +115,20 @@ def test_sequence_and_head_rules_are_one_line_errors():
         context.check_a2a_heads(6, 3, 2)
     context.check_a2a_heads(8, 1, 4)  # one group repeated over 4 ranks
     context.check_a2a_heads(8, 8, 4)
+
+
+def test_blockwise_attention_skips_the_tiles_no_query_sees():
+    """The tiles of a block: under the causal rule alone, the lower triangle of tiles (TILE 8, 48 tokens: 21 of
+    36); with a window of 10 only the band of three tiles along the diagonal; with documents only tiles that meet one."""
+    from megatron_ru.parallel import context
+    idx = torch.arange(SEQ)
+    old, context.TILE = context.TILE, 8
+    try:
+        def count(doc=None, window=None):
+            return sum(1 for _ in context._tiles(SEQ, SEQ, idx, idx, doc, doc, window))
+        assert count() == 21
+        assert count(window=10) == 15  # the diagonal tiles and the two below each (9 < 10 reaches two back)
+        docs = torch.stack([_doc_ids([8, 8, 8, 8, 8, 8])])  # one document per tile: the diagonal only
+        assert count(doc=docs) == 6
+    finally:
+        context.TILE = old
