@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow
 
 VOCAB, SEQ, EOD = 61, 48, 60
 RTOL = 1e-5
+#: a token's loss under CP vs its document alone: fp32 sums in another order through 2 layers (a few ulp)
+PER_TOKEN_RTOL = 1e-6
 
 
 def _config(shape: str):
@@ -62,7 +64,49 @@ def _loss_and_grads(model, batch):
 
 def _run(rank, world, cases):
     """Every case of this world size in one spawn of the ranks."""
-    return [_case(rank, world, *case) for case in cases]
+    return [_per_token(rank, world, *case[1:]) if case[0] == "per-token" else _case(rank, world, *case)
+            for case in cases]
+
+
+def _per_token(rank, world, comm):
+    """Per-token losses of one packed sequence under CP (the ranks' tokens put back in order) against each of
+    its documents run alone through the same model: {"max": relative error, "tokens": how many compared}."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megatron_ru.data.documents import DocumentMasking
+    from megatron_ru.model.gpt import GPTModel
+    from megatron_ru.parallel.context import enable_context_parallel, local_token_indices
+    from megatron_ru.training.data import collate
+    cfg = _config("llama")
+    gen = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, EOD, (n,), generator=gen) for n in (5, 1, 13, 7, 22)]  # odd lengths, across chunks
+    for d in docs[:-1]:
+        d[-1] = EOD
+    row = torch.cat(docs + [torch.randint(0, EOD, (1,), generator=gen)])
+    batch = collate([{"tokens": row.numpy()}], DocumentMasking(EOD, True, True, True))
+    alone, plain = [], GPTModel(cfg, VOCAB, None, seed=3)
+    with torch.no_grad():
+        for d in docs:  # a document alone: its tokens predict its next tokens (the last one is the EOD or the end)
+            logits = plain(d[None])[0, :-1].float()
+            alone.append(F.cross_entropy(logits, d[1:], reduction="none"))
+        group = dist.new_group(list(range(world)))
+        model = GPTModel(cfg, VOCAB, None, seed=3)
+        enable_context_parallel(model, group, comm)
+        part = batch.for_context_parallel(world, rank)
+        logits = model(part.tokens, position_ids=part.position_ids, document_ids=part.document_ids)[0].float()
+        mine = F.cross_entropy(logits, part.labels[0], reduction="none")
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine, group=group)
+    packed = torch.empty(SEQ)
+    for r, losses in enumerate(parts):
+        packed[local_token_indices(SEQ, world, r)] = losses
+    start, worst, count = 0, 0.0, 0
+    for d, losses in zip(docs, alone):
+        here = packed[start:start + len(d) - 1]
+        worst = max(worst, float(((here - losses).abs() / losses.abs()).max()) if len(losses) else 0.0)
+        start, count = start + len(d), count + len(losses)
+    return {"max": worst, "tokens": count}
 
 
 def _case(rank, world, shape, packed, comm, tp):
@@ -102,8 +146,9 @@ def _case(rank, world, shape, packed, comm, tp):
     return errors
 
 
-CASES = {  # ranks: (shape, packed documents, exchange, TP)
-    2: [("llama", True, "p2p", 1), ("llama", False, "a2a", 1), ("gemma", True, "a2a", 1)],
+CASES = {  # ranks: (shape, packed documents, exchange, TP), or ("per-token", exchange)
+    2: [("llama", True, "p2p", 1), ("llama", False, "a2a", 1), ("gemma", True, "a2a", 1), ("per-token", "p2p"),
+        ("per-token", "a2a")],
     3: [("gemma", True, "p2p", 1)],
     4: [("llama", True, "p2p", 2)],
 }
@@ -114,6 +159,9 @@ def test_model_under_cp_equals_one_process(world):
     cases = CASES[world]
     for rank, results in enumerate(run_distributed(_run, world, args=(cases,), timeout=300)):
         for case, errors in zip(cases, results):
+            if case[0] == "per-token":  # 48 tokens in 5 documents: all but each document's last one compared
+                assert errors["tokens"] == 48 - 5 and errors["max"] < PER_TOKEN_RTOL, (rank, case, errors)
+                continue
             bad = {k: v for k, v in errors.items() if not v < RTOL}
             assert not bad, (rank, case, bad)
 
