@@ -37,6 +37,7 @@ from megatron_ru.config.lora import AdapterSpec, LoraSpec, adapter_param_shapes,
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.model.init import name_seed
 from megatron_ru.model.spec import PartLayout
+from megatron_ru.parallel.layers import linear
 from megatron_ru.parallel.mappings import (copy_to_tensor_model_parallel_region,
                                            reduce_from_tensor_model_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
@@ -130,7 +131,7 @@ class LoraAdapter(nn.Module):
             m = copy_to_tensor_model_parallel_region(m, self.tp_group)
         scale = m / self.row_norm(weight).to(m.dtype)
         if dropped is not x:  # peft: with dropout the base term uses the dropped input too
-            base = F.linear(dropped, weight)
+            base = linear(dropped, weight)
             if not self.column:
                 base = (reduce_scatter_to_sequence_parallel_region(base, self.tp_group) if self.sequence_parallel
                         else reduce_from_tensor_model_parallel_region(base, self.tp_group))

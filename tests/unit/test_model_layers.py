@@ -195,3 +195,27 @@ def test_attention_without_native_gqa_gives_the_same_logits(monkeypatch) -> None
         monkeypatch.setattr(transformer, "_SDPA_HAS_GQA", False)     # torch < 2.5: repeated key/value heads
         repeated = model(tokens)
     assert torch.allclose(native, repeated, rtol=0, atol=1e-6)
+
+
+def test_linear_folds_positions_for_a_frozen_weight():
+    """A frozen weight (embedding-only training, LoRA) against hidden states whose strides are not a contiguous
+    tensor's ([s, 1, h] viewed from [1, s, h]; a transposed [b, s, h]): one matrix product, never torch's
+    batched path that copies the weight once per position; the result is F.linear's."""
+    import torch.nn.functional as F
+    from torch.profiler import profile
+
+    from megatron_ru.parallel.layers import linear
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 16, generator=g)  # frozen: requires_grad False
+    for x in (torch.randn(1, 10, 16, generator=g).transpose(0, 1),       # [10, 1, 16], strides (16, 160, 1)
+              torch.randn(10, 3, 16, generator=g).transpose(0, 1)):      # [3, 10, 16], not contiguous
+        x.requires_grad_(True)
+        with profile() as prof:
+            y = linear(x, weight)
+            y.sum().backward()
+        names = {e.name for e in prof.events()}
+        assert "aten::bmm" not in names and "aten::mm" in names, sorted(names)
+        ref = x.detach().clone().requires_grad_(True)
+        expected = F.linear(ref, weight)
+        expected.sum().backward()
+        assert y.shape == expected.shape and torch.allclose(y, expected, atol=1e-6) and torch.allclose(x.grad, ref.grad)
