@@ -3,8 +3,8 @@ the same seed and data, iteration by iteration (fp32, 1e-5 relative in the loss 
 gloo ranks: the ring and the all-to-all, with DP and ZeRO 1 and 3 (gradients reduced over DP x CP), with TP and
 sequence parallelism, with a pipeline (the stages pass the CP-local chunk with its positions), with packed
 documents (--reset-position-ids --reset-attention-mask --eod-mask-loss) and with --calculate-per-token-loss;
-Megatron-DeepSpeed's --ds-sequence-parallel-size is the all-to-all's spelling. The flags CP cannot run with are
-one-line errors."""
+Megatron-DeepSpeed's --ds-sequence-parallel-size is the all-to-all's spelling. A run saved at CP 2 continues at
+TP 2 x CP 1 and at CP 4 on the uninterrupted curve. The flags CP cannot run with are one-line errors."""
 import pytest
 
 from tests.dist_utils import run_distributed
@@ -50,8 +50,21 @@ def test_context_parallel_training_equals_one_process(tmp_path):
                               for extra in REFERENCES.values()],), timeout=300, env=ENV)[0]))
     assert refs["plain"]["losses"][10] < refs["plain"]["losses"][1] - 0.3  # it learns
     assert relative_diff(refs["packed"]["losses"], refs["plain"]["losses"]) > 1e-3  # the documents matter
-    results = run_distributed(train_body, 4, args=([tiny_argv(prefix, cache, extra=flags) for _, flags, _ in RUNS],),
-                              timeout=900, env=ENV)[0]
+    # CP shards no weights: a run saved at CP 2 x DP 2 (ZeRO 1 partitioned over DP x CP = 4) continues at TP 2 x DP 2
+    # and at CP 4 x DP 1, on the uninterrupted curve, data position included
+    saved = str(tmp_path / "cp2")
+    resumes = [tiny_argv(prefix, cache, extra=[*_layout(cp=2, zero=1), "--save", saved, "--exit-interval", "5"]),
+               tiny_argv(prefix, cache, extra=[*_layout(tp=2, zero=1), "--load", saved]),
+               tiny_argv(prefix, cache, extra=[*_layout(cp=4, zero=1), "--load", saved])]
+    results = run_distributed(train_body, 4, args=([tiny_argv(prefix, cache, extra=flags) for _, flags, _ in RUNS]
+                                                   + resumes,), timeout=900, env=ENV)[0]
+    first, *continued = results[len(RUNS):]
+    assert sorted(first["losses"]) == [1, 2, 3, 4, 5] and first["saved"] == [5], first
+    assert relative_diff(first["losses"], {k: refs["plain"]["losses"][k] for k in range(1, 6)}) < FP32_RTOL
+    for name, res in zip(("TP 2 x DP 2", "CP 4"), continued):
+        assert sorted(res["losses"]) == list(range(6, 11)), (name, sorted(res["losses"]))
+        tail = {k: refs["plain"]["losses"][k] for k in range(6, 11)}
+        assert relative_diff(res["losses"], tail) < FP32_RTOL, (name, res["losses"], tail)
     failures = []
     for (name, _, ref), res in zip(RUNS, results):
         assert not res["autograd_warnings"], (name, res["autograd_warnings"])
