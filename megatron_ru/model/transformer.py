@@ -23,7 +23,7 @@ from megatron_ru.model.spec import layer_prefix, split_heads
 from megatron_ru.parallel import random as tp_random
 from megatron_ru.parallel.context import context_attention
 from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron_ru.parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron_ru.parallel.mappings import copy_to_tensor_model_parallel_region, keep_collectives_out_of_compiled_graphs
 from megatron_ru.parallel.utils import ProcessGroup, divide, group_size
 
 try:  # apex's fused norms, when installed (GPU clusters); torch's own kernels otherwise
@@ -325,6 +325,7 @@ class TransformerLayer(nn.Module):
         """Run the block through ``torch.compile`` (inductor fuses the norms, RoPE, SwiGLU and the residual
         adds around the matmuls; tensor-parallel collectives stay eager graph breaks). Incremental decoding
         (a KV cache) keeps the eager path."""
+        keep_collectives_out_of_compiled_graphs()
         self._compiled = torch.compile(self._forward, dynamic=False)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -165,12 +165,20 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_first(grad, ctx.group), None
 
 
-@torch.compiler.disable
 def _collective(fn: type, x: torch.Tensor, group: ProcessGroup, *extra) -> torch.Tensor:
-    """Run ``fn`` (one of the Functions above) outside any ``torch.compile`` graph (``--torch-compile``):
-    a compiled transformer layer breaks its graph here and the collective runs eagerly, on the process
-    group as given."""
+    """Run ``fn`` (one of the Functions above); outside any ``torch.compile`` graph once
+    :func:`keep_collectives_out_of_compiled_graphs` ran."""
     return fn.apply(x, group, *extra)
+
+
+def keep_collectives_out_of_compiled_graphs() -> None:
+    """Before ``torch.compile`` of a layer (``--torch-compile``): a compiled transformer layer breaks its graph at
+    each collective, which runs eagerly on the process group as given. Done at that point rather than at import:
+    ``torch.compiler.disable`` imports torch's compiler (about 1.5 s of every process's start-up)."""
+    global _collective
+    if not getattr(_collective, "_kept_out", False):
+        _collective = torch.compiler.disable(_collective)
+        _collective._kept_out = True  # type: ignore[attr-defined]
 
 
 def _apply(fn: type, x: torch.Tensor, group: ProcessGroup | None, *extra) -> torch.Tensor:
