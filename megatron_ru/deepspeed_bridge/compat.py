@@ -7,6 +7,8 @@ takes effect on the installed DeepSpeed:
 
 * :func:`disable_cpu_shm_comm` — ``deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False``:
   on CPU, DeepSpeed JIT-builds a shared-memory allreduce kernel on first init (~50 s); gloo does the work.
+* :func:`compile_lazily` — ``deepspeed.runtime.compiler.compile``: DeepSpeed's Muon kernels, imported by every
+  ZeRO and bf16 engine, ran ``torch.compile`` at import (torch's inductor: ~1.5 s of CPU per rank).
 * :func:`install_fp32_clipping` — ``engine.clip_fp32_gradients``: DeepSpeed's fp32 no-ZeRO clipping
   drops replicated parameters on every pipeline stage but the first (see ``training/engine.py``).
 * :func:`install_checkpoint_io` — the checkpoint engine's ``load`` (weights-only ``torch.load``, errors
@@ -104,6 +106,40 @@ def disable_cpu_shm_comm() -> None:
     if not isinstance(ops, dict):
         raise _missing("deepspeed.ops.__compatible_ops__ dictionary")
     ops["deepspeed_shm_comm"] = False
+
+
+# ---- 1a. DeepSpeed's compiled helpers compiled when first called, not when imported -----------------------
+
+def compile_lazily() -> None:
+    """``deepspeed.runtime.compiler.compile``: DeepSpeed decorates its Muon kernels with ``torch.compile`` when
+    their module is imported, and imports that module on every ZeRO and bf16 engine's start (to ask whether the
+    optimizer is a Muon one); ``torch.compile`` at decoration imports torch's inductor, about 1.5 s of CPU per
+    rank. Decorated through this, a function is handed to ``torch.compile`` at its first call: the same
+    compiled function where Muon is used, nothing where it is not."""
+    import functools
+
+    import torch
+    from deepspeed.runtime import compiler
+    if not callable(getattr(compiler, "compile", None)):
+        raise _missing("deepspeed.runtime.compiler.compile")
+    if getattr(compiler.compile, "_megatron_ru", False):
+        return
+
+    def lazy_compile():
+        def decorate(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = torch.compile(fn)
+                return compiled(*args, **kwargs)
+            return call
+        return decorate
+
+    lazy_compile._megatron_ru = True  # type: ignore[attr-defined]
+    compiler.compile = lazy_compile
 
 
 # ---- 1b. no gradient all-reduce over a single data-parallel replica --------------------------------------

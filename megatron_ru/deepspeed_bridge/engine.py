@@ -26,6 +26,7 @@ def attach_comm() -> None:
     no MPI discovery that would rewrite MASTER_ADDR/PORT). Needed before building a PipelineModule."""
     compat.check_version()
     compat.disable_cpu_shm_comm()
+    compat.compile_lazily()
     import deepspeed
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
                                dist_init_required=False)

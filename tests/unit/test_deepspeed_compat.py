@@ -96,6 +96,34 @@ def test_shm_comm_op_is_not_built_on_cpu(tmp_path):
     assert r == {"name": "deepspeed_shm_comm", "flag": False, "built": False}
 
 
+# ---- 1a. DeepSpeed's compiled helpers compiled lazily --------------------------------------------------
+
+def check_lazy_compile(out):
+    import sys
+
+    import torch
+    _init_single_process()
+    dsc.compile_lazily()
+    dsc.compile_lazily()  # twice: one wrapper
+    engine = _engine(torch.nn.Linear(4, 4), zero_stage=1)  # imports DeepSpeed's Muon module
+    loss = engine(torch.randn(2, 4)).pow(2).sum()
+    engine.backward(loss)
+    engine.step()
+    from deepspeed.runtime.zero.muon import original_muon
+    json.dump({"muon": "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules,
+               "inductor": "torch._inductor.compile_fx" in sys.modules,
+               "wrapped": original_muon.muon_update.__wrapped__.__module__,
+               "stage": engine.zero_optimization_stage()}, open(out, "w"))
+
+
+def test_deepspeed_compiles_its_kernels_when_first_called(tmp_path):
+    """A ZeRO 1 engine imports DeepSpeed's Muon module, and with the patch that import no longer brings in
+    torch's inductor (its kernels are handed to torch.compile when first called: never, with AdamW)."""
+    r = _run("check_lazy_compile", tmp_path)
+    assert r == {"muon": True, "inductor": False, "wrapped": "deepspeed.runtime.zero.muon.original_muon",
+                 "stage": 1}, r
+
+
 # ---- 2. fp32 clipping -------------------------------------------------------------------------------
 
 def check_clipping(out):
