@@ -259,7 +259,8 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
         ("--ds_fused_adam", 0, "DS"),
     )),
     (REFUSED,
-     "DeepSpeed's FPDT / Ulysses sequence parallelism is not available: use --sequence-parallel with TP > 1", (
+     "DeepSpeed's FPDT (chunked, offloaded Ulysses) is not available: --ds-sequence-parallel-size N (Ulysses: "
+     "--context-parallel-size N --cp-comm-type a2a) or the ring (--context-parallel-size N) runs", (
         ("--ds-sequence-parallel-fpdt", 0, "DS"), ("--ds-sequence-parallel-fpdt-chunk-size", 1, "DS"),
         ("--ds-sequence-parallel-fpdt-offloading", 0, "DS"), ("--force-ds-sequence-parallel", 0, "DS"),
     )),
