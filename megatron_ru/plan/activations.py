@@ -77,7 +77,7 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime, local: bool | Non
     None: the largest layer of the model (local if any is)."""
     if local is None:
         local = any(cfg.layer_is_local(i) for i in range(cfg.num_layers or 0))
-    s, b, t = layout.seq_length, layout.micro_batch, layout.tp
+    s, b, t = layout.rank_tokens, layout.micro_batch, layout.tp
     h, a, g, d = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     f = cfg.resolved_ffn_hidden_size
     e = layout.param_bytes
@@ -97,7 +97,8 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime, local: bool | Non
         # the core attention recomputed: its inputs q, k, v (above) and the projection's input stay, nothing of
         # what the kernel saves inside (log-sum-exp; the math path's scores, softmax, dropout mask)
         attn += e * T * qw
-    elif rt.attention == "fused":
+    elif rt.attention == "fused" or layout.cp > 1:
+        # (CP: the blockwise attention keeps the same two; its key/value block in flight is counted below)
         attn += e * T * qw + 4 * b * (a // t) * s                              # output, log-sum-exp
     else:
         scores = b * (a // t) * s * s
@@ -119,8 +120,10 @@ def layer_terms(cfg: ModelConfig, layout: Layout, rt: Runtime, local: bool | Non
         if rt.device != "cuda" and e == 4:
             kn -= e * T * kw
         attn += qn + kn
-    if local and cfg.sliding_window is not None and s > cfg.sliding_window:
+    if local and cfg.sliding_window is not None and s > cfg.sliding_window and layout.cp == 1:
         attn += e * s * s                                                      # the window's additive mask
+    if layout.cp > 1 and layout.cp_comm == "p2p":
+        attn += 2 * e * T * kw                                                 # the ring's block in flight
     out["attention"] = attn
     out["dropout_masks"] = 2 * m * T_sp * h if cfg.hidden_dropout > 0 else 0
     if cfg.gated_mlp:
@@ -142,7 +145,7 @@ def recompute_input_bytes(cfg: ModelConfig, layout: Layout) -> int:
     """What a recomputed chunk keeps: its input (a 1/TP part of it with --distribute-saved-activations)."""
     e = layout.param_bytes
     sp = layout.tp if layout.sequence_parallel else 1
-    whole = e * layout.seq_length * layout.micro_batch * cfg.hidden_size // sp
+    whole = e * layout.rank_tokens * layout.micro_batch * cfg.hidden_size // sp
     if layout.distribute_saved_activations and layout.tp > 1 and not layout.sequence_parallel:
         return -(-whole // layout.tp)
     return whole
@@ -166,18 +169,18 @@ def stage_layer_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime, n_layers: i
 def embedding_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
     """The embedding layer's saved tensors per micro batch: token ids (int64) and the dropout mask."""
     e = layout.param_bytes
-    T = layout.seq_length * layout.micro_batch
+    T = layout.rank_tokens * layout.micro_batch
     sp = layout.tp if layout.sequence_parallel else 1
     ids = 8 * T * (2 if layout.tp > 1 else 1)  # ids, and the masked local ids of a vocab-parallel lookup
     if cfg.position_embedding_type == "learned_absolute":
-        ids += 8 * layout.seq_length               # the position ids of the position-table lookup
+        ids += 8 * layout.rank_tokens              # the position ids of the position-table lookup
     mask = rt.mask_bytes(e) * T * cfg.hidden_size // sp if cfg.hidden_dropout > 0 else 0
     return ids + mask
 
 
 def final_norm_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
     e = layout.param_bytes
-    T = layout.seq_length * layout.micro_batch
+    T = layout.rank_tokens * layout.micro_batch
     sp = layout.tp if layout.sequence_parallel else 1
     return _norm_bytes(cfg, T // sp, cfg.hidden_size, e, rt) + _one_plus_w(cfg, cfg.hidden_size)
 
@@ -187,7 +190,7 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: int) -> dict[st
     the fp32 softmax the cross-entropy keeps (plus target bookkeeping), and the backward's fp32
     gradient with its cast to the activation dtype."""
     e = layout.param_bytes
-    T = layout.seq_length * layout.micro_batch
+    T = layout.rank_tokens * layout.micro_batch
     vt = padded_vocab // layout.tp
     return {"head_input": e * T * cfg.hidden_size, "logits": e * T * vt, "softmax": 4 * T * vt + 9 * T,
             "logit_grads": (4 + e) * T * vt}

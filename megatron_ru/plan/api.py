@@ -18,7 +18,7 @@ def layout_for_arguments(args: "Arguments", world_size: Optional[int] = None) ->
     from megatron_ru.parallel.topology import ParallelLayout
     grid = getattr(args, "layout", None) if world_size is None else None
     if grid is None:
-        grid = ParallelLayout(args.world_size if world_size is None else world_size, args.tp, args.pp)
+        grid = ParallelLayout(args.world_size if world_size is None else world_size, args.tp, args.pp, args.cp)
     t = args.training
     global_batch = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * grid.dp
     return Layout.on(grid, micro_batch=t.micro_batch_size, global_batch=global_batch,
@@ -27,7 +27,7 @@ def layout_for_arguments(args: "Arguments", world_size: Optional[int] = None) ->
                   recompute_method=args.model.recompute_plan[0] if args.model.recompute else "uniform",
                   recompute_num_layers=args.model.recompute_plan[1] if args.model.recompute else 1,
                   distribute_saved_activations=args.model.distribute_saved_activations, zero_stage=t.zero_stage,
-                  precision=args.precision)
+                  precision=args.precision, cp_comm="a2a" if args.parallel.cp_comm_type == "a2a" else "p2p")
 
 
 def vocab_size_for_arguments(args: "Arguments") -> int:

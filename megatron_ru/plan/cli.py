@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Only these ZeRO stages (repeat the flag); default: every valid stage.")
     g.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto")
     g.add_argument("--max-micro-batch-size", type=int, default=8)
+    g.add_argument("--context-parallel-size", type=int, action="append", metavar="CP",
+                   help="Only these context-parallel sizes (repeat the flag; the ring exchange); default: 1 and every "
+                        "size that splits --seq-length into 2 x CP chunks with TP x CP within a node.")
     g.add_argument("--attention-kernel", choices=("fused", "math"), default="fused",
                    help="fused: PyTorch's flash/memory-efficient attention keeps no s x s scores (torch >= 2.1 on "
                         "V100 and newer); math: kernels that keep them (older stacks).")
@@ -165,7 +168,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                             ("selective",) if cfg.recompute_granularity == "selective" else None,
                             sequence_parallel={"auto": None, "on": (True,), "off": (False,)}[ns.sequence_parallel],
                             zero_stages=tuple(ns.zero_stage) if ns.zero_stage else None,
-                            max_micro_batch=ns.max_micro_batch_size)
+                            max_micro_batch=ns.max_micro_batch_size,
+                            context_parallel=tuple(ns.context_parallel_size) if ns.context_parallel_size else None)
         model_cfg = dataclasses.replace(cfg, recompute_granularity=None, checkpoint_activations=False)
         plan = plan_layouts(model_cfg, vocab, gpu, ns.num_gpus, ns.global_batch_size, seq, precision,
                             gpus_per_node=ns.gpus_per_node, optimizer=ns.optimizer, space=space,

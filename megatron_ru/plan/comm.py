@@ -33,8 +33,9 @@ from megatron_ru.plan.layout import Layout
 from megatron_ru.plan.params import stage_tensors
 from megatron_ru.plan.states import optimizer_groups, padded_flat_size
 
-#: keys of :func:`step_comm_bytes` (the planner's dimensions); ``mp`` = the TP x PP group
-DIMENSIONS = ("tp", "pp", "dp", "mp")
+#: keys of :func:`step_comm_bytes` (the planner's dimensions); ``mp`` = the TP x PP group; ``dp`` is DeepSpeed's
+#: data axis (DP x CP: the ranks holding the same weights); ``cp`` the attention's exchange within a sample
+DIMENSIONS = ("tp", "pp", "dp", "mp", "cp")
 
 _FP32 = 4
 _INT64 = 8
@@ -77,7 +78,7 @@ class _Stage:
 def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
     """What each pipeline stage holds: :func:`megatron_ru.plan.params.stage_tensors`' tensors and the
     optimizer's flat groups of the trainable ones (:func:`megatron_ru.plan.states.optimizer_groups`)."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp, dp = layout.tp, layout.pp, layout.data_axis
     descs = model_spec.model_description(cfg)
     bounds = model_spec.stage_bounds(cfg, pp) if pp > 1 else [(0, len(descs))]
     out = []
@@ -95,7 +96,7 @@ def _stages(cfg: ModelConfig, vocab_size: int, layout: Layout) -> list[_Stage]:
 def _dim(group: str, layout: Layout) -> str:
     """The audit's dimension of an op in ``group`` (a group whose ranks equal another's is named as
     the audit names it: TP first, then DP, PP, the model-parallel group)."""
-    sizes = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "mp": layout.tp * layout.pp}
+    sizes = {"tp": layout.tp, "dp": layout.data_axis, "pp": layout.pp, "mp": layout.tp * layout.pp, "cp": layout.cp}
     if sizes[group] <= 1:
         return "local"
     if group == "mp":
@@ -122,14 +123,14 @@ class _Ops:
     def add(self, name: str, group: str, kind: str, payload: int, count: int) -> None:
         lay = self.layout
         dim = _dim(group, lay)
-        n = {"tp": lay.tp, "dp": lay.dp, "pp": lay.pp, "mp": lay.tp * lay.pp}[group]
+        n = {"tp": lay.tp, "dp": lay.data_axis, "pp": lay.pp, "mp": lay.tp * lay.pp, "cp": lay.cp}[group]
         if dim != "local" and count > 0 and (payload > 0 or kind == "barrier"):
             self.ops.append(CommOp(name, dim, kind, 2 if kind in ("send", "recv") else n, payload, count))
 
 
 def _activation_bytes(cfg: ModelConfig, layout: Layout) -> int:
-    """One [s, b, h] activation in the model's dtype."""
-    return layout.seq_length * layout.micro_batch * cfg.hidden_size * layout.param_bytes
+    """One [s, b, h] activation in the model's dtype (s: this rank's tokens of the sample)."""
+    return layout.rank_tokens * layout.micro_batch * cfg.hidden_size * layout.param_bytes
 
 
 def _tp_ops(out: _Ops, cfg: ModelConfig, layout: Layout, st: _Stage) -> None:
@@ -161,7 +162,7 @@ def _tp_ops(out: _Ops, cfg: ModelConfig, layout: Layout, st: _Stage) -> None:
         if cfg.add_bias_linear:
             add("sp.row_bias_grads", "tp", "all_reduce", h * act, m * 2 * st.layers)
     if st.output:
-        add("tp.cross_entropy", "tp", "all_reduce", layout.seq_length * layout.micro_batch * _FP32, 3 * m)
+        add("tp.cross_entropy", "tp", "all_reduce", layout.rank_tokens * layout.micro_batch * _FP32, 3 * m)
 
 
 def _pp_ops(out: _Ops, cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int, extra_losses: int) -> None:
@@ -194,10 +195,34 @@ def _pp_ops(out: _Ops, cfg: ModelConfig, vocab_size: int, layout: Layout, stage:
         out.ops.append(CommOp("pp.tied_embedding_grad", "pp", "all_reduce", 2, rows // t * cfg.hidden_size * _FP32, 1))
 
 
+def _cp_ops(out: _Ops, cfg: ModelConfig, layout: Layout, st: _Stage) -> None:
+    """Context parallelism, per layer and micro batch (megatron_ru/parallel/context.py). Ring: the forward passes
+    this rank's key/value block on CP - 1 times; the backward passes it on again CP - 1 times and its fp32
+    gradient CP times (home after a full turn). All-to-all: q, k, v (key/value groups repeated up to CP) and the
+    output, forward and backward. Full recomputation replays the forward."""
+    c, m = layout.cp, layout.num_micro_batches
+    if c == 1 or st.layers == 0:
+        return
+    t, e = layout.tp, layout.param_bytes
+    T = layout.rank_tokens * layout.micro_batch
+    qw, kw = cfg.num_attention_heads * cfg.head_dim // t, cfg.query_groups * cfg.head_dim // t
+    forwards = 2 if layout.recompute == "full" else 1
+    n = m * st.layers
+    if layout.cp_comm == "p2p":
+        block = 2 * T * kw
+        for kind in ("send", "recv"):
+            out.add(f"cp.ring.kv.{kind}", "cp", kind, block * e, n * (c - 1) * (forwards + 1))
+            out.add(f"cp.ring.grads.{kind}", "cp", kind, block * _FP32, n * c)
+    else:
+        groups = max(kw, cfg.head_dim * c) if cfg.query_groups // t < c else kw  # repeated up to CP groups
+        payload = T * (2 * qw + 2 * groups) * e                                   # q, k, v, output
+        out.add("cp.all_to_all", "cp", "all_to_all", payload, n * (forwards + 1))
+
+
 def _dp_ops(out: _Ops, layout: Layout, st: _Stage, stage: int, extra_losses: int,
             zero3_persistence_threshold: int, zero3_max_reuse_distance: int) -> None:
     """Data parallelism: gradients, ZeRO's parameter gathers, the loss averaged for the log."""
-    d, m, add = layout.dp, layout.num_micro_batches, out.add
+    d, m, add = layout.data_axis, layout.num_micro_batches, out.add
     bf16_optimizer = layout.precision == "bf16" and layout.zero_stage == 1  # DeepSpeed's BF16_Optimizer
     elem = layout.param_bytes  # gradients are sent in the model's dtype (DeepSpeed's communication_data_type)
     if layout.zero_stage == 0:
@@ -265,6 +290,7 @@ def stage_comm_ops(cfg: ModelConfig, vocab_size: int, layout: Layout, stage: int
     out = _Ops(layout)
     _tp_ops(out, cfg, layout, st)
     _pp_ops(out, cfg, vocab_size, layout, stage, extra_losses)
+    _cp_ops(out, cfg, layout, st)
     _dp_ops(out, layout, st, stage, extra_losses, zero3_persistence_threshold, zero3_max_reuse_distance)
     _norm_ops(out, layout, st, clip_grad)
     return out.ops

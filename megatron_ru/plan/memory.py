@@ -95,12 +95,12 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
     shape = stage_layers(cfg, layout.pp)
     per_layer = act.layer_bytes(cfg, layout, rt)
     e = layout.param_bytes
-    T = layout.seq_length * layout.micro_batch
+    T = layout.rank_tokens * layout.micro_batch
     f1 = cfg.resolved_ffn_hidden_size * (2 if cfg.gated_mlp else 1)
     best: Optional[MemoryPrediction] = None
     totals = []
     for stage, (n_layers, has_embed, has_head) in enumerate(shape):
-        dp_ranks = {0, layout.dp - 1}
+        dp_ranks = {0, layout.data_axis - 1}
         states: StateBytes = max((state_bytes(tensors[stage], layout, optimizer, buckets, r, device) for r in dp_ranks),
                                  key=lambda sb: sb.parameters + sb.gradients + sb.optimizer)
         k = in_flight(layout, stage)

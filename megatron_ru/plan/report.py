@@ -12,6 +12,10 @@ from megatron_ru.plan.search import Candidate, Plan
 def job_variables(layout: Layout, num_gpus: int, gpus_per_node: int) -> dict[str, str]:
     """The settings of scripts/abci/settings.sh and scripts/slurm/*.sbatch for ``layout``."""
     extra = []
+    if layout.cp > 1:
+        extra += ["--context-parallel-size", str(layout.cp)]
+        if layout.cp_comm == "a2a":
+            extra += ["--cp-comm-type", "a2a"]
     if layout.sequence_parallel:
         extra.append("--sequence-parallel")
     if layout.recompute != "none":

@@ -25,6 +25,9 @@ class SearchSpace:
     max_micro_batch: int = 8
     max_tp: Optional[int] = None
     """default: GPUs per node (TP across nodes is never worth it)"""
+    context_parallel: Optional[tuple[int, ...]] = None
+    """CP sizes to consider (the ring); default: 1 and every size the sequence allows (seq % 2CP == 0) whose
+    TP x CP group stays within a node"""
 
 
 @dataclass
@@ -70,22 +73,21 @@ def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_le
     every batch of the batch-size ramp (``megatron_ru.plan.ramp``)."""
     out, invalid = [], []
     max_tp = space.max_tp or gpus_per_node
-    for tp in _divisors(num_gpus):
-        if tp > max_tp:
-            continue
-        for pp in _divisors(num_gpus // tp):
+    for tp, cp in _tp_cp(num_gpus, seq_length, max_tp, gpus_per_node, space, invalid):
+        for pp in _divisors(num_gpus // (tp * cp)):
+            name = f"TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
             problems = model_parallel_problems(cfg, tp, pp)
             if problems:
-                invalid.append(f"TP {tp} x PP {pp}: " + "; ".join(problems))
+                invalid.append(f"{name}: " + "; ".join(problems))
                 continue
-            dp = data_parallel_size(num_gpus, tp, pp)
+            dp = data_parallel_size(num_gpus, tp, pp, cp)
             if global_batch % dp:
-                invalid.append(f"TP {tp} x PP {pp}: --global-batch-size {global_batch} is not divisible by DP {dp}")
+                invalid.append(f"{name}: --global-batch-size {global_batch} is not divisible by DP {dp}")
                 continue
             micro = [mb for mb in (1, 2, 4, 8, 16, 32) if mb <= space.max_micro_batch and global_batch % (mb * dp) == 0
                      and (ramp is None or (ramp.start % (mb * dp) == 0 and ramp.increment % (mb * dp) == 0))]
             if not micro and ramp is not None:
-                invalid.append(f"TP {tp} x PP {pp}: --rampup-batch-size {ramp.start} {ramp.increment} "
+                invalid.append(f"{name}: --rampup-batch-size {ramp.start} {ramp.increment} "
                                f"{ramp.samples}: START and INCREMENT are not multiples of micro batch x DP {dp}")
             for mb in micro:
                 for sp in (False, True) if tp > 1 else (False,):
@@ -93,12 +95,34 @@ def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_le
                         continue
                     for rc in space.recompute or ("none", "full"):
                         for zero in _zero_stages(pp, precision, space):
-                            out.append(Layout(tp, pp, dp, mb, global_batch, seq_length, sp, rc, zero, precision))
+                            out.append(Layout(tp, pp, dp, mb, global_batch, seq_length, sp, rc, zero, precision,
+                                              cp=cp))
     return out, invalid
 
 
-def _family(layout: Layout) -> tuple[int, int, str]:
-    return layout.tp, layout.pp, layout.recompute
+def _tp_cp(num_gpus: int, seq_length: int, max_tp: int, gpus_per_node: int, space: SearchSpace,
+           invalid: list[str]) -> list[tuple[int, int]]:
+    """The (TP, CP) pairs to try: TP up to ``max_tp``; CP (the ring) where the sequence splits into 2 x CP chunks
+    and the TP x CP group fits in a node (its exchange is per layer, like TP's)."""
+    pairs = []
+    for tp in _divisors(num_gpus):
+        if tp > max_tp:
+            continue
+        for cp in _divisors(num_gpus // tp):
+            if space.context_parallel is not None and cp not in space.context_parallel:
+                continue
+            if cp > 1 and space.context_parallel is None and tp * cp > gpus_per_node:
+                continue
+            if cp > 1 and seq_length % (2 * cp):
+                if space.context_parallel is not None:
+                    invalid.append(f"CP {cp}: --seq-length {seq_length} is not divisible by 2 x CP = {2 * cp}")
+                continue
+            pairs.append((tp, cp))
+    return pairs
+
+
+def _family(layout: Layout) -> tuple[int, int, int, str]:
+    return layout.tp, layout.pp, layout.cp, layout.recompute
 
 
 def _largest_terms(pred: MemoryPrediction, n: int = 3) -> str:
@@ -128,10 +152,10 @@ def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int,
     fitting = sorted((c for c in cands if c.fits),
                      key=lambda c: (-c.time.tokens_per_second_per_gpu, c.memory.total_bytes))
     rejected = []
-    families: dict[tuple[int, int, str], list[Candidate]] = {}
+    families: dict[tuple[int, int, int, str], list[Candidate]] = {}
     for c in cands:
         families.setdefault(_family(c.layout), []).append(c)
-    for (tp, pp, rc), members in sorted(families.items()):
+    for (tp, pp, cp, rc), members in sorted(families.items()):
         if any(c.fits for c in members):
             continue
         least = min(members, key=lambda c: c.memory.total_bytes)
@@ -139,6 +163,6 @@ def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int,
         lay = least.layout
         need, have = least.memory.total_bytes / GIB, capacity / GIB
         digits = 1 if f"{need:.1f}" != f"{have:.1f}" else 2  # never "15.8 GiB > 15.8 GiB"
-        rejected.append(f"TP {tp} x PP {pp} {how}: at best ({lay.short()}) {need:.{digits}f} GiB "
+        rejected.append(f"TP {tp} x PP {pp}{f' x CP {cp}' if cp > 1 else ''} {how}: at best ({lay.short()}) {need:.{digits}f} GiB "
                         f"> {have:.{digits}f} GiB per GPU (largest: {_largest_terms(least.memory)})")
     return Plan(fitting, rejected, invalid, capacity, len(cands))

@@ -121,7 +121,7 @@ def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "ada
     """What one rank (data-parallel rank ``dp_rank``) of a stage holding ``tensors`` keeps. On a CPU only
     the touched part of the reduce bucket is resident (the gradients copied into it); CUDA's caching
     allocator holds all of it."""
-    dp, zero, prec = layout.dp, layout.zero_stage, layout.precision
+    dp, zero, prec = layout.data_axis, layout.zero_stage, layout.precision  # ZeRO partitions over DP x CP
     e = layout.param_bytes
     n_all = sum(t.numel for t in tensors)
     n_frozen = sum(t.numel for t in tensors if not t.trainable)

@@ -40,10 +40,11 @@ class Overlap:
     pp: float = 0.0
     dp: float = 0.0
     virtual_stages: int = 1
+    cp: float = 0.0
 
 
 #: this trainer: Megatron-style TP collectives on the critical path, DeepSpeed's blocking pipeline
-#: sends, the ZeRO/DP gradient reduction after the backward
+#: sends, the ZeRO/DP gradient reduction after the backward, the CP exchange waited for
 OURS = Overlap()
 
 
@@ -109,21 +110,23 @@ def predict_step_time(cfg: ModelConfig, vocab_size: int, layout: Layout, gpu: Gp
     peak = gpu.peak(layout.precision)
     rate = peak * 1e12 * achievable_fraction
     m = layout.num_micro_batches
-    tokens_mb = layout.micro_batch * layout.seq_length
+    tokens_mb = layout.micro_batch * layout.rank_tokens  # each token attends over the whole sample (FLOPs below)
     stages = stage_layers(cfg, layout.pp)
     t_mb = max(_stage_flops_per_token(cfg, vocab_size, layout, n, head) * tokens_mb / layout.tp / rate
                for n, _, head in stages)
     comm = comm_bytes(cfg, vocab_size, layout)
-    tp, dp = layout.tp, layout.dp
+    tp, dp, cp = layout.tp, layout.dp, layout.cp
     t_tp = comm["tp"] / _link(gpu, tp, gpus_per_node) * (1 - overlap.tp)
+    t_cp = comm.get("cp", 0) / _link(gpu, tp * cp, gpus_per_node) * (1 - overlap.cp)
     t_pp = comm["pp"] / _link(gpu, layout.world_size, gpus_per_node) * (1 - overlap.pp) if layout.pp > 1 else 0.0
-    t_dp = (comm["dp"] + comm.get("mp", 0)) / _link(gpu, tp * dp, gpus_per_node) * (1 - overlap.dp)
-    slot = t_mb + (t_tp + t_pp) / m  # one micro batch on the busiest stage, its TP and PP messages included
+    t_dp = (comm["dp"] + comm.get("mp", 0)) / _link(gpu, tp * cp * dp, gpus_per_node) * (1 - overlap.dp)
+    slot = t_mb + (t_tp + t_cp + t_pp) / m  # one micro batch on the busiest stage, its TP, CP and PP messages
     bubble = (layout.pp - 1) / overlap.virtual_stages * slot
     t_opt = 0.0
     if memory is not None:
         t_opt = (2 * memory.terms["optimizer"] + memory.terms["parameters"] + memory.terms["gradients"]) / (gpu.hbm_gbps * 1e9)
-    parts = {"compute": m * t_mb, "bubble": bubble, "tp": t_tp, "pp": t_pp, "dp": t_dp, "optimizer": t_opt}
+    parts = {"compute": m * t_mb, "bubble": bubble, "tp": t_tp, "cp": t_cp, "pp": t_pp, "dp": t_dp,
+             "optimizer": t_opt}
     tokens = layout.tokens_per_step
     total_layers = cfg.num_layers
     hw = flops_per_token(ModelShape.of(cfg, vocab_size, layout.seq_length, total_layers), layout.recompute == "full")

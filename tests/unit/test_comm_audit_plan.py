@@ -64,6 +64,25 @@ def test_step_bytes_are_the_busiest_stage_per_dimension():
     lay = layout()
     per_stage = [rank_comm_bytes(gpt13b(), V, lay, k) for k in range(lay.pp)]
     total = step_comm_bytes(gpt13b(), V, lay)
-    assert set(total) == {"tp", "pp", "dp", "mp"}
+    assert set(total) == {"tp", "pp", "dp", "mp", "cp"} and total["cp"] == 0  # CP 1: no exchange
     assert all(total[k] == max(r[k] for r in per_stage) for k in total)
     assert total["tp"] > total["pp"] > 0 and total["dp"] > 0
+
+
+def test_context_parallel_ring_passes_key_value_blocks_and_their_gradients():
+    """CP 4 ring, 40 heads (no GQA): per layer and micro batch, the forward sends this rank's K and V block
+    (1/CP of the tokens, 1/TP of the heads) on 3 times, the backward 3 times more and its fp32 gradient 4 times;
+    full recomputation adds a forward. The gradient reduction runs over DP x CP (DeepSpeed's data axis)."""
+    lay = layout(cp=4, dp=1, seq_length=8192)
+    m = lay.num_micro_batches
+    block = 2 * (8192 // 4) * (5120 // 4)                    # K and V of 2048 tokens, 10 of 40 heads
+    ops = {op.name: op for op in stage_comm_ops(gpt13b(), V, lay, 3)}
+    assert ops["cp.ring.kv.send"].payload == block * 2 and ops["cp.ring.kv.send"].count == m * 5 * 3 * 2
+    assert ops["cp.ring.grads.recv"].payload == block * 4 and ops["cp.ring.grads.recv"].count == m * 5 * 4
+    assert ops["dp.grads"].group_size == 4 and ops["cp.ring.kv.send"].dim == "cp"
+    rc = {op.name: op for op in stage_comm_ops(gpt13b(), V,
+                                               layout(cp=4, dp=1, seq_length=8192, recompute="full"), 3)}
+    assert rc["cp.ring.kv.send"].count == m * 5 * 3 * 3
+    a2a = {op.name: op for op in stage_comm_ops(gpt13b(), V,
+                                                layout(cp=2, dp=2, seq_length=8192, cp_comm="a2a"), 3)}
+    assert a2a["cp.all_to_all"].payload == (8192 // 2) * 4 * (5120 // 4) * 2  # q, k, v, output of its tokens

@@ -135,9 +135,10 @@ def test_layout_for_arguments_refuses_a_world_size_tp_pp_does_not_divide():
     from megatron_ru.plan.api import layout_for_arguments
 
     class _Args:  # what layout_for_arguments reads of Arguments
-        world_size, tp, pp, sequence_parallel, precision = 8, 2, 2, False, "bf16"
+        world_size, tp, pp, cp, sequence_parallel, precision = 8, 2, 2, 1, False, "bf16"
 
     args = _Args()
+    args.parallel = type("P", (), {"cp_comm_type": "p2p"})()
     args.training = type("T", (), {"global_batch_size": None, "micro_batch_size": 1, "zero_stage": 1})()
     args.data = type("D", (), {"seq_length": 128})()
     args.model = type("M", (), {"recompute": False, "recompute_granularity": None, "distribute_saved_activations": False})()
@@ -196,3 +197,55 @@ def test_gemma3_1b_plan(capsys, tmp_path):
     global_keys = 4 * 4096 + 22 * 512
     assert flops_per_token(shape) == 3 * (26 * (2 * 1152 * (1024 + 512) + 2 * 1024 * 1152 + 2 * 1152 * 6912 * 3)
                                           + 4 * 1024 * global_keys + 2 * 1152 * 262144)
+
+
+LLAMA3_8B = dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                 group_query_attention=True, num_query_groups=8, max_position_embeddings=65536,
+                 position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+                 untie_embeddings_and_output_weights=True)
+
+
+def test_context_parallel_layout_holds_a_cp_share_of_the_tokens():
+    """A rank at CP 4 saves what a rank of a 4x shorter sequence saves, plus the ring's key/value block in flight
+    (2 x tokens x KV width); ZeRO partitions over DP x CP (DP 1 x CP 4 holds what DP 4 holds); the flags, the
+    label and the sequence rule."""
+    from megatron_ru.plan import activations as act
+    cfg = ModelConfig(**LLAMA3_8B)
+    rt = act.Runtime("cuda", "fused")
+    base = dict(tp=1, pp=1, micro_batch=1, global_batch=4, zero_stage=1, precision="bf16")
+    cp4 = Layout(dp=1, cp=4, seq_length=16384, **base)
+    short = Layout(dp=4, seq_length=4096, **base)
+    kw = 8 * 128
+    terms4, terms_short = act.layer_terms(cfg, cp4, rt), act.layer_terms(cfg, short, rt)
+    assert terms4["attention"] == terms_short["attention"] + 2 * 2 * 4096 * kw
+    assert {k: v for k, v in terms4.items() if k != "attention"} == \
+        {k: v for k, v in terms_short.items() if k != "attention"}
+    whole = Layout(dp=4, seq_length=16384, **base)
+    assert sum(act.layer_terms(cfg, whole, rt).values()) > 3.9 * sum(terms_short.values())
+    p4, p1 = predict_memory(cfg, 128256, cp4), predict_memory(cfg, 128256, whole)
+    assert p4.terms["optimizer"] == p1.terms["optimizer"] and p4.terms["parameters"] == p1.terms["parameters"]
+    assert p4.terms["activations"] < 0.3 * p1.terms["activations"]
+    assert cp4.world_size == 4 and cp4.data_axis == 4 and cp4.grid.cp == 4
+    assert "--context-parallel-size 4" in " ".join(cp4.flags()) and cp4.short() == "TP1 PP1 DP1 CP4 mb1 ZeRO1"
+    with pytest.raises(ValueError, match=r"--seq-length 16000 is not divisible by 2 x --context-parallel-size = 12"):
+        Layout(dp=1, cp=6, seq_length=16000, **base)
+
+
+def test_planner_searches_context_parallelism_for_a_long_sequence():
+    """Llama-3-8B at 64K tokens on 16 H100s: no layout without CP fits as fast (the best uses CP); limited to
+    CP 1 the best is another (slower) layout; a CP size the sequence does not split into 2 x CP is named."""
+    from megatron_ru.plan.hardware import PRESETS
+    from megatron_ru.plan.search import SearchSpace, plan_layouts
+    cfg = ModelConfig(**LLAMA3_8B)
+    plan = plan_layouts(cfg, 128256, PRESETS["h100-80gb"], 16, 16, 65536, "bf16")
+    best = plan.best.layout
+    assert best.cp > 1 and best.world_size == 16, best
+    assert "--context-parallel-size" in best.flags()
+    assert any(" x CP " in r for r in plan.rejected)
+    no_cp = plan_layouts(cfg, 128256, PRESETS["h100-80gb"], 16, 16, 65536, "bf16",
+                         space=SearchSpace(context_parallel=(1,)))
+    assert all(c.layout.cp == 1 for c in no_cp.fitting)
+    assert no_cp.best.time.tokens_per_second_per_gpu < plan.best.time.tokens_per_second_per_gpu
+    odd = plan_layouts(ModelConfig(**{**LLAMA, "max_position_embeddings": 64}), 1000, PRESETS["h100-80gb"], 3, 3, 64,
+                       "bf16", space=SearchSpace(context_parallel=(1, 3)))
+    assert "CP 3: --seq-length 64 is not divisible by 2 x CP = 6" in odd.invalid
