@@ -2,7 +2,8 @@
 the same seed and data, iteration by iteration (fp32, 1e-5 relative in the loss and the gradient norm), on 4
 gloo ranks: the ring and the all-to-all, with DP and ZeRO 1 and 3 (gradients reduced over DP x CP), with TP and
 sequence parallelism, with a pipeline (the stages pass the CP-local chunk with its positions), with packed
-documents (--reset-position-ids --reset-attention-mask --eod-mask-loss) and with --calculate-per-token-loss;
+documents (--reset-position-ids --reset-attention-mask --eod-mask-loss), with --calculate-per-token-loss, with
+full and selective recomputation and with a batch ramp-up;
 Megatron-DeepSpeed's --ds-sequence-parallel-size is the all-to-all's spelling. A run saved at CP 2 continues at
 TP 2 x CP 1 and at CP 4 on the uninterrupted curve. The flags CP cannot run with are one-line errors."""
 import pytest
@@ -16,6 +17,8 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 FP32_RTOL = 1e-5
 PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 PER_TOKEN = ["--calculate-per-token-loss"]
+#: global batch 2, 4 (micro batch 1 x DP 2 steps): the first 4 iterations ramp, the rest run at 4
+RAMP = ["--rampup-batch-size", "2", "2", "8"]
 
 
 def _layout(tp=1, pp=1, cp=1, zero=0, comm=None, extra=()):
@@ -39,8 +42,13 @@ RUNS = [
     ("CP 2 x PP 2 packed documents", _layout(pp=2, cp=2, zero=1, extra=PACKED), "packed"),
     ("CP 2 x DP 2 all-to-all packed, per-token loss", _layout(cp=2, zero=1, comm="a2a", extra=PACKED + PER_TOKEN),
      "packed per-token"),
+    ("CP 2 x DP 2 ring, full recomputation", _layout(cp=2, zero=1, extra=["--recompute-granularity", "full"]),
+     "plain"),
+    ("CP 2 x DP 2 all-to-all packed, selective recomputation",
+     _layout(cp=2, zero=1, comm="a2a", extra=PACKED + ["--recompute-granularity", "selective"]), "packed"),
+    ("CP 2 x DP 2 ring, batch ramp-up", _layout(cp=2, zero=1, extra=RAMP), "ramp"),
 ]
-REFERENCES = {"plain": [], "packed": PACKED, "packed per-token": PACKED + PER_TOKEN}
+REFERENCES = {"plain": [], "packed": PACKED, "packed per-token": PACKED + PER_TOKEN, "ramp": RAMP}
 
 
 def test_context_parallel_training_equals_one_process(tmp_path):
