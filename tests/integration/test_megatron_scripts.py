@@ -10,6 +10,8 @@ Scripts (fetched for their flags, none of their text kept):
   ``examples_deepspeed/universal_checkpointing/llama/run_llama_bf16.sh``;
 * Megatron-LM ``examples/llama/train_llama3_8b_h200_bf16.sh`` (its data-path branch),
   ``examples/llama/train_llama3.sh`` (defaults), ``examples/gpt3/train_gpt3_175b_distributed.sh``;
+* the Llama-3 8B H200 script once more with its ``--context-parallel-size`` at 2 (TP 1: the two ranks are one
+  CP group);
 * a Megatron-DeepSpeed fork's 13B job script for ABCI (V100, TP 4 x PP 8, fp16), its extra flags (a W&B run
   name and id without a project, which its fork leaves to W&B).
 """
@@ -146,6 +148,17 @@ def scripts(d, data: str, cache: str, sp: str, vocab: str, merges: str, hf: str)
 FP16 = ("mds_pretrain_gpt_distributed_with_mp", "lm_train_gpt3_175b_distributed")
 
 
+def _context_parallel(argv: list[str]) -> list[str]:
+    """The Llama-3 8B H200 script with its CP knob at 2 instead of 1 (and its TP at 1, so that the 2 ranks are
+    one CP group): the layout sizes change, every other flag stays; its own checkpoint directory."""
+    out = list(argv)
+    out[out.index("--tensor-model-parallel-size") + 1] = "1"
+    out[out.index("--context-parallel-size") + 1] = "2"
+    for flag in ("--save", "--load"):
+        out[out.index(flag) + 1] += "_cp2"
+    return out
+
+
 def test_every_script_flag_is_known(tmp_path):
     prefix = make_corpus(str(tmp_path))
     parser = build_parser(CONFIG_CLASSES)
@@ -163,6 +176,7 @@ def test_megatron_job_scripts_run_unchanged(tmp_path):
     vocab, merges = make_gpt2_bpe_files(tmp_path)
     hf = make_hf_tokenizer_dir(tmp_path)
     runs = scripts(tmp_path, prefix, str(tmp_path / "cache"), sp, vocab, merges, hf)
+    runs["lm_train_llama3_8b_h200_bf16 at CP 2"] = _context_parallel(runs["lm_train_llama3_8b_h200_bf16"])
     argvs, names = [], []
     for name, argv in runs.items():
         if name == "lm_train_llama3":
