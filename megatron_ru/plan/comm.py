@@ -332,7 +332,7 @@ def compare_with_audit(records: list[dict], cfg: ModelConfig, vocab_size: int, l
     rows = []
     per_stage = [stage_comm_ops(cfg, vocab_size, layout, k, **kw) for k in range(layout.pp)]
     for rank, rec in enumerate(records):
-        stage = rank // (layout.tp * layout.dp)
+        stage = rank // (layout.tp * layout.data_axis)  # rank order tp-cp-dp-pp
         wire: dict[str, int] = defaultdict(int)
         payload: dict[str, int] = defaultdict(int)
         for op in per_stage[stage]:
