@@ -126,8 +126,37 @@ def exit_if_launcher_gone(what: str) -> None:
     os._exit(1)
 
 
+def launcher_gone_before_start(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The launcher that started this process when it is gone already (killed while this rank was still
+    starting, before it could look for it: the rank is an orphan of init, or Open MPI's server named in
+    ``PMIX_SERVER_TMPDIR`` no longer runs), named for the error line; None otherwise."""
+    if env.get("OMPI_COMM_WORLD_RANK") is not None:
+        found = re.search(r"(?:pid|dvm)\.(\d+)", env.get("PMIX_SERVER_TMPDIR", ""))
+        if found and not running(int(found.group(1))):
+            return f"mpirun, PID {found.group(1)}"
+    # launchers that stay the parent of their ranks (not a RANK/LOCAL_RANK set by hand: a rank started through a
+    # shell that has exited is init's child from the start, and such a run must survive its terminal)
+    launched = (env.get("OMPI_COMM_WORLD_RANK") is not None
+                or (env.get("SLURM_STEP_ID") is not None and env.get("SLURM_PROCID") is not None)
+                or env.get("TORCHELASTIC_RUN_ID") is not None)
+    if launched and os.getppid() == 1:
+        return "the process that started this rank (it is now a child of init)"
+    return None
+
+
 def watch_launcher(env: Mapping[str, str] = os.environ) -> Optional[subprocess.Popen]:
-    """Start the watcher for this process (None when there is no launcher to watch)."""
+    """Start the watcher for this process (None when there is no launcher to watch). A launcher gone before
+    this rank got here ends the rank at once, with one line."""
+    gone = launcher_gone_before_start(env)
+    if gone is not None:
+        try:
+            sys.stderr.write(f"[{time.strftime('%H:%M:%S')} rank {current_rank()}] ERROR "
+                             f"megatron_ru.parallel.launcher_watch: the launcher ({gone}) is gone before this rank "
+                             f"(PID {os.getpid()}) started: ending it\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - its pipe may have died with it
+            pass
+        os._exit(1)
     found = launcher_pid(env)
     if found is None:
         return None
