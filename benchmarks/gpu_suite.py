@@ -14,7 +14,8 @@ Parts, each in its own process (a failure is reported in the table, the rest sti
   what each change brought (the former defaults: eager, for-loop AdamW; eager with fused AdamW).
   Shapes: the 1B preset at seq 2048 (micro batch 4) and 4096 (micro batch 2, the same tokens per step), and
   one TP = 1 slice of LLaMA-3-8B (hidden 4096, 32 heads, 8 query groups, FFN 14336, 4 layers, vocabulary
-  128,256, seq 4096, micro batch 1). When the contenders' states would not fit in the GPU's memory together,
+  128,256, seq 4096, micro batch 1); ours alone on one 32K-token sample of the 1B preset (what one GPU of a
+  context-parallel group computes at 128K over CP 4). When the contenders' states would not fit in the GPU's memory together,
   each runs in its own process, one after the other (the table says so).
 * ``fp16``: 100 steps of the 1B preset in fp16 with dynamic loss scaling against the same in bf16, steps
   interleaved, on a learnable corpus: the largest loss difference and the skipped steps.
@@ -48,11 +49,13 @@ SHAPES = {  # layers, hidden, heads, query groups, ffn, vocab (padded), seq, mic
     "1b-seq4096": {**_1B, "seq": 4096, "batch": 2},
     "8b-layer-seq4096": dict(layers=4, hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, seq=4096,
                              batch=1),
+    "1b-seq32768": {**_1B, "seq": 32768, "batch": 1},  # one long sample (context parallelism's per-GPU share)
 }
 SMOKE_SHAPES = {  # the same code paths at sizes two CPU cores run in seconds
     "1b-seq2048": dict(layers=2, hidden=64, heads=4, groups=2, ffn=160, vocab=512, seq=64, batch=2),
     "1b-seq4096": dict(layers=2, hidden=64, heads=4, groups=2, ffn=160, vocab=512, seq=128, batch=1),
     "8b-layer-seq4096": dict(layers=2, hidden=128, heads=8, groups=2, ffn=352, vocab=1024, seq=128, batch=1),
+    "1b-seq32768": dict(layers=2, hidden=64, heads=4, groups=2, ffn=160, vocab=512, seq=512, batch=1),
 }
 #: variants of ours: pretrain_gpt flags and shape changes. "ours" is what the headline figures use; the others
 #: show what each change brought (ours-before: the former defaults) and what a larger micro batch gives.
@@ -565,6 +568,7 @@ def _plan(smoke: bool, gpu_bytes: Optional[int], no_ablation: bool = False, only
     plans.append(("matrix-8b-layer-seq4096", ["--shape", "8b-layer-seq4096"], ["ours", *BASELINES]))
     plans.append(("fp16", [], []))
     plans.append(("matrix-1b-seq4096", ["--shape", "1b-seq4096"], ["ours", *BASELINES]))
+    plans.append(("matrix-1b-seq32768", ["--shape", "1b-seq32768"], ["ours"]))
     plans.append(("correctness", [], []))
     plans.append(("generation", [], []))
     out = []

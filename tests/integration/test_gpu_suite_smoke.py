@@ -23,7 +23,8 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     results = json.loads((out / "suite.json").read_text())
     parts = results["parts"]
     assert set(parts) == {"matrix-1b-seq2048", "correctness", "generation", "fp16", "matrix-1b-seq4096",
-                          "matrix-8b-layer-seq4096"}
+                          "matrix-8b-layer-seq4096", "matrix-1b-seq32768"}
+    assert set(parts["matrix-1b-seq32768"]["contenders"]) == {"ours"}  # the long sample: ours alone
     assert not [p for p, r in parts.items() if "error" in r]
     assert set(parts["matrix-1b-seq2048"]["contenders"]) == {"ours", "ours-eager", "ours-before", "ours-mb8-ga4",
                                                              "ours-ds-step", "plain", "transformers"}
