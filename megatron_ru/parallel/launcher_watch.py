@@ -128,19 +128,20 @@ def exit_if_launcher_gone(what: str) -> None:
 
 def launcher_gone_before_start(env: Mapping[str, str] = os.environ) -> Optional[str]:
     """The launcher that started this process when it is gone already (killed while this rank was still
-    starting, before it could look for it: the rank is an orphan of init, or Open MPI's server named in
-    ``PMIX_SERVER_TMPDIR`` no longer runs), named for the error line; None otherwise."""
+    starting, before it could look for it), named for the error line; None otherwise. Only where that is
+    certain: the rank is init's child and, under Open MPI, the server named in ``PMIX_SERVER_TMPDIR`` no longer
+    runs, or, under torchrun, its agent (always a worker's parent) is gone. Not under srun (a container's
+    shell may be PID 1 of its own namespace and a rank's parent) nor for RANK/LOCAL_RANK set by hand (a rank
+    started through a shell that has exited is init's child from the start, and must survive its terminal)."""
+    if os.getppid() != 1:
+        return None
     if env.get("OMPI_COMM_WORLD_RANK") is not None:
         found = re.search(r"(?:pid|dvm)\.(\d+)", env.get("PMIX_SERVER_TMPDIR", ""))
         if found and not running(int(found.group(1))):
             return f"mpirun, PID {found.group(1)}"
-    # launchers that stay the parent of their ranks (not a RANK/LOCAL_RANK set by hand: a rank started through a
-    # shell that has exited is init's child from the start, and such a run must survive its terminal)
-    launched = (env.get("OMPI_COMM_WORLD_RANK") is not None
-                or (env.get("SLURM_STEP_ID") is not None and env.get("SLURM_PROCID") is not None)
-                or env.get("TORCHELASTIC_RUN_ID") is not None)
-    if launched and os.getppid() == 1:
-        return "the process that started this rank (it is now a child of init)"
+        return None
+    if env.get("TORCHELASTIC_RUN_ID") is not None:
+        return "torchrun, its agent: this worker is now a child of init"
     return None
 
 

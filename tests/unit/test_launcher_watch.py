@@ -1,6 +1,7 @@
 """A rank whose launcher is gone before the rank could look for it (killed during the rank's first second, while
-the interpreter started) ends at once with one line, instead of training on unwatched: Open MPI's server named in
-PMIX_SERVER_TMPDIR no longer runs, or the rank is already init's child. A process started by hand is left alone."""
+the interpreter started) ends at once with one line, instead of training on unwatched: the rank is init's child and
+Open MPI's server named in PMIX_SERVER_TMPDIR no longer runs, or torchrun's agent is gone. A process started by hand
+is left alone."""
 import os
 import subprocess
 import sys
@@ -38,17 +39,21 @@ def _run(extra: dict, orphan: bool = False, tmp_path=None) -> subprocess.Complet
     raise AssertionError(f"the orphaned rank said nothing: {text!r}")
 
 
-def test_open_mpi_rank_whose_server_is_gone_ends_with_one_line():
+def test_open_mpi_rank_whose_server_is_gone_ends_with_one_line(tmp_path):
     pid = _dead_pid()
-    proc = _run({"OMPI_COMM_WORLD_RANK": "1", "PMIX_SERVER_TMPDIR": f"/tmp/ompi.vm.0/pid.{pid}"})
-    assert proc.returncode == 1 and "watched" not in proc.stdout, proc
-    lines = [line for line in proc.stderr.splitlines() if "ERROR" in line]
-    assert len(lines) == 1 and f"the launcher (mpirun, PID {pid}) is gone before this rank" in lines[0], proc.stderr
+    env = {"OMPI_COMM_WORLD_RANK": "1", "PMIX_SERVER_TMPDIR": f"/tmp/ompi.vm.0/pid.{pid}"}
+    proc = _run(env, orphan=True, tmp_path=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if "ERROR" in line]
+    assert "watched" not in proc.stdout and len(lines) == 1, proc.stdout
+    assert f"the launcher (mpirun, PID {pid}) is gone before this rank" in lines[0], proc.stdout
+    # the same server gone while this rank's parent still runs (not init's child): nothing is decided at start
+    assert "watched" in _run(env).stdout
 
 
 def test_torchrun_worker_orphaned_before_it_looks_ends(tmp_path):
     proc = _run({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0"}, orphan=True, tmp_path=tmp_path)
-    assert "is now a child of init" in proc.stdout and "watched" not in proc.stdout, proc.stdout
+    assert "(torchrun, its agent: this worker is now a child of init)" in proc.stdout, proc.stdout
+    assert "watched" not in proc.stdout
 
 
 def test_a_run_started_by_hand_is_not_ended(tmp_path):
