@@ -253,6 +253,8 @@ def emit_report(out: dict[str, Any], table: str, output_json: Optional[str], sta
         return
     cli.emit(table)
     if output_json:
+        # its directory made as `--save` makes its own: a missing one lost the report after the scoring
+        os.makedirs(os.path.dirname(os.path.abspath(output_json)), exist_ok=True)
         tmp = output_json + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1, ensure_ascii=False)

@@ -38,11 +38,11 @@ def test_compare_inits_matches_evaluate(tmp_path):
     focus = ["--focus-corpus", str(corpus), "--focus-dim", "16", "--focus-epochs", "2", "--focus-temperature", "0.1"]
     argv = ["--model", model, "--new-tokenizer", new_sp, "--input", str(data), "--seq-length", "64",
             "--methods", "mean", "random", "mean/random", "max-char+norm", "focus", *focus,
-            "--output-json", str(tmp_path / "c.json")]
+            "--output-json", str(tmp_path / "reports" / "c.json")]  # a directory not made yet
     proc = subprocess.run([sys.executable, "tools/compare_inits.py", *argv], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads((tmp_path / "c.json").read_text())
+    out = json.loads((tmp_path / "reports" / "c.json").read_text())
     rows = {r["method"]: r for r in out["results"]}
     assert list(rows) == ["original", "mean", "random", "mean/random", "max-char+norm", "focus"]
     assert out["focus"]["focus_rows"] > 0 and "focus: fastText (dim 16" in proc.stdout
