@@ -68,6 +68,16 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("TP2xDP2 bf16 ZeRO1", 4, ["--tensor-model-parallel-size", "2", "--bf16", "--zero-stage", "1"]),
     ("TP2xDP2 bf16 ZeRO2", 4, ["--tensor-model-parallel-size", "2", "--bf16", "--zero-stage", "2"]),
     ("TP2xDP2 ZeRO3 no persistent", 4, ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "z3-gather-all"]),
+    # context parallelism: the ring's key/value blocks and their gradients, or the all-to-all of q, k, v and the
+    # output; the gradients reduced over DP x CP
+    ("CP2 ring", 2, ["--context-parallel-size", "2"]),
+    ("CP2 a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    ("CP2 ring recompute", 2, ["--context-parallel-size", "2", "--recompute-granularity", "full"]),
+    ("CP2 ring bf16 ZeRO1", 2, ["--context-parallel-size", "2", "--bf16", "--zero-stage", "1"]),
+    ("CP2xDP2 ZeRO1", 4, ["--context-parallel-size", "2", "--zero-stage", "1"]),
+    ("TP2xCP2 SP", 4, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"]),
+    ("PP2xCP2 a2a", 4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+                        "--cp-comm-type", "a2a"]),
 ]
 
 
@@ -109,7 +119,8 @@ def audit_body(rank: int, world_size: int, runs: list[list[str]]) -> list[dict[s
                     "dp": args.dp, "micro_batch": args.training.micro_batch_size,
                     "global_batch": args.global_batch_size, "seq_length": args.data.seq_length,
                     "sp": args.sequence_parallel, "recompute": args.model.recompute,
-                    "zero": args.training.zero_stage, "precision": args.precision})
+                    "zero": args.training.zero_stage, "precision": args.precision, "cp": args.cp,
+                    "cp_comm": args.parallel.cp_comm_type})
     return out
 
 
@@ -132,7 +143,8 @@ def audit_layouts(layouts: list[tuple[str, int, list[str]]], workdir: str, iters
             layout = Layout(tp=r0["tp"], pp=r0["pp"], dp=r0["dp"], micro_batch=r0["micro_batch"],
                             global_batch=r0["global_batch"], seq_length=r0["seq_length"],
                             sequence_parallel=r0["sp"], recompute="full" if r0["recompute"] else "none",
-                            zero_stage=r0["zero"], precision=r0["precision"])
+                            zero_stage=r0["zero"], precision=r0["precision"], cp=r0["cp"],
+                            cp_comm=r0["cp_comm"])
             rows = []
             for it in range(1, iters + 1):
                 records = [results[rank][i]["history"][it - 1] for rank in range(world)]

@@ -151,11 +151,14 @@ def _call_site(depth: int = 1) -> str:
 
 class CommAudit:
     """Counts this rank's communication inside :meth:`window` s. ``groups`` names the global ranks of
-    this rank's groups (``tp``, ``dp``, ``pp``, ``embedding``, ``mp``): an op is attributed to the
-    first name whose ranks equal its group's (point-to-point: ``pp`` when the peer is in this rank's
-    pipeline group), else to ``world`` or ``other``; a one-rank group is ``local``."""
+    this rank's groups (``tp``, ``dp``, ``pp``, ``embedding``, ``mp``, ``cp``): an op is attributed to
+    the first name whose ranks equal its group's (point-to-point: ``pp`` when the peer is in this rank's
+    pipeline group, ``cp`` when it is in its context-parallel group: the ring), else to ``world`` or
+    ``other``; a one-rank group is ``local``. ``dp`` is the axis gradients are reduced over (DP x CP);
+    at DP 1 it is the CP group itself, so an all-to-all over the CP group (the attention's exchange) is
+    ``cp`` and every other collective over it is ``dp``, the planner's split (plan/comm.py)."""
 
-    DIMENSION_ORDER = ("tp", "dp", "pp", "embedding", "mp")
+    DIMENSION_ORDER = ("tp", "dp", "pp", "embedding", "mp", "cp")
 
     def __init__(self, groups: dict[str, Optional[Sequence[int]]], rank: int, path: Optional[str] = None,
                  sites: int = 1) -> None:
@@ -173,18 +176,23 @@ class CommAudit:
     def for_state(cls, state: Any, path: Optional[str] = None, sites: int = 1) -> "CommAudit":
         """An audit of ``state``'s (a :class:`~megatron_ru.parallel.state.ParallelState`) groups."""
         return cls({"tp": state.tp_ranks, "dp": state.dp_ranks, "pp": state.pp_ranks,
-                    "embedding": state.embedding_ranks, "mp": state.mp_ranks}, state.rank, path, sites)
+                    "embedding": state.embedding_ranks, "mp": state.mp_ranks,
+                    "cp": getattr(state, "cp_ranks", None)}, state.rank, path, sites)
 
     # ---- classification -----------------------------------------------------------------------
     def dimension(self, kind: str, ranks: tuple[int, ...]) -> str:
         """The parallel dimension an op of ``kind`` over ``ranks`` (global) belongs to."""
         if kind in ("send", "recv"):
             peers = set(ranks) - {self.rank}
-            pp = set(self.groups.get("pp", ()))
-            return "pp" if peers and peers <= pp else "other"
+            for name in ("pp", "cp"):  # a rank's pipeline and context-parallel peers are different ranks
+                if peers and peers <= set(self.groups.get(name, ())):
+                    return name
+            return "other"
         key = tuple(sorted(ranks))
         if len(key) <= 1:
             return "local"
+        if kind == "all_to_all" and self.groups.get("cp") == key:
+            return "cp"
         for name in self.DIMENSION_ORDER:
             if self.groups.get(name) == key:
                 return "pp" if name == "embedding" else name
@@ -265,12 +273,17 @@ class CommAudit:
     def install(self) -> None:
         if self._saved:
             return
+        # one wrapper per function, whichever module holds it: torch.distributed and distributed_c10d must
+        # keep naming the same object (P2POp checks its op against distributed_c10d's isend/irecv)
+        wrappers: dict[int, Callable] = {}
         for obj, attr, name in self._targets():
             if name not in _FUNCTIONS:
                 continue
             fn = getattr(obj, attr)
             self._saved.append((obj, attr, fn))
-            setattr(obj, attr, self._wrap(name, fn))
+            if id(fn) not in wrappers:
+                wrappers[id(fn)] = self._wrap(name, fn)
+            setattr(obj, attr, wrappers[id(fn)])
 
     def uninstall(self) -> None:
         for obj, attr, fn in reversed(self._saved):

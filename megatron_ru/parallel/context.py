@@ -232,11 +232,14 @@ class _RingAttention(torch.autograd.Function):
         qg, dog = _acc(_grouped(q, groups)), _acc(_grouped(dout, groups))
         delta = (dog * out).sum(-1)                                   # [b, g, r, s]
         dq = torch.zeros_like(qg)
-        kv = _acc(torch.stack([k, v]))
-        dkv = torch.zeros_like(kv)
+        # the block travels in the model's dtype, as in the forward (upcast where used: the same values, half
+        # the bytes in bf16); its gradient accumulates and travels in fp32
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(_acc(kv))
         for step in range(cp):
             owner = (rank - step) % cp
-            dq_b, dk_b, dv_b = _attend_backward(qg, kv[0], kv[1], dog, delta, lse, idx[rank], idx[owner],
+            kv_acc = _acc(kv)
+            dq_b, dk_b, dv_b = _attend_backward(qg, kv_acc[0], kv_acc[1], dog, delta, lse, idx[rank], idx[owner],
                                                 None if docs is None else docs[rank],
                                                 None if docs is None else docs[owner], window, scale)
             dq += dq_b

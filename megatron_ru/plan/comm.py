@@ -184,6 +184,14 @@ def _pp_ops(out: _Ops, cfg: ModelConfig, vocab_size: int, layout: Layout, stage:
                 "pp", kind, boundary, m)
             if meta:
                 add(f"pp.partition_meta.{kind}", "pp", kind, meta, m)
+    if layout.cp > 1:
+        # a CP rank's tokens are two chunks of the sample, not a contiguous run: their positions (int64
+        # [b, s/CP]) travel with the activations (megatron_ru/model/gpt.py, pipeline_carry), no gradient back
+        ids = layout.micro_batch * layout.rank_tokens * 8
+        if not last:
+            add("pp.positions.send", "pp", "send", ids, m)
+        if not first:
+            add("pp.positions.recv", "pp", "recv", ids, m)
     if partitioned:
         # the receiving stage rebuilds the activation; the sending stage rebuilds its output and
         # the received gradient before its backward (PartitionedTensor.full: all-gather over TP)

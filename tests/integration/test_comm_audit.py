@@ -1,6 +1,7 @@
 """Acceptance 3 (issue 14): the bytes the trainer sends per step, counted by wrapping torch.distributed,
 equal the planner's analytic volume (megatron_ru/plan/comm.py) on every rank and in every dimension —
-wire and payload bytes — at TP2, TP2 with sequence parallelism, PP2 and DP2 at ZeRO 0 and 1; and
+wire and payload bytes — at TP2, TP2 with sequence parallelism, PP2, DP2 at ZeRO 0 and 1, and CP2 (ring in fp32
+and bf16, all-to-all); and
 --comm-audit FILE writes one JSON line per rank per iteration. One spawn of 2 gloo ranks."""
 import json
 
@@ -10,7 +11,7 @@ from benchmarks.comm_audit import LAYOUTS, audit_layouts, steady
 
 pytestmark = pytest.mark.slow
 
-CHOSEN = ("TP2", "TP2 SP", "PP2", "DP2 ZeRO0", "DP2 ZeRO1")
+CHOSEN = ("TP2", "TP2 SP", "PP2", "DP2 ZeRO0", "DP2 ZeRO1", "CP2 ring", "CP2 a2a", "CP2 ring bf16 ZeRO1")
 
 
 def test_counted_bytes_equal_analytic(tmp_path):
@@ -26,7 +27,11 @@ def test_counted_bytes_equal_analytic(tmp_path):
              if (r["counted"], r["counted_payload"]) != (r["analytic"], r["analytic_payload"])]
     assert not wrong, "\n".join(wrong)
     dims = {name: {r["dim"] for r in rows if r["counted"]} for name, rows in results.items()}
-    assert dims == {"TP2": {"tp"}, "TP2 SP": {"tp"}, "PP2": {"pp"}, "DP2 ZeRO0": {"dp"}, "DP2 ZeRO1": {"dp"}}
+    # context parallelism: the ring's blocks (point to point) or the all-to-all are "cp", the gradients reduced over
+    # DP x CP (here the same two ranks) "dp"; in bf16 the ring's key/value blocks travel in bf16 both ways (the
+    # backward once sent them upcast to fp32, 1.17x the bytes the planner counts)
+    assert dims == {"TP2": {"tp"}, "TP2 SP": {"tp"}, "PP2": {"pp"}, "DP2 ZeRO0": {"dp"}, "DP2 ZeRO1": {"dp"},
+                    "CP2 ring": {"cp", "dp"}, "CP2 a2a": {"cp", "dp"}, "CP2 ring bf16 ZeRO1": {"cp", "dp"}}
     for rank in range(2):
         lines = [json.loads(line) for line in open(path.format(rank=rank))]
         assert [(r["rank"], r["iteration"]) for r in lines] == [(rank, 1), (rank, 2)]

@@ -86,3 +86,17 @@ def test_context_parallel_ring_passes_key_value_blocks_and_their_gradients():
     a2a = {op.name: op for op in stage_comm_ops(gpt13b(), V,
                                                 layout(cp=2, dp=2, seq_length=8192, cp_comm="a2a"), 3)}
     assert a2a["cp.all_to_all"].payload == (8192 // 2) * 4 * (5120 // 4) * 2  # q, k, v, output of its tokens
+
+
+def test_context_parallel_positions_travel_with_the_pipelines_activations():
+    """Under CP a rank's tokens are two chunks of the sample, so a pipeline stage passes their positions (int64,
+    micro batch x s/CP) on with the activations, forward only: the first stage sends, the last receives, a middle
+    stage both; none at CP 1."""
+    lay = layout(cp=2, dp=2, seq_length=8192)
+    m = lay.num_micro_batches
+    stages = [{op.name: op for op in stage_comm_ops(gpt13b(), V, lay, k)} for k in (0, 3, 7)]
+    first, middle, last = stages
+    assert first["pp.positions.send"].payload == 8192 // 2 * 8 and first["pp.positions.send"].count == m
+    assert "pp.positions.recv" not in first and "pp.positions.send" not in last
+    assert {"pp.positions.send", "pp.positions.recv"} <= set(middle) and last["pp.positions.recv"].dim == "pp"
+    assert not [op for op in stage_comm_ops(gpt13b(), V, layout(), 3) if op.name.startswith("pp.positions")]
