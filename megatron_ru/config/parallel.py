@@ -31,6 +31,20 @@ class ParallelConfig:
     sequence_parallel: bool = arg(
         False, "Megatron sequence parallelism: LayerNorm/dropout regions split along the sequence "
                "across the tensor-parallel group (needs TP > 1).")
+    auto_layout: bool = arg(
+        False, "Choose TP, PP, CP, sequence parallelism, the micro batch, recomputation and the ZeRO stage at start-up "
+               "with the planner (python -m megatron_ru.plan) for this job's ranks, model, sequence, batch, precision "
+               "and devices; the layout flags given explicitly are kept as constraints. Rerun on another number of "
+               "ranks, the same command chooses again and continues the checkpoint (docs/planner.md).")
+    gpu: Optional[str] = arg(
+        None, "--auto-layout: the device to plan for, one of the planner's presets (v100-16gb, v100-32gb, a100-40gb, "
+              "a100-80gb, h100-80gb, h200-141gb); default: the detected GPU. On CPU give this or --gpu-memory-gib "
+              "with --peak-tflops.")
+    gpu_memory_gib: Optional[float] = arg(
+        None, "--auto-layout: the memory of one device to plan for (GiB); default: the detected GPU's (or --gpu's).")
+    gpus_per_node: Optional[int] = arg(
+        None, "--auto-layout: devices per node (TP and CP stay within a node); default: the launcher's local world "
+              "size.")
     distributed_backend: str = arg(
         "auto", "torch.distributed backend; auto = nccl when CUDA is available, else gloo.",
         choices=BACKENDS)
@@ -67,6 +81,15 @@ class ParallelConfig:
         if self.sequence_parallel and tp < 1:
             out.append(f"--sequence-parallel needs --tensor-model-parallel-size > 1 (got {tp}); "
                        "drop --sequence-parallel or raise TP")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            out.append(f"--gpu-memory-gib must be > 0 (got {self.gpu_memory_gib})")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            out.append(f"--gpus-per-node must be >= 1 (got {self.gpus_per_node})")
+        if not self.auto_layout and (self.gpu, self.gpu_memory_gib, self.gpus_per_node) != (None, None, None):
+            given = [f for f, v in (("--gpu", self.gpu), ("--gpu-memory-gib", self.gpu_memory_gib),
+                                    ("--gpus-per-node", self.gpus_per_node)) if v is not None]
+            out.append(f"{', '.join(given)} describe the devices --auto-layout plans for: add --auto-layout or drop "
+                       f"{'them' if len(given) > 1 else 'it'}")
         if not self.distributed_timeout_minutes > 0:
             out.append(f"--distributed-timeout-minutes must be > 0 (got {self.distributed_timeout_minutes})")
         if self.distributed_backend not in BACKENDS:

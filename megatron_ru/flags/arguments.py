@@ -65,6 +65,9 @@ class Arguments:
     """Megatron flags given that were mapped onto ours."""
     notices: list[str] = field(default_factory=list)
     """Warnings about the flags, logged once at start-up (e.g. --sequence-parallel turned off at TP 1)."""
+    auto_layout: Optional[dict[str, Any]] = None
+    """--auto-layout's choice (megatron_ru/plan/auto.py): the flags it added, the layout, the prediction, the
+    runners-up; stored in the checkpoints, the metrics file and the banner. None without --auto-layout."""
     _tokenizer: Any = field(default=None, repr=False, compare=False)
     _load_target: Any = field(default=None, repr=False, compare=False)
 
@@ -163,6 +166,8 @@ class Arguments:
         out["resolved"] = {"world_size": self.world_size, "data_parallel_size": self.dp,
                            "global_batch_size": self.global_batch_size, "gradient_accumulation_steps":
                            self.grad_accum, "train_iters": self.train_iters, "precision": self.precision}
+        if self.auto_layout is not None:
+            out["resolved"]["auto_layout"] = self.auto_layout
         return out
 
 

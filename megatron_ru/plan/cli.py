@@ -65,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, action="append", metavar="CP",
                    help="Only these context-parallel sizes (repeat the flag; the ring exchange); default: 1 and every "
                         "size that splits --seq-length into 2 x CP chunks with TP x CP within a node.")
+    g.add_argument("--tensor-model-parallel-size", type=int, action="append", metavar="TP",
+                   help="Only these TP sizes (repeat the flag); default: every size up to a node.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, action="append", metavar="PP",
+                   help="Only these PP sizes (repeat the flag); default: every size.")
+    g.add_argument("--micro-batch-size", type=int, action="append", metavar="MB",
+                   help="Only these micro batch sizes (repeat the flag); default: 1, 2, 4 ... --max-micro-batch-size.")
+    g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="Whose memory the prediction is: a GPU's (the CUDA context counted) or a CPU process's (what "
+                        "pretrain_gpt.py --auto-layout plans with on CPU).")
     g.add_argument("--attention-kernel", choices=("fused", "math"), default="fused",
                    help="fused: PyTorch's flash/memory-efficient attention keeps no s x s scores (torch >= 2.1 on "
                         "V100 and newer); math: kernels that keep them (older stacks).")
@@ -169,11 +178,14 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                             sequence_parallel={"auto": None, "on": (True,), "off": (False,)}[ns.sequence_parallel],
                             zero_stages=tuple(ns.zero_stage) if ns.zero_stage else None,
                             max_micro_batch=ns.max_micro_batch_size,
-                            context_parallel=tuple(ns.context_parallel_size) if ns.context_parallel_size else None)
+                            context_parallel=tuple(ns.context_parallel_size) if ns.context_parallel_size else None,
+                            tensor_parallel=_sizes(ns.tensor_model_parallel_size),
+                            pipeline_parallel=_sizes(ns.pipeline_model_parallel_size),
+                            micro_batches=_sizes(ns.micro_batch_size))
         model_cfg = dataclasses.replace(cfg, recompute_granularity=None, checkpoint_activations=False)
         plan = plan_layouts(model_cfg, vocab, gpu, ns.num_gpus, ns.global_batch_size, seq, precision,
                             gpus_per_node=ns.gpus_per_node, optimizer=ns.optimizer, space=space,
-                            attention=ns.attention_kernel, ramp=ramp)
+                            attention=ns.attention_kernel, ramp=ramp, device=ns.device)
     except (ValueError, FileNotFoundError) as e:
         cli.error(str(e))
         return 2
@@ -196,6 +208,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     cli.emit(format_plan(plan, gpu, ns.num_gpus, ns.gpus_per_node, model_line, ns.top)
              + (f"\n{ramp_line}" if ramp_line else ""))
     return 0
+
+
+def _sizes(values: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
+    return tuple(values) if values else None
 
 
 def _ramp_line(plan, cfg, vocab: int, gpu, gpus_per_node: int, ramp) -> Optional[str]:

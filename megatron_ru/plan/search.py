@@ -28,6 +28,12 @@ class SearchSpace:
     context_parallel: Optional[tuple[int, ...]] = None
     """CP sizes to consider (the ring); default: 1 and every size the sequence allows (seq % 2CP == 0) whose
     TP x CP group stays within a node"""
+    tensor_parallel: Optional[tuple[int, ...]] = None
+    """TP sizes to consider (a flag the user gave); default: every divisor up to ``max_tp``"""
+    pipeline_parallel: Optional[tuple[int, ...]] = None
+    """PP sizes to consider; default: every divisor"""
+    micro_batches: Optional[tuple[int, ...]] = None
+    """micro batch sizes to consider; default: 1, 2, 4, ... up to ``max_micro_batch``"""
 
 
 @dataclass
@@ -75,6 +81,8 @@ def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_le
     max_tp = space.max_tp or gpus_per_node
     for tp, cp in _tp_cp(num_gpus, seq_length, max_tp, gpus_per_node, space, invalid):
         for pp in _divisors(num_gpus // (tp * cp)):
+            if space.pipeline_parallel is not None and pp not in space.pipeline_parallel:
+                continue
             name = f"TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
             problems = model_parallel_problems(cfg, tp, pp)
             if problems:
@@ -84,7 +92,8 @@ def candidate_layouts(cfg: ModelConfig, num_gpus: int, global_batch: int, seq_le
             if global_batch % dp:
                 invalid.append(f"{name}: --global-batch-size {global_batch} is not divisible by DP {dp}")
                 continue
-            micro = [mb for mb in (1, 2, 4, 8, 16, 32) if mb <= space.max_micro_batch and global_batch % (mb * dp) == 0
+            sizes = space.micro_batches or tuple(mb for mb in (1, 2, 4, 8, 16, 32) if mb <= space.max_micro_batch)
+            micro = [mb for mb in sizes if global_batch % (mb * dp) == 0
                      and (ramp is None or (ramp.start % (mb * dp) == 0 and ramp.increment % (mb * dp) == 0))]
             if not micro and ramp is not None:
                 invalid.append(f"{name}: --rampup-batch-size {ramp.start} {ramp.increment} "
@@ -106,7 +115,10 @@ def _tp_cp(num_gpus: int, seq_length: int, max_tp: int, gpus_per_node: int, spac
     and the TP x CP group fits in a node (its exchange is per layer, like TP's)."""
     pairs = []
     for tp in _divisors(num_gpus):
-        if tp > max_tp:
+        if space.tensor_parallel is not None:
+            if tp not in space.tensor_parallel:
+                continue
+        elif tp > max_tp:
             continue
         for cp in _divisors(num_gpus // tp):
             if space.context_parallel is not None and cp not in space.context_parallel:
@@ -133,17 +145,19 @@ def _largest_terms(pred: MemoryPrediction, n: int = 3) -> str:
 def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int, global_batch: int, seq_length: int,
                  precision: str, *, gpus_per_node: int = 8, optimizer: str = "adam",
                  buckets: Optional[BucketSizes] = None, space: SearchSpace = SearchSpace(),
-                 overlap: Overlap = OURS, attention: str = "fused", ramp: Optional[BatchRamp] = None) -> Plan:
+                 overlap: Overlap = OURS, attention: str = "fused", ramp: Optional[BatchRamp] = None,
+                 device: str = "cuda") -> Plan:
     """Predict every candidate; rank those that fit by tokens/s per GPU (then by memory). ``attention``:
-    "fused" (PyTorch's flash / memory-efficient SDPA) or "math" (kernels that keep the s x s scores)."""
+    "fused" (PyTorch's flash / memory-efficient SDPA) or "math" (kernels that keep the s x s scores).
+    ``device``: "cuda" (a GPU's memory: the CUDA context counted) or "cpu" (a process's, as a CPU run has it)."""
     gpu.peak(precision)  # a precision the GPU has, or a clear error
     layouts, invalid = candidate_layouts(cfg, num_gpus, global_batch, seq_length, precision, gpus_per_node, space,
                                          ramp)
     capacity = gpu.memory_bytes
     cands: list[Candidate] = []
     for layout in layouts:
-        mem = predict_memory(cfg, vocab_size, layout, device="cuda", optimizer=optimizer, buckets=buckets,
-                             runtime=Runtime("cuda", attention))
+        mem = predict_memory(cfg, vocab_size, layout, device=device, optimizer=optimizer, buckets=buckets,
+                             runtime=Runtime(device, attention) if device == "cuda" else None)
         cand = Candidate(layout, mem)
         if mem.total_bytes <= capacity:
             cand.time = predict_step_time(cfg, vocab_size, layout, gpu, gpus_per_node=gpus_per_node, memory=mem,

@@ -217,6 +217,11 @@ class MetricsWriter:
             self._jsonl.write(json.dumps(rec) + "\n")
             self._jsonl.flush()
 
+    def log_auto_layout(self, choice: dict[str, Any]) -> None:
+        """--auto-layout's choice (megatron_ru/plan/auto.py), one record before the first iteration's."""
+        if self.active:
+            self._write_json({"type": "auto_layout", **{k: v for k, v in choice.items() if k != "block"}})
+
     def log_train(self, rec: dict[str, Any]) -> None:
         if not self.active:
             return

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ru.flags.arguments import Arguments, parse_arguments
+from megatron_ru.flags.arguments import Arguments
+from megatron_ru.plan.auto import out_of_memory_message, parse_with_auto_layout
 from megatron_ru.parallel.state import ParallelState
 from megatron_ru.parallel.failure import parse_on_rank0, report_failure, watch_for_stops
 from megatron_ru.training.loop import BatchPlan, Progress, Throughput, TrainResult, Trainer
@@ -273,8 +274,12 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
     if args.training.train_embedding_rows == "new":
         _train_new_rows_only(engine, state, args, vocab_size, loaded)
     prediction = log_banner(args, engine.module, state, (train_ds, valid_ds, test_ds), vocab_size)
+    if args.auto_layout is not None:
+        log_rank0(log, args.auto_layout["block"])
     metrics = MetricsWriter(args.logging, active=state.rank == 0, run_config=args.to_dict(),
                             save_dir=args.checkpoint.save)
+    if args.auto_layout is not None:
+        metrics.log_auto_layout(args.auto_layout)
     if exit_signal is None and args.training.exit_signal_handler:
         exit_signal = ExitSignal().install()
     return Trainer(engine, state, batch_plan(args), args.training, args.checkpoint, args.logging, train_ds, valid_ds,
@@ -310,6 +315,11 @@ def run(args: Arguments, job_started: Optional[float] = None,
         trainer = setup(args, exit_signal, resources)
         try:
             result = trainer.train(job_started=job_started)
+        except torch.OutOfMemoryError as e:
+            if args.auto_layout is None:
+                raise
+            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+            raise RuntimeError(out_of_memory_message(args.auto_layout, peak)) from e
         finally:
             trainer.metrics.close()
             if trainer.exit_signal is not None:
@@ -333,7 +343,7 @@ def main(argv: Optional[Sequence[str]] = None, job_started: Optional[float] = No
         exit_signal = install_if_requested(argv)
     timeout_minutes: Optional[float] = None
     try:
-        args = parse_on_rank0(parse_arguments, argv)
+        args = parse_on_rank0(parse_with_auto_layout, argv)
         timeout_minutes = args.parallel.distributed_timeout_minutes
         run(args, job_started, exit_signal)
     except Exception as e:  # noqa: BLE001 - every failure ends here: one message, one exit status

@@ -16,8 +16,14 @@
 #   NUM_LAYERS=40 HIDDEN_SIZE=5120 FFN_HIDDEN_SIZE=13824 NUM_ATTENTION_HEADS=40 SEQ_LENGTH=4096
 #   TP=4 PP=8 MICRO_BATCH_SIZE=1 GLOBAL_BATCH_SIZE=1024 (MODEL_ARGS as for 7B)
 # Layout and optimisation (V100 has no bf16: fp16 with dynamic loss scaling).
-: "${TP:=1}" "${PP:=1}" "${ZERO_STAGE:=1}" "${PRECISION:=fp16}"
-: "${MICRO_BATCH_SIZE:=4}" "${GLOBAL_BATCH_SIZE:=256}" "${TRAIN_ITERS:=500000}" "${SEED:=1234}"
+# Layout: with TP and PP unset (the default) pretrain_gpt.py --auto-layout chooses TP, PP, CP, sequence
+# parallelism, the micro batch, recomputation and the ZeRO stage at start-up for the job's GPUs (the
+# planner, docs/planner.md), again on every resubmission, whatever the node count; MICRO_BATCH_SIZE or
+# ZERO_STAGE, if set, are kept. Set TP and PP to fix the layout (MICRO_BATCH_SIZE then defaults to 4,
+# ZERO_STAGE to 1).
+: "${TP=}" "${PP=}" "${ZERO_STAGE=}" "${MICRO_BATCH_SIZE=}" "${FIXED_LAYOUT_MICRO_BATCH_SIZE:=4}"
+: "${PRECISION:=fp16}"
+: "${GLOBAL_BATCH_SIZE:=256}" "${TRAIN_ITERS:=500000}" "${SEED:=1234}"
 : "${LR:=3.0e-4}" "${MIN_LR:=3.0e-5}" "${LR_DECAY_STYLE:=cosine}" "${LR_WARMUP_ITERS:=2000}"
 : "${WEIGHT_DECAY:=0.1}" "${CLIP_GRAD:=1.0}"
 # Data and tokenizer (DATA_PATH may be a blend: "0.7 prefix_a 0.3 prefix_b").

@@ -62,10 +62,7 @@ has_checkpoint() { [ -f "$1/latest_checkpointed_iteration.txt" ]; }
 build_train_args() {
   local limit_s="${1:-}" words
   TRAIN_ARGS=(
-    --tensor-model-parallel-size "${TP}"
-    --pipeline-model-parallel-size "${PP}"
     --seq-length "${SEQ_LENGTH}"
-    --micro-batch-size "${MICRO_BATCH_SIZE}"
     --global-batch-size "${GLOBAL_BATCH_SIZE}"
     --train-iters "${TRAIN_ITERS}"
     --lr "${LR}"
@@ -74,7 +71,6 @@ build_train_args() {
     --lr-warmup-iters "${LR_WARMUP_ITERS}"
     --weight-decay "${WEIGHT_DECAY}"
     --clip-grad "${CLIP_GRAD}"
-    --zero-stage "${ZERO_STAGE}"
     --seed "${SEED}"
     --split "${SPLIT}"
     --log-interval "${LOG_INTERVAL}"
@@ -84,6 +80,17 @@ build_train_args() {
     --save-interval "${SAVE_INTERVAL}"
     --exit-signal-handler
   )
+  if [ -z "${TP}${PP}" ]; then
+    # no layout given: the planner chooses one for this job's GPUs at start-up (and again on a resubmission
+    # with another node count); a micro batch or ZeRO stage that is set is kept
+    TRAIN_ARGS+=(--auto-layout)
+    if [ -n "${MICRO_BATCH_SIZE}" ]; then TRAIN_ARGS+=(--micro-batch-size "${MICRO_BATCH_SIZE}"); fi
+    if [ -n "${ZERO_STAGE}" ]; then TRAIN_ARGS+=(--zero-stage "${ZERO_STAGE}"); fi
+  else
+    TRAIN_ARGS+=(--tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}"
+                 --micro-batch-size "${MICRO_BATCH_SIZE:-${FIXED_LAYOUT_MICRO_BATCH_SIZE:-1}}"
+                 --zero-stage "${ZERO_STAGE:-1}")
+  fi
   if [ -n "${INIT_CHECKPOINT}" ]; then
     # the model's shape (and, with TOKENIZER_ARGS empty, its tokenizer) is the initial checkpoint's,
     # e.g. a Hugging Face model imported by tools/convert_checkpoint.py; also when resuming from SAVE_DIR

@@ -369,3 +369,24 @@ def test_abci_master_addr_is_the_first_hosts_bond0_address(tmp_path):
     assert run_script("scripts/abci/submit_multinode.sh", env).stdout.splitlines()[0] == "MASTER_ADDR=10.1.2.3"
     env.update(MASTER_IFACE="ib0")  # no such interface: the first host's name
     assert run_script("scripts/abci/submit_multinode.sh", env).stdout.splitlines()[0] == f"MASTER_ADDR={me}"
+
+
+def test_no_layout_given_runs_auto_layout_and_a_given_one_is_kept(tmp_path, slurm_tools):
+    """Without TP and PP the scripts ask pretrain_gpt.py to choose the layout for the job's GPUs (--auto-layout),
+    keeping a micro batch or ZeRO stage that is set; with TP or PP set, the user's layout runs as given."""
+    runs = {"abci": lambda **e: run_script("scripts/abci/submit_multinode.sh", abci_env(tmp_path, ["n1", "n2"], **e)),
+            "slurm": lambda **e: run_script("scripts/slurm/submit_pyxis.sbatch", slurm_env(tmp_path, **slurm_tools[1], **e)),
+            "torchrun": lambda **e: run_script("scripts/slurm/submit_torchrun.sbatch",
+                                               slurm_env(tmp_path, **slurm_tools[1], **e))}
+    for name, run in runs.items():
+        cmd = shlex.split(run().stdout.strip().splitlines()[-1])
+        assert "--auto-layout" in cmd, (name, cmd)
+        assert not {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+                    "--zero-stage"} & set(cmd), (name, cmd)
+        cmd = shlex.split(run(ZERO_STAGE="2").stdout.strip().splitlines()[-1])
+        assert "--auto-layout" in cmd and flag(cmd, "--zero-stage") == "2" and "--micro-batch-size" not in cmd, name
+        cmd = shlex.split(run(TP="2").stdout.strip().splitlines()[-1])
+        assert "--auto-layout" not in cmd, (name, cmd)
+        assert [flag(cmd, f) for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                       "--micro-batch-size", "--zero-stage")] \
+            == ["2", "1", "4" if name == "abci" else "2", "1"], name
