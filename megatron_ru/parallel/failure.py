@@ -464,6 +464,15 @@ def exit_with(code: int) -> None:
     finish_and_exit(code)
 
 
+def silent_parse_grace() -> float:
+    """How long a silent rank whose command line failed waits for rank 0 to print the same error and end the job:
+    ``SILENT_GRACE_S[0]`` plus this rank's own age. Rank 0 started with it and does the same work, but on a loaded
+    machine may be much slower to get there (beside a test suite and a CPU hog, a rank's imports took over 30 s);
+    with a fixed 10 s this rank ended first, its launcher ended the job, and the error was never printed."""
+    from megatron_ru.utils.processes import age_seconds
+    return SILENT_GRACE_S[0] + (age_seconds(os.getpid()) or 0.0)
+
+
 def parse_on_rank0(parse: Callable[[Sequence[str]], T], argv: Sequence[str]) -> T:
     """``parse(argv)`` with argparse's own output (a usage error, --help) from rank 0 only: every
     rank parses the same command line, and four copies of one error help nobody."""
@@ -475,7 +484,7 @@ def parse_on_rank0(parse: Callable[[Sequence[str]], T], argv: Sequence[str]) -> 
             return parse(argv)
         except SystemExit as e:
             if e.code:
-                time.sleep(SILENT_GRACE_S[0])  # rank 0 prints it and ends the job meanwhile
+                time.sleep(silent_parse_grace())  # rank 0 prints it and ends the job meanwhile
             raise
 
 

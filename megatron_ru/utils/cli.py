@@ -131,11 +131,19 @@ class Terminated(BaseException):
 TERMINATED_STATUS = 143
 
 
+_SIGTERM_RECEIVED = [False]
+
+
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` in the main thread."""
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread. Library code between the signal
+    and the block's end may turn that exception into one of its own (torch's serialization reported a
+    ``Terminated`` raised inside it as "could not determine the shape of object type ..."): any exception
+    leaving the block after a SIGTERM leaves it as :class:`Terminated` (the original as its cause)."""
     def handler(signum: int, frame: Any) -> None:
+        _SIGTERM_RECEIVED[0] = True
         raise Terminated()
+    _SIGTERM_RECEIVED[0] = False
     try:
         previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread: leave signals alone
@@ -143,6 +151,10 @@ def sigterm_raises() -> Iterator[None]:
         return
     try:
         yield
+    except Exception as e:
+        if _SIGTERM_RECEIVED[0]:
+            raise Terminated() from e
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -38,3 +38,14 @@ def running(pid: int, start: Optional[str] = None) -> bool:
             return True
         return True
     return stat[1] not in ("Z", "X") and (start is None or stat[20] == start)
+
+
+def age_seconds(pid: int) -> Optional[float]:
+    """How long ago ``pid`` started (seconds), None when /proc cannot tell."""
+    start = start_time(pid)
+    try:
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(start) / os.sysconf("SC_CLK_TCK")) if start is not None else None
+    except (OSError, ValueError):
+        return None

@@ -99,3 +99,32 @@ def test_the_launcher_ends_on_the_worker_message_and_status(tmp_path):
     assert failure_line(0, 2, str(path)) == ("unknown flag --x", 2)
     assert failure_line(3, 1, "<N/A>") == ("rank 3 exited with status 1 (its log above says why)", 1)
     assert failure_line(1, -9, "<N/A>") == ("rank 1 was killed by SIGKILL", 137)
+
+
+def test_a_sigterm_that_a_library_turned_into_its_own_error_still_ends_as_terminated():
+    """torch's serialization once reported the Terminated a SIGTERM raised inside it as "could not determine the
+    shape of object type 'torch.storage.UntypedStorage'", and the converter exited 2 (an input error) instead
+    of 143: whatever leaves the block after a SIGTERM leaves it as Terminated; before one, errors pass as they are."""
+    import os
+    import signal
+
+    import pytest
+
+    from megatron_ru.utils import cli
+
+    def library_call():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])  # the handler runs here, inside the "library"
+        except BaseException as e:  # noqa: BLE001 - what a C extension's error translation does
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from e
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(cli.Terminated) as caught:
+        with cli.sigterm_raises():
+            library_call()
+    assert isinstance(caught.value.__cause__, ValueError)
+    with pytest.raises(ValueError, match="not a signal"):
+        with cli.sigterm_raises():
+            raise ValueError("not a signal")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler of before the block, back
