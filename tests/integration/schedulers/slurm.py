@@ -48,6 +48,13 @@ def jobcomp_record(text: str, job_id: int) -> dict[str, str] | None:
     return found
 
 
+#: the job scripts take MASTER_PORT from the job id (15000 + id % 16384), and Grid Engine's harness numbers its
+#: jobs from 1 as Slurm does by default: two schedulers' first jobs on one machine would share port 15001 (a
+#: Slurm job once failed with EADDRINUSE right after a Grid Engine job was killed at its h_rt); on a cluster only
+#: one scheduler runs
+FIRST_JOB_ID = 20000
+
+
 def _slurm_conf(host: str, node_line: str) -> str:
     return f"""{MARKER}
 ClusterName=megatron-ru-ci
@@ -67,6 +74,7 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 MpiDefault=none
 ReturnToService=2
+FirstJobId={FIRST_JOB_ID}
 GresTypes=gpu
 KillWait=10
 StateSaveLocation={SPOOL}/ctld
