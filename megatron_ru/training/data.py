@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import functools
+import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
@@ -254,11 +255,18 @@ def micro_batches(dataset: Optional[SampleDataset], consumed_samples: int, micro
     # RNG stream that dropout uses (a resumed run creates its loaders at a different point)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=functools.partial(collate, documents=documents), generator=torch.Generator().manual_seed(0),
-                                         pin_memory=device.type == "cuda")
+                                         pin_memory=device.type == "cuda",
+                                         # a worker ends with its rank, however the rank ends
+                                         worker_init_fn=functools.partial(_worker_started, os.getpid()))
     if isinstance(dataset, VocabCheckedDataset):
         # the loader yields batches in the sampler's order, so the second pass names each batch's samples
         return (_checked(dataset, batch, indices).to(device) for batch, indices in zip(loader, iter(sampler)))
     return (batch.to(device) for batch in loader)
+
+
+def _worker_started(rank_pid: int, worker_id: int) -> None:
+    from megatron_ru.utils.processes import end_with_parent
+    end_with_parent(rank_pid)
 
 
 def _checked(dataset: VocabCheckedDataset, batch: Batch, indices: list[int]) -> Batch:

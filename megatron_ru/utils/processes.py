@@ -49,3 +49,20 @@ def age_seconds(pid: int) -> Optional[float]:
         return max(0.0, uptime - int(start) / os.sysconf("SC_CLK_TCK")) if start is not None else None
     except (OSError, ValueError):
         return None
+
+
+def end_with_parent(parent_pid: int) -> None:
+    """In a child process (a data-loader worker): the kernel ends it with SIGKILL when its parent ends (Linux
+    ``PR_SET_PDEATHSIG``), and a parent that is already gone ends it now. torch's workers watch their parent by
+    comparing ``getppid()`` with the one they saw at start: a rank killed between forking a worker and the
+    worker's first look left the worker an orphan for good (seen: a worker of a rank Grid Engine killed at h_rt
+    held the job's master port, inherited from the rank's rendezvous store, for over an hour, and the next jobs
+    with that port failed with EADDRINUSE)."""
+    import signal
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the parent check below still runs once
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
