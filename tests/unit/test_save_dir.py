@@ -111,13 +111,21 @@ def test_a_reused_pid_is_not_a_holder(tmp_path, monkeypatch):
 
 def test_two_processes_racing_for_the_lock_one_wins(tmp_path):
     save = str(tmp_path / "run")
-    racer = ("import sys, time\nfrom megatron_ru.checkpointing.save_dir import SaveDirLock, SaveDirBusy\n"
+    # the winner holds the lock until the other three have tried (it once held it 3 s: a racer whose start-up
+    # beside a loaded suite took longer found it released and won too)
+    racer = ("import glob, os, sys, time\nfrom megatron_ru.checkpointing.save_dir import SaveDirLock, SaveDirBusy\n"
              "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
-             "try:\n    SaveDirLock(sys.argv[1]).acquire(); print('won', flush=True); time.sleep(3)\n"
-             "except SaveDirBusy:\n    print('refused', flush=True)\n")
+             "done = os.path.join(sys.argv[3], f'{os.getpid()}.done')\n"
+             "try:\n    SaveDirLock(sys.argv[1]).acquire(); print('won', flush=True); open(done, 'w').close()\n"
+             "    end = time.time() + 60\n"
+             "    while len(glob.glob(os.path.join(sys.argv[3], '*.done'))) < 4 and time.time() < end:\n"
+             "        time.sleep(0.05)\n"
+             "except SaveDirBusy:\n    print('refused', flush=True); open(done, 'w').close()\n")
     at = str(time.time() + 4)
-    procs = [subprocess.Popen([sys.executable, "-c", racer, save, at], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": REPO}) for _ in range(4)]
+    (tmp_path / "done").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", racer, save, at, str(tmp_path / "done")], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+             for _ in range(4)]
     outs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert outs == ["refused", "refused", "refused", "won"], outs
 
