@@ -274,11 +274,10 @@ def setup(args: Arguments, exit_signal: Optional[ExitSignal] = None,
     if args.training.train_embedding_rows == "new":
         _train_new_rows_only(engine, state, args, vocab_size, loaded)
     prediction = log_banner(args, engine.module, state, (train_ds, valid_ds, test_ds), vocab_size)
-    if args.auto_layout is not None:
-        log_rank0(log, args.auto_layout["block"])
     metrics = MetricsWriter(args.logging, active=state.rank == 0, run_config=args.to_dict(),
                             save_dir=args.checkpoint.save)
-    if args.auto_layout is not None:
+    if args.auto_layout is not None:  # the choice printed after the banner, and its record before iteration 1's
+        log_rank0(log, args.auto_layout["block"])
         metrics.log_auto_layout(args.auto_layout)
     if exit_signal is None and args.training.exit_signal_handler:
         exit_signal = ExitSignal().install()
