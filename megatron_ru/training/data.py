@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megatron_ru.data.documents import DocumentMasking
+from megatron_ru.utils.processes import start_time
 
 if TYPE_CHECKING:
     from megatron_ru.flags.arguments import Arguments
@@ -257,16 +258,17 @@ def micro_batches(dataset: Optional[SampleDataset], consumed_samples: int, micro
                                          collate_fn=functools.partial(collate, documents=documents), generator=torch.Generator().manual_seed(0),
                                          pin_memory=device.type == "cuda",
                                          # a worker ends with its rank, however the rank ends
-                                         worker_init_fn=functools.partial(_worker_started, os.getpid()))
+                                         worker_init_fn=functools.partial(_worker_started, os.getpid(),
+                                                                          start_time(os.getpid())))
     if isinstance(dataset, VocabCheckedDataset):
         # the loader yields batches in the sampler's order, so the second pass names each batch's samples
         return (_checked(dataset, batch, indices).to(device) for batch, indices in zip(loader, iter(sampler)))
     return (batch.to(device) for batch in loader)
 
 
-def _worker_started(rank_pid: int, worker_id: int) -> None:
+def _worker_started(rank_pid: int, rank_start: Optional[str], worker_id: int) -> None:
     from megatron_ru.utils.processes import end_with_parent
-    end_with_parent(rank_pid)
+    end_with_parent(rank_pid, rank_start)
 
 
 def _checked(dataset: VocabCheckedDataset, batch: Batch, indices: list[int]) -> Batch:

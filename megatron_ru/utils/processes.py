@@ -51,18 +51,26 @@ def age_seconds(pid: int) -> Optional[float]:
         return None
 
 
-def end_with_parent(parent_pid: int) -> None:
-    """In a child process (a data-loader worker): the kernel ends it with SIGKILL when its parent ends (Linux
-    ``PR_SET_PDEATHSIG``), and a parent that is already gone ends it now. torch's workers watch their parent by
-    comparing ``getppid()`` with the one they saw at start: a rank killed between forking a worker and the
-    worker's first look left the worker an orphan for good (seen: a worker of a rank Grid Engine killed at h_rt
-    held the job's master port, inherited from the rank's rendezvous store, for over an hour, and the next jobs
-    with that port failed with EADDRINUSE)."""
-    import signal
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):  # not Linux: the parent check below still runs once
-        pass
-    if os.getppid() != parent_pid:
+def end_with_parent(rank_pid: int, rank_start: Optional[str] = None, poll_s: float = 0.5) -> None:
+    """In a process the rank started (a data-loader worker): end it (``os._exit(1)``) as soon as the rank
+    ``rank_pid`` (started at ``rank_start``, see :func:`start_time`) is gone, and now when it already is. A daemon
+    thread looks every ``poll_s`` seconds. torch's own worker watchdog compares ``getppid()`` with the one it saw
+    at start: a rank killed between forking a worker and the worker's first look left the worker an orphan for
+    good (seen: a worker of a rank Grid Engine killed at h_rt held the job's master port, inherited from the
+    rank's rendezvous store, for over an hour, and the next jobs with that port failed with EADDRINUSE). Neither
+    that watchdog nor the kernel's parent-death signal can follow the rank when the worker is not its child (the
+    ``forkserver`` start method: the server is the parent; Python 3.14's default) or when the rank forked it
+    from a thread that ends before the rank (the signal follows the forking thread), so the rank itself is
+    watched."""
+    import threading
+    import time
+
+    if not running(rank_pid, rank_start):
         os._exit(1)
+
+    def watch() -> None:
+        while running(rank_pid, rank_start):
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rank-watch", daemon=True).start()
