@@ -42,6 +42,9 @@ class ParallelConfig:
               "with --peak-tflops.")
     gpu_memory_gib: Optional[float] = arg(
         None, "--auto-layout: the memory of one device to plan for (GiB); default: the detected GPU's (or --gpu's).")
+    memory_margin: Optional[float] = arg(
+        None, "--auto-layout: the share of a device's memory the chosen layout leaves free (default 0.05, as the "
+              "planner's --memory-margin: its measured error and what a run holds beyond the step, BENCHMARKS.md).")
     gpus_per_node: Optional[int] = arg(
         None, "--auto-layout: devices per node (TP and CP stay within a node); default: the launcher's local world "
               "size.")
@@ -83,11 +86,15 @@ class ParallelConfig:
                        "drop --sequence-parallel or raise TP")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             out.append(f"--gpu-memory-gib must be > 0 (got {self.gpu_memory_gib})")
+        if self.memory_margin is not None and not 0 <= self.memory_margin < 1:
+            out.append(f"--memory-margin must be a share in [0, 1) of a device's memory (got {self.memory_margin})")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             out.append(f"--gpus-per-node must be >= 1 (got {self.gpus_per_node})")
-        if not self.auto_layout and (self.gpu, self.gpu_memory_gib, self.gpus_per_node) != (None, None, None):
+        if not self.auto_layout and (self.gpu, self.gpu_memory_gib, self.gpus_per_node,
+                                     self.memory_margin) != (None, None, None, None):
             given = [f for f, v in (("--gpu", self.gpu), ("--gpu-memory-gib", self.gpu_memory_gib),
-                                    ("--gpus-per-node", self.gpus_per_node)) if v is not None]
+                                    ("--gpus-per-node", self.gpus_per_node), ("--memory-margin", self.memory_margin))
+                     if v is not None]
             out.append(f"{', '.join(given)} describe the devices --auto-layout plans for: add --auto-layout or drop "
                        f"{'them' if len(given) > 1 else 'it'}")
         if not self.distributed_timeout_minutes > 0:

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_ru.flags.arguments import CONFIG_CLASSES, Arguments, parse_arguments
 from megatron_ru.plan.hardware import GIB, PEAK_TFLOPS, PRESETS, GpuSpec, gpu_spec, peak_tflops_for
-from megatron_ru.plan.search import Candidate, Plan, SearchSpace, plan_layouts
+from megatron_ru.plan.search import MEMORY_MARGIN, Candidate, Plan, SearchSpace, plan_layouts
 
 #: the flags a choice sets (a user's explicit value of one of them is a constraint)
 LAYOUT_DESTS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -108,7 +108,13 @@ def _plan(args: Arguments, gpu: GpuSpec, num_gpus: int, per_node: int, space: Se
     model = dataclasses.replace(args.model, recompute_granularity=None, checkpoint_activations=False)
     return plan_layouts(model, vocab, gpu, num_gpus, t.global_batch_size, args.data.seq_length, args.precision,
                         gpus_per_node=per_node, optimizer=args.optimizer.optimizer, space=space,
-                        ramp=BatchRamp.of(t.rampup_batch_size, t.global_batch_size), device=args.device_type)
+                        ramp=BatchRamp.of(t.rampup_batch_size, t.global_batch_size), device=args.device_type,
+                        margin=memory_margin(args))
+
+
+def memory_margin(args: Arguments) -> float:
+    m = args.parallel.memory_margin
+    return MEMORY_MARGIN if m is None else m
 
 
 def _smallest_fitting(args: Arguments, gpu: GpuSpec, per_node: int, space: SearchSpace,
@@ -155,7 +161,8 @@ def choose_layout(args: Arguments, constraints: set[str]) -> dict[str, Any]:
                 "tokens_per_second_per_gpu": c.time.tokens_per_second_per_gpu,
                 "slower": 1 - c.time.tokens_per_second_per_gpu / rate} for c in plan.fitting[1:1 + RUNNERS_UP]]
     lines = [f"--auto-layout: {args.world_size} ranks, {per_node} per node, {gpu.name} ({gpu.memory_gib:.2f} GiB; "
-             f"{source}); {plan.considered} layouts considered, {len(plan.fitting)} fit; layout flags kept: {kept}",
+             f"{source}; a layout leaves {100 * plan.margin:.0f}% free); {plan.considered} layouts considered, "
+             f"{len(plan.fitting)} fit; layout flags kept: {kept}",
              f"  chosen:    {best.layout.short()}: {best.memory.total_bytes / GIB:.3f} GiB predicted per device "
              f"({100 * best.memory.total_bytes / gpu.memory_bytes:.0f}%), {rate:.0f} tokens/s per device predicted"]
     lines += [f"  runner-up: {r['layout']}: {r['memory_bytes'] / GIB:.3f} GiB, {100 * r['slower']:.1f}% slower"
@@ -164,6 +171,7 @@ def choose_layout(args: Arguments, constraints: set[str]) -> dict[str, Any]:
     lines.append("  flags: " + " ".join(flags))
     return {"flags": flags, "layout": best.layout.short(), "world_size": args.world_size, "gpus_per_node": per_node,
             "device": {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "source": source},
+            "memory_margin": plan.margin,
             "predicted_bytes": best.memory.total_bytes, "tokens_per_second_per_device": rate,
             "constraints": sorted(constraints), "runners_up": runners, "rejected": list(plan.rejected),
             "block": "\n".join(lines)}
@@ -174,8 +182,9 @@ def out_of_memory_message(choice: dict[str, Any], measured_bytes: Optional[int])
     next layout to try."""
     measured = "unknown" if measured_bytes is None else f"{measured_bytes / GIB:.2f} GiB"
     nxt = choice["runners_up"][0]["layout"] if choice["runners_up"] else None
-    advice = (f"try the runner-up ({nxt}) with its flags instead of --auto-layout, or give --gpu-memory-gib below "
-              f"{choice['device']['memory_bytes'] / GIB:.2f} to leave a margin" if nxt else
-              f"give --gpu-memory-gib below {choice['device']['memory_bytes'] / GIB:.2f} to leave a margin")
+    margin = choice.get("memory_margin", MEMORY_MARGIN)
+    wider = f"a --memory-margin above {margin:g}"
+    advice = (f"try the runner-up ({nxt}) with its flags instead of --auto-layout, or {wider}" if nxt else
+              f"give {wider}")
     return (f"--auto-layout's choice ({choice['layout']}) ran out of memory: predicted "
             f"{choice['predicted_bytes'] / GIB:.2f} GiB per device, the peak reached {measured}; {advice}")

@@ -23,7 +23,7 @@ from megatron_ru.config.lora import LoraConfig, LoraSpec
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.plan.hardware import PRESETS, gpu_spec
 from megatron_ru.plan.report import format_plan, plan_dict
-from megatron_ru.plan.search import SearchSpace, plan_layouts
+from megatron_ru.plan.search import MEMORY_MARGIN, SearchSpace, plan_layouts
 from megatron_ru.plan.throughput import ACHIEVABLE_FRACTION
 from megatron_ru.utils import cli
 
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (ABCI V100 nodes: 4).")
     g.add_argument("--gpu", choices=sorted(PRESETS), help="GPU preset; or the four numbers below.")
     g.add_argument("--gpu-memory-gib", type=float, help="Memory of one GPU (GiB).")
+    g.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN,
+                   help=f"Share of a GPU's memory a layout leaves free to fit (default {MEMORY_MARGIN}: the planner's "
+                        "measured error and what a run holds beyond its step; BENCHMARKS.md).")
     g.add_argument("--peak-tflops", type=float, help="Dense peak TFLOP/s of one GPU in the training precision.")
     g.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU and direction.")
     g.add_argument("--inter-node-gbps", type=float, help="Network GB/s per GPU and direction.")
@@ -185,7 +188,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         model_cfg = dataclasses.replace(cfg, recompute_granularity=None, checkpoint_activations=False)
         plan = plan_layouts(model_cfg, vocab, gpu, ns.num_gpus, ns.global_batch_size, seq, precision,
                             gpus_per_node=ns.gpus_per_node, optimizer=ns.optimizer, space=space,
-                            attention=ns.attention_kernel, ramp=ramp, device=ns.device)
+                            attention=ns.attention_kernel, ramp=ramp, device=ns.device, margin=ns.memory_margin)
     except (ValueError, FileNotFoundError) as e:
         cli.error(str(e))
         return 2

@@ -5,13 +5,15 @@
   (stage ``i`` of ``p`` holds ``min(p - i, m)``, Narayanan et al. 2021 section 2.2; 1 with PP = 1),
   per layer (:mod:`.activations`), plus the embedding's, plus one layer's full set rebuilt in the
   backward with recomputation (else the largest pair of activation gradients of one layer),
-* ``buffers``: the output head (logits, the fp32 softmax the loss keeps, the logit gradients) on
-  the last stage, and DeepSpeed's pipeline send/receive buffers (stage outputs kept per micro batch
-  in flight, partitioned over TP unless sequence parallel),
+* ``buffers``: the output head (its input, the fp32 softmax the loss keeps, and the larger of the
+  logits and the logit gradients: never alive together) on the last stage, and DeepSpeed's pipeline
+  send/receive buffers (stage outputs kept per micro batch in flight, partitioned over TP unless
+  sequence parallel),
 * ``comm_buckets``: the ZeRO reduce bucket (``reduce_bucket_size`` elements),
 * ``allowance``: on CUDA a fixed :data:`CUDA_CONTEXT_BYTES` (context, kernels, cuBLAS workspaces,
-  NCCL communicator buffers) and :data:`FRAGMENTATION` of everything allocated and freed during the
-  step (activations, buffers, buckets) for the caching allocator's fragmentation.
+  NCCL communicator buffers), on a CPU :data:`CPU_PROCESS_BYTES`, and :data:`FRAGMENTATION` of
+  everything allocated and freed during the step (activations, buffers, buckets) for the allocator's
+  fragmentation.
 
 Sources and what is approximated: docs/planner.md.
 """
@@ -34,6 +36,10 @@ from megatron_ru.plan.states import BucketSizes, StateBytes, state_bytes
 CUDA_CONTEXT_BYTES = 1 * GIB
 #: share of the memory allocated and freed during a step added for the caching allocator's fragmentation
 FRAGMENTATION = 0.10
+#: what a CPU rank holds beyond the terms (the first kernels' and gloo's buffers, the data pipeline, DeepSpeed's
+#: objects): 39-53 MiB measured with a model whose terms are all under 1 MiB (benchmarks/plan_memory.py --shape
+#: tiny, BENCHMARKS.md); on a GPU these live in host memory
+CPU_PROCESS_BYTES = 50 * MIB
 
 TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers", "comm_buckets", "allowance")
 
@@ -115,7 +121,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
         details: dict[str, int] = {"in_flight": k, "layers": n_layers, "per_layer": per_layer}
         if has_head:
             lb = act.logits_bytes(cfg, layout, rows)
-            buffers += sum(lb.values())
+            buffers += act.head_peak_bytes(lb)
             details.update(lb)
         if layout.pp > 1:
             sp_or_no_tp = layout.sequence_parallel or layout.tp == 1
@@ -124,7 +130,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
                 buffers += k * out_bytes                     # stage outputs kept for the backward
             if stage > 0:
                 buffers += 2 * e * T * cfg.hidden_size       # receive buffers (activation, gradient)
-        context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
+        context = CUDA_CONTEXT_BYTES if device == "cuda" else CPU_PROCESS_BYTES
         churn = activations + buffers + states.buckets
         backward = {"parameters": states.parameters, "gradients": states.grads_backward,
                     "optimizer": states.optimizer, "activations": activations, "buffers": buffers,

@@ -37,7 +37,8 @@ def _row(i: int, c: Candidate, capacity: int) -> str:
 
 def format_plan(plan: Plan, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, model_line: str, top: int = 10) -> str:
     lines = [model_line,
-             f"{num_gpus} x {gpu.name} ({gpu.memory_gib:.1f} GiB, {gpus_per_node} per node); "
+             f"{num_gpus} x {gpu.name} ({gpu.memory_gib:.1f} GiB, {gpus_per_node} per node; a layout leaves "
+             f"{100 * plan.margin:.0f}% free); "
              f"{plan.considered} layouts considered, {len(plan.fitting)} fit"]
     if plan.fitting:
         lines.append(f"{'#':>3}  {'layout':<38} {'GiB/GPU':>12}  {'tokens/s/GPU':>9}  {'TFLOP/s':>7}  {'MFU':>6}  "
@@ -66,12 +67,12 @@ def format_plan(plan: Plan, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, mod
     return "\n".join(lines)
 
 
-def candidate_dict(c: Candidate, capacity: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"layout": {k: getattr(c.layout, k) for k in (
+def candidate_dict(c: Candidate, usable: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"label": c.layout.short(), "layout": {k: getattr(c.layout, k) for k in (
         "tp", "pp", "dp", "micro_batch", "global_batch", "seq_length", "sequence_parallel", "recompute",
         "zero_stage", "precision")}, "memory_bytes": c.memory.total_bytes, "memory_terms": c.memory.terms,
         "memory_stage": c.memory.stage, "memory_phase": c.memory.phase, "optimizer_wrapper": c.memory.wrapper,
-        "fits": c.memory.total_bytes <= capacity}
+        "fits": c.memory.total_bytes <= usable}
     if c.time is not None:
         out.update({"step_seconds": c.time.seconds, "step_parts_seconds": c.time.parts,
                     "tokens_per_second_per_gpu": c.time.tokens_per_second_per_gpu,
@@ -86,8 +87,9 @@ def plan_dict(plan: Plan, gpu: GpuSpec, num_gpus: int, gpus_per_node: int, model
                                     "peak_tflops": gpu.peak_tflops, "intra_node_gbps": gpu.intra_node_gbps,
                                     "inter_node_gbps": gpu.inter_node_gbps},
             "num_gpus": num_gpus, "gpus_per_node": gpus_per_node, "considered": plan.considered,
-            "fitting": [candidate_dict(c, plan.capacity_bytes) for c in plan.fitting[:top]],
+            "fitting": [candidate_dict(c, plan.usable_bytes) for c in plan.fitting[:top]],
+            "memory_margin": plan.margin, "usable_bytes": plan.usable_bytes,
             "num_fitting": len(plan.fitting), "rejected": plan.rejected, "invalid": plan.invalid,
             "best": None if best is None else {
-                **candidate_dict(best, plan.capacity_bytes), "flags": best.layout.flags(),
+                **candidate_dict(best, plan.usable_bytes), "flags": best.layout.flags(),
                 "job_variables": job_variables(best.layout, num_gpus, gpus_per_node)}}

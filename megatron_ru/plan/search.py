@@ -16,6 +16,12 @@ from megatron_ru.plan.states import BucketSizes
 from megatron_ru.plan.throughput import OURS, Overlap, StepTime, predict_step_time
 
 
+#: the share of a device's memory a layout must leave free to count as fitting: the planner's own error
+#: (BENCHMARKS.md, "Layout planner": measured peaks against predicted ones, benchmarks/plan_memory.py) plus what a
+#: run holds beyond the training step (a validation batch, a checkpoint being written, another library's cache)
+MEMORY_MARGIN = 0.05
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Which choices the planner may make (None: try all that are valid)."""
@@ -55,10 +61,21 @@ class Plan:
     capacity_bytes: int
     considered: int
     notes: list[str] = field(default_factory=list)
+    margin: float = MEMORY_MARGIN
+    """the share of ``capacity_bytes`` a fitting layout leaves free"""
+
+    @property
+    def usable_bytes(self) -> int:
+        return usable_bytes(self.capacity_bytes, self.margin)
 
     @property
     def best(self) -> Optional[Candidate]:
         return self.fitting[0] if self.fitting else None
+
+
+def usable_bytes(capacity_bytes: int, margin: float = MEMORY_MARGIN) -> int:
+    """What a layout's predicted peak may reach on a device of ``capacity_bytes``."""
+    return int(capacity_bytes * (1.0 - margin))
 
 
 def _divisors(n: int) -> list[int]:
@@ -146,14 +163,17 @@ def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int,
                  precision: str, *, gpus_per_node: int = 8, optimizer: str = "adam",
                  buckets: Optional[BucketSizes] = None, space: SearchSpace = SearchSpace(),
                  overlap: Overlap = OURS, attention: str = "fused", ramp: Optional[BatchRamp] = None,
-                 device: str = "cuda") -> Plan:
-    """Predict every candidate; rank those that fit by tokens/s per GPU (then by memory). ``attention``:
-    "fused" (PyTorch's flash / memory-efficient SDPA) or "math" (kernels that keep the s x s scores).
-    ``device``: "cuda" (a GPU's memory: the CUDA context counted) or "cpu" (a process's, as a CPU run has it)."""
+                 device: str = "cuda", margin: float = MEMORY_MARGIN) -> Plan:
+    """Predict every candidate; rank those that fit (predicted peak within ``1 - margin`` of the memory) by
+    tokens/s per GPU (then by memory). ``attention``: "fused" (PyTorch's flash / memory-efficient SDPA) or "math"
+    (kernels that keep the s x s scores). ``device``: "cuda" (a GPU's memory: the CUDA context counted) or "cpu"
+    (a process's, as a CPU run has it)."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"the memory margin must be a share in [0, 1): {margin}")
     gpu.peak(precision)  # a precision the GPU has, or a clear error
     layouts, invalid = candidate_layouts(cfg, num_gpus, global_batch, seq_length, precision, gpus_per_node, space,
                                          ramp)
-    capacity = gpu.memory_bytes
+    capacity = usable_bytes(gpu.memory_bytes, margin)
     cands: list[Candidate] = []
     for layout in layouts:
         mem = predict_memory(cfg, vocab_size, layout, device=device, optimizer=optimizer, buckets=buckets,
@@ -178,5 +198,5 @@ def plan_layouts(cfg: ModelConfig, vocab_size: int, gpu: GpuSpec, num_gpus: int,
         need, have = least.memory.total_bytes / GIB, capacity / GIB
         digits = 1 if f"{need:.1f}" != f"{have:.1f}" else 2  # never "15.8 GiB > 15.8 GiB"
         rejected.append(f"TP {tp} x PP {pp}{f' x CP {cp}' if cp > 1 else ''} {how}: at best ({lay.short()}) {need:.{digits}f} GiB "
-                        f"> {have:.{digits}f} GiB per GPU (largest: {_largest_terms(least.memory)})")
-    return Plan(fitting, rejected, invalid, capacity, len(cands))
+                        f"> {have:.{digits}f} GiB usable per GPU (largest: {_largest_terms(least.memory)})")
+    return Plan(fitting, rejected, invalid, gpu.memory_bytes, len(cands), margin=margin)

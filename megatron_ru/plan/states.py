@@ -163,8 +163,10 @@ def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "ada
         transient = e * part + (4 * part if e != 4 else 0)
         return StateBytes(wrapper, e * (flat + n_frozen), grads, master, moments, bucket,
                           grads_backward=backward, step_transient=transient)
-    # ZeRO-3: parameters partitioned; up to the live-parameter budget gathered at once
+    # ZeRO-3: parameters partitioned; up to the live-parameter budget gathered at once; the reduce bucket as above
+    # (on a CPU only its touched part is resident)
     live = min(DEFAULT_STAGE3_MAX_LIVE, n_all) + DEFAULT_STAGE3_PREFETCH
+    elements = buckets.reduce_bucket if device == "cuda" else min(buckets.reduce_bucket, n_train)
     return StateBytes(wrapper, e * (flat // dp + n_frozen), 4 * part, master, moments,
-                      e * min(live, n_all) + e * buckets.reduce_bucket, grads_backward=4 * part,
+                      e * min(live, n_all) + e * elements, grads_backward=4 * part,
                       step_transient=e * part)

@@ -5,6 +5,7 @@ process that already initialised torch.distributed (tests).
 from __future__ import annotations
 
 import contextlib
+import resource
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -317,7 +318,8 @@ def run(args: Arguments, job_started: Optional[float] = None,
         except torch.OutOfMemoryError as e:
             if args.auto_layout is None:
                 raise
-            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+            peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
             raise RuntimeError(out_of_memory_message(args.auto_layout, peak)) from e
         finally:
             trainer.metrics.close()

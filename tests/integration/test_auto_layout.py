@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from megatron_ru.plan.memory import CPU_PROCESS_BYTES
+from megatron_ru.plan.search import MEMORY_MARGIN
 from tests.dist_utils import run_distributed
 from tests.integration._train_helpers import (REPO, TINY_MODEL_FLAGS, make_corpus, relative_diff, tiny_argv, train_body,
                                               without_flags)
@@ -52,8 +54,9 @@ def _planner(argv: list[str], num_gpus: int, memory_gib: float, extra: list[str]
     if "--rampup-batch-size" in extra:
         i = extra.index("--rampup-batch-size")
         cli += extra[i:i + 4]
-    if "--zero-stage" in extra:
-        cli += ["--zero-stage", extra[extra.index("--zero-stage") + 1]]
+    for flag in ("--zero-stage", "--memory-margin"):
+        if flag in extra:
+            cli += [flag, extra[extra.index(flag) + 1]]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert run(cli) == 0
@@ -80,7 +83,7 @@ def test_resubmitted_on_fewer_ranks_it_chooses_again_and_continues_exactly(tmp_p
     commands, expected = {}, {}
     # pure data parallelism (any ZeRO stage) does not fit on 4 ranks; with the ramp it cannot run at all there
     pure_dp = [c["memory_bytes"] for c in _planner(base, 4, 1000.0, [])["fitting"] if c["layout"]["dp"] == 4]
-    memory_gib = (min(pure_dp) - 64) / GIB
+    memory_gib = (min(pure_dp) - 64) / (1 - MEMORY_MARGIN) / GIB  # what a layout may use: 64 bytes short of it
     for name, extra in CASES.items():
         plans = {n: _planner(base, n, memory_gib, extra) for n in (4, 2)}
         for n, plan in plans.items():
@@ -119,16 +122,19 @@ def test_a_job_that_fits_nowhere_is_refused_in_one_line_and_writes_nothing(tmp_p
     prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
     save = tmp_path / "ckpt"
     argv = without_flags(tiny_argv(prefix, cache, iters=6), "--micro-batch-size")
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--auto-layout", "--gpu-memory-gib", "0.0015",
+    # 0.00147 GiB left to the model's terms (what a CPU rank holds beyond them added, the margin kept): 2 ranks need
+    # 0.001477 GiB each at best, 3 ranks 0.001460
+    memory = (0.00147 * GIB + CPU_PROCESS_BYTES) / (1 - MEMORY_MARGIN) / GIB
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--auto-layout", "--gpu-memory-gib", repr(memory),
                            "--peak-tflops", "1", "--gpus-per-node", "4", "--save", str(save),
                            "--metrics-file", str(tmp_path / "m.jsonl")],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "ERROR" in line or "Traceback" in line]
-    assert len(lines) == 1 and "no layout fits 1 x custom (0.0015 GiB)" in lines[0], proc.stderr[-3000:]
+    assert len(lines) == 1 and f"no layout fits 1 x custom ({memory:.4g} GiB)" in lines[0], proc.stderr[-3000:]
     # 2 ranks are not enough; 3 are, as 3 pipeline stages
-    assert "the smallest job of these devices it fits is 3 (TP1 PP3 DP1 mb1 recompute ZeRO0, 0.00" in lines[0], lines[0]
+    assert "the smallest job of these devices it fits is 3 (TP1 PP3 DP1 mb1 recompute ZeRO0, 0.05" in lines[0], lines[0]
     assert not save.exists() and not (tmp_path / "m.jsonl").exists()
     # on a machine without a GPU the device must be named
     from megatron_ru.plan.auto import parse_with_auto_layout
@@ -137,3 +143,38 @@ def test_a_job_that_fits_nowhere_is_refused_in_one_line_and_writes_nothing(tmp_p
     with pytest.raises(ValueError, match="describe the devices --auto-layout plans for"):
         from megatron_ru.flags.arguments import parse_arguments
         parse_arguments([*argv, "--gpu-memory-gib", "8"], world_size=1, device_type="cpu")
+    with pytest.raises(ValueError, match=r"--memory-margin must be a share in \[0, 1\)"):
+        parse_arguments([*argv, "--auto-layout", "--gpu-memory-gib", "8", "--peak-tflops", "1", "--memory-margin",
+                         "1"], world_size=1, device_type="cpu")
+
+
+def oom_body(rank: int, world_size: int, argv: list[str]) -> str:
+    """The chosen layout's first step runs out of device memory (raised where CUDA raises it: a GPU condition)."""
+    import torch
+
+    from megatron_ru.plan.auto import parse_with_auto_layout
+    from megatron_ru.training.loop import Trainer
+    from megatron_ru.training.pretrain import run
+
+    def out_of_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    Trainer.train_step = out_of_memory
+    try:
+        run(parse_with_auto_layout(argv, world_size=world_size, device_type="cpu"))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_chosen_layout_that_runs_out_of_memory_says_so_and_names_the_next(tmp_path):
+    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+    argv = [*without_flags(tiny_argv(prefix, cache, iters=6), "--micro-batch-size"), "--auto-layout",
+            "--gpu-memory-gib", "1", "--peak-tflops", "1", "--gpus-per-node", "2", "--memory-margin", "0.2"]
+    message = run_distributed(oom_body, 2, args=(argv,), timeout=300)[0]
+    plan = _planner(argv, 2, 1.0, ["--memory-margin", "0.2"])
+    best, runner_up = plan["fitting"][0], plan["fitting"][1]
+    assert message.startswith(f"--auto-layout's choice ({best['label']}) ran out of memory: predicted "
+                              f"{best['memory_bytes'] / GIB:.2f} GiB per device, the peak reached "), message
+    assert f"try the runner-up ({runner_up['label']}) with its flags instead of --auto-layout, or a --memory-margin " \
+           f"above 0.2" in message, message

@@ -9,6 +9,7 @@ import pytest
 from megatron_ru.config.model import ModelConfig
 from megatron_ru.plan import Layout, predict_memory, stage_param_counts
 from megatron_ru.plan.cli import run
+from megatron_ru.plan.memory import CPU_PROCESS_BYTES
 from megatron_ru.plan.params import stage_params, stage_tensors
 from megatron_ru.plan.states import state_bytes
 
@@ -63,7 +64,8 @@ def test_summary_adds_up():
     cfg = ModelConfig(**GPT)
     pred = predict_memory(cfg, 1000, Layout(1, 2, 2, 1, 8, 32, zero_stage=1, precision="bf16"), device="cpu")
     assert pred.total_bytes == sum(pred.terms.values())
-    assert pred.terms["allowance"] < pred.total_bytes / 5  # no CUDA context on CPU
+    # no CUDA context on CPU: what a CPU rank holds beyond the terms, and the fragmentation share
+    assert CPU_PROCESS_BYTES < pred.terms["allowance"] < CPU_PROCESS_BYTES + pred.total_bytes // 10
     assert pred.summary().startswith("predicted peak per GPU ")
     cuda = predict_memory(cfg, 1000, Layout(1, 2, 2, 1, 8, 32, zero_stage=1, precision="bf16"), device="cuda")
     assert cuda.terms["allowance"] >= 2 ** 30
