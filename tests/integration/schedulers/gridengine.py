@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .system import apt_install, read_pid, run, stop_pids, unavailable, wait_for
+from .system import apt_install, kill_job_processes, read_pid, run, stop_pids, unavailable, wait_for
 
 SGE_ROOT = Path("/var/lib/gridengine")
 SGE_CELL = "default"
@@ -199,8 +199,24 @@ class GridEngine:
         return bool(m) and not any(c in m.group(1) for c in "auEdDsS")
 
     def stop(self) -> None:
+        # jobs first, while the qmaster can still end them; then the daemons; then whatever a job left behind
+        if self.started:
+            try:
+                def jobs() -> list[str]:
+                    listing = run(["qstat", "-u", "*"], env=sge_env(), check=False, timeout=10).stdout
+                    return [line.split()[0] for line in listing.splitlines()[2:] if line.split()]
+                left = jobs()
+                if left:
+                    run(["qdel", "-f", *left], env=sge_env(), check=False, timeout=10)
+                    try:
+                        wait_for(lambda: not jobs(), 30, f"Grid Engine jobs {' '.join(left)} to end", interval=0.5)
+                    except TimeoutError:
+                        pass
+            except (subprocess.TimeoutExpired, OSError):  # a daemon not answering: the kill below
+                pass
         stop_pids(self.started, timeout=20)  # the qmaster takes ~8 s to shut down
         self.started.clear()
+        kill_job_processes(["sge_shepherd"])
         read_pid(self.qmaster_pid_file)
         read_pid(self.execd_pid_file)
 

@@ -11,11 +11,12 @@ import re
 import shutil
 import socket
 import stat
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .system import apt_install, read_pid, run, spawn, stop_pids, unavailable, wait_for
+from .system import apt_install, kill_job_processes, read_pid, run, spawn, stop_pids, unavailable, wait_for
 
 CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by the megatron_ru scheduler test harness"
@@ -156,10 +157,24 @@ class SlurmCluster:
         return out == "idle"
 
     def stop(self) -> None:
-        # slurmd and slurmctld first: they still talk to munged while shutting down
+        # jobs first, while slurmctld can still end them; then slurmd and slurmctld (they still talk to munged while
+        # shutting down); then whatever a job left behind
+        if self.started:
+            try:
+                jobs = run(["squeue", "-h", "-o", "%i"], check=False, timeout=10).stdout.split()
+                if jobs:
+                    run(["scancel", *jobs], check=False, timeout=10)
+                    try:
+                        wait_for(lambda: not run(["squeue", "-h", "-o", "%i"], check=False, timeout=10).stdout.strip(),
+                                 30, f"Slurm jobs {' '.join(jobs)} to end", interval=0.5)
+                    except TimeoutError:
+                        pass
+            except (subprocess.TimeoutExpired, OSError):  # a daemon not answering: the kill below
+                pass
         stop_pids(self.started[1:])
         stop_pids(self.started[:1])
         self.started.clear()
+        kill_job_processes(["slurmstepd"])
         for pid_file in (SPOOL / "slurmctld.pid", SPOOL / "slurmd.pid", Path("/run/munge/munged.pid")):
             read_pid(pid_file)  # removes the file when its daemon is gone
 

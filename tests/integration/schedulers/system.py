@@ -170,3 +170,40 @@ def stop_pids(pids: Sequence[int], timeout: float = 20, sig: int = signal.SIGTER
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _processes() -> dict[int, tuple[str, int]]:
+    """Every process: pid -> (command name, parent pid)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        out[int(entry)] = (name, int(text.rsplit(")", 1)[1].split()[1]))
+    return out
+
+
+def kill_job_processes(names: Sequence[str]) -> list[int]:
+    """SIGKILL every process named one of ``names`` (a scheduler's per-job process: slurmstepd, sge_shepherd) and
+    all its descendants (the job's script, srun, mpirun, the ranks): a job still running when its cluster's daemons
+    stop would otherwise run on without them, holding its ports (seen: a Slurm job's srun, 15 minutes after the
+    harness had stopped slurmctld). Returns the PIDs killed."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    doomed, todo = [], [pid for pid, (name, _) in procs.items() if name in names]
+    while todo:
+        pid = todo.pop()
+        doomed.append(pid)
+        todo += children.get(pid, [])
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return doomed
