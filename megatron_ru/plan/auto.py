@@ -29,8 +29,25 @@ RUNNERS_UP = 3
 MAX_GPUS = 4096
 
 
+#: Megatron's spellings of layout flags (megatron_ru/flags/megatron_flags.py) and what they set: constraints too
+SPELLED_LAYOUT = {"--recompute-activations": "recompute_granularity",
+                  "--ds-sequence-parallel-size": "context_parallel_size", "--use-distributed-optimizer": "zero_stage",
+                  "--no-pipeline-parallel": "pipeline_model_parallel_size"}
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    """Whether ``flag`` is on the command line: itself, ``flag=value``, or a prefix argparse takes for it."""
+    for a in argv:
+        if a == "--":
+            return False
+        name = a.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and flag.startswith(name):
+            return True
+    return False
+
+
 def wants_auto_layout(argv: Sequence[str]) -> bool:
-    return "--auto-layout" in argv
+    return _given(argv, "--auto-layout")
 
 
 def parse_with_auto_layout(argv: Sequence[str], *, world_size: Optional[int] = None,
@@ -41,7 +58,7 @@ def parse_with_auto_layout(argv: Sequence[str], *, world_size: Optional[int] = N
         return parse_arguments(argv, world_size=world_size, device_type=device_type)
     from megatron_ru.config.base import explicit_dests
     first = parse_arguments(argv, world_size=world_size, device_type=device_type, validate=False)
-    explicit = explicit_dests(CONFIG_CLASSES, argv)
+    explicit = explicit_dests(CONFIG_CLASSES, argv) | {dest for flag, dest in SPELLED_LAYOUT.items() if _given(argv, flag)}
     choice = choose_layout(first, explicit & LAYOUT_DESTS)
     args = parse_arguments(argv + choice["flags"], world_size=world_size, device_type=device_type)
     args.auto_layout = choice

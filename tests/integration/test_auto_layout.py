@@ -178,3 +178,23 @@ def test_a_chosen_layout_that_runs_out_of_memory_says_so_and_names_the_next(tmp_
                               f"{best['memory_bytes'] / GIB:.2f} GiB per device, the peak reached "), message
     assert f"try the runner-up ({runner_up['label']}) with its flags instead of --auto-layout, or a --memory-margin " \
            f"above 0.2" in message, message
+
+
+def test_megatron_spellings_and_abbreviations_are_what_they_mean(tmp_path):
+    """A layout flag in Megatron's spelling is a constraint as ours is, and an abbreviation argparse takes for
+    --auto-layout is --auto-layout (it ran on the default layout, unchosen)."""
+    from megatron_ru.plan.auto import parse_with_auto_layout
+    prefix, cache = make_corpus(str(tmp_path)), str(tmp_path / "cache")
+    argv = [*without_flags(tiny_argv(prefix, cache, iters=6), "--micro-batch-size"), "--gpu-memory-gib", "1",
+            "--peak-tflops", "1", "--gpus-per-node", "4"]
+    plain = parse_with_auto_layout([*argv, "--auto-layout"], world_size=4, device_type="cpu")
+    short = parse_with_auto_layout([*argv, "--auto-lay"], world_size=4, device_type="cpu")
+    assert short.auto_layout is not None and short.auto_layout["flags"] == plain.auto_layout["flags"]
+    spelled = parse_with_auto_layout([*argv, "--auto-layout", "--recompute-activations", "--use-distributed-optimizer",
+                                      "--no-pipeline-parallel"], world_size=4, device_type="cpu")
+    ours = parse_with_auto_layout([*argv, "--auto-layout", "--recompute-granularity", "selective", "--zero-stage", "1",
+                                   "--pipeline-model-parallel-size", "1"], world_size=4, device_type="cpu")
+    assert spelled.auto_layout["constraints"] == ours.auto_layout["constraints"] == [
+        "pipeline_model_parallel_size", "recompute_granularity", "zero_stage"]
+    assert spelled.auto_layout["flags"] == ours.auto_layout["flags"]
+    assert (spelled.pp, spelled.model.recompute_granularity, spelled.training.zero_stage) == (1, "selective", 1)
