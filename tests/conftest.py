@@ -59,7 +59,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 #: MEGATRON_RU_TEST_CPU_LOG=FILE: one JSON line per test (setup, call and teardown) with its wall time and CPU
 #: time, this process's and its reaped children's (tools, launchers, ranks, the fork server's ranks; not a
 #: scheduler daemon's jobs), so that the suite's budget is spent where it is measured: ``python tests/cpu_log.py
-#: FILE`` sums it per file
+#: FILE`` sums it per file. Each line also has the outcome (and a failure's last line), written as the test ends
 CPU_LOG = os.environ.get("MEGATRON_RU_TEST_CPU_LOG")
 
 
@@ -72,10 +72,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     yield
     # (a fork server the test started counts whole)
     cpu = _cpu_seconds() - cpu + max(0.0, _forkserver_cpu_seconds() - served)
+    reports = item.__dict__.pop("_cpu_log_reports", [])
+    failed = [r for r in reports if r.failed]
     record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2), "cpu_s": round(cpu, 2),
-              "worker": os.environ.get("PYTEST_XDIST_WORKER", "-")}
+              "worker": os.environ.get("PYTEST_XDIST_WORKER", "-"),
+              "outcome": "failed" if failed else "skipped" if any(r.skipped for r in reports) else "passed"}
+    if failed:  # the run's summary comes at its end: a run stopped early still says what failed and why
+        lines = failed[0].longreprtext.strip().splitlines() or [""]
+        said = [line for line in lines if line.startswith("E ")] or lines
+        record["error"] = f"{failed[0].when}: {said[0][:500]} ({lines[-1][-200:]})"
     with open(CPU_LOG, "a", encoding="utf-8") as f:  # one short line per write: workers' lines never interleave
         f.write(json.dumps(record) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    outcome = yield
+    if CPU_LOG:
+        item.__dict__.setdefault("_cpu_log_reports", []).append(outcome.get_result())
 
 
 #: the tests that share the machine's schedulers (one Slurm and one Grid Engine per machine, and apt): one worker
