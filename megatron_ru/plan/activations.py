@@ -188,9 +188,10 @@ def final_norm_bytes(cfg: ModelConfig, layout: Layout, rt: Runtime) -> int:
 def logits_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: int) -> dict[str, int]:
     """The output head of one micro batch: its saved (gathered) input, the vocab-parallel logits,
     the fp32 softmax the cross-entropy keeps (plus target bookkeeping), and the backward's fp32
-    gradient with its cast to the activation dtype (none in fp32). The logits are freed when the
-    cross-entropy has made its softmax, before the backward makes the gradient: the head holds
-    ``head_input + softmax + max(logits, logit_grads)`` at once (:func:`head_peak_bytes`)."""
+    gradient with its cast to the activation dtype (none in fp32). Without a pipeline the logits are freed
+    when the cross-entropy has made its softmax, before the backward makes the gradient: the head holds
+    ``head_input + softmax + max(logits, logit_grads)`` at once; a pipeline's last stage keeps them
+    (:func:`head_peak_bytes`)."""
     e = layout.param_bytes
     T = layout.rank_tokens * layout.micro_batch
     vt = padded_vocab // layout.tp
@@ -198,7 +199,10 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, padded_vocab: int) -> dict[st
             "logit_grads": (4 + (e if e != 4 else 0)) * T * vt}
 
 
-def head_peak_bytes(parts: dict[str, int]) -> int:
+def head_peak_bytes(parts: dict[str, int], pipeline: bool = False) -> int:
     """The most the output head holds at once (:func:`logits_bytes`' parts): in the forward the logits next to
-    the softmax made from them, in the backward the softmax next to the gradient made from it."""
+    the softmax made from them, in the backward the softmax next to the gradient made from it. ``pipeline``: the
+    last stage of a DeepSpeed pipeline, whose buffers keep the stage's output (the logits) until its backward."""
+    if pipeline:
+        return parts["head_input"] + parts["softmax"] + parts["logits"] + parts["logit_grads"]
     return parts["head_input"] + parts["softmax"] + max(parts["logits"], parts["logit_grads"])

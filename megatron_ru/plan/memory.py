@@ -6,7 +6,8 @@
   per layer (:mod:`.activations`), plus the embedding's, plus one layer's full set rebuilt in the
   backward with recomputation (else the largest pair of activation gradients of one layer),
 * ``buffers``: the output head (its input, the fp32 softmax the loss keeps, and the larger of the
-  logits and the logit gradients: never alive together) on the last stage, and DeepSpeed's pipeline
+  logits and the logit gradients: never alive together, unless a pipeline's buffers keep the logits)
+  on the last stage, and DeepSpeed's pipeline
   send/receive buffers (stage outputs kept per micro batch in flight, partitioned over TP unless
   sequence parallel),
 * ``comm_buckets``: the ZeRO reduce bucket (``reduce_bucket_size`` elements),
@@ -121,7 +122,7 @@ def predict_memory(cfg: ModelConfig, vocab_size: int, layout: Layout, *, device:
         details: dict[str, int] = {"in_flight": k, "layers": n_layers, "per_layer": per_layer}
         if has_head:
             lb = act.logits_bytes(cfg, layout, rows)
-            buffers += act.head_peak_bytes(lb)
+            buffers += act.head_peak_bytes(lb, pipeline=layout.pp > 1)
             details.update(lb)
         if layout.pp > 1:
             sp_or_no_tp = layout.sequence_parallel or layout.tp == 1
