@@ -19,6 +19,8 @@ Parts, each in its own process (a failure is reported in the table, the rest sti
   each runs in its own process, one after the other (the table says so).
 * ``fp16``: 100 steps of the 1B preset in fp16 with dynamic loss scaling against the same in bf16, steps
   interleaved, on a learnable corpus: the largest loss difference and the skipped steps.
+* ``memory``: the planner's predicted peak of ours at the 1B preset against a real run of it alone
+  (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``; on the CPU the resident set's peak).
 * ``generation``: greedy decoding of 8 prompts x 256 new tokens at the 1B shape with the library behind
   ``tools/generate.py`` against transformers' ``generate`` (KV cache both): tokens/s in bf16, and the tokens
   of both in fp32 compared.
@@ -472,6 +474,58 @@ def part_fp16(smoke: bool, tmp: str, iters: int) -> dict[str, Any]:
     return out
 
 
+def part_memory(smoke: bool, tmp: str, steps: int) -> dict[str, Any]:
+    """The planner's predicted peak of ours at the 1B preset (seq 2048, micro batch 4, bf16, ZeRO 1) against the
+    peak of a real run of it alone: on a GPU ``torch.cuda.max_memory_allocated`` (the tensors) and
+    ``max_memory_reserved`` (with the caching allocator's slack) against the prediction without and with its
+    fragmentation share (the CUDA context is not in either figure); on a CPU the resident set's high-water mark
+    above the one before the run (benchmarks/plan_memory.py's measure) against the whole prediction."""
+    import re
+
+    import torch
+
+    from benchmarks.train_step import build_trainer, make_corpus
+    from megatron_ru.plan.api import predict_for_arguments
+    from megatron_ru.plan.memory import CPU_PROCESS_BYTES, CUDA_CONTEXT_BYTES
+    device = _device()
+    p = dict(SMOKE_SHAPES if smoke else SHAPES)["1b-seq2048"]
+    precision = _precision(smoke)
+    prefix = make_corpus(tmp, p["vocab"], (steps + 3) * p["batch"] * (p["seq"] + 1) * 2)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its first construction imports torch's compiler
+
+    def rss(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = rss("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    args, trainer = build_trainer(p, prefix, os.path.join(tmp, "cache"), steps + 2, precision,
+                                  0 if precision == "fp32" else 1)
+    for _ in range(steps):
+        trainer.train_step()
+    _sync(device)
+    pred = predict_for_arguments(args, device=device.type)
+    out: dict[str, Any] = {"shape": "1b-seq2048", "precision": precision, "steps": steps, "layout": "TP1 PP1 DP1",
+                           "micro_batch": p["batch"], "device": device.type, "predicted_bytes": pred.total_bytes,
+                           "predicted_terms": pred.terms}
+    if device.type == "cuda":
+        fixed = CUDA_CONTEXT_BYTES
+        allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        tensors = pred.total_bytes - pred.terms["allowance"]
+        out.update(allocated_bytes=allocated, reserved_bytes=reserved, predicted_tensor_bytes=tensors,
+                   predicted_without_context_bytes=pred.total_bytes - fixed,
+                   allocated_over_predicted=allocated / tensors, reserved_over_predicted=reserved / (pred.total_bytes - fixed))
+    else:
+        measured = rss("VmHWM") - before
+        out.update(measured_bytes=measured, measured_over_predicted=measured / pred.total_bytes,
+                   cpu_allowance_bytes=CPU_PROCESS_BYTES)
+    return out
+
+
 # ---- generation ---------------------------------------------------------------------------------------
 
 def part_generation(smoke: bool, new_tokens: int) -> dict[str, Any]:
@@ -569,6 +623,7 @@ def _plan(smoke: bool, gpu_bytes: Optional[int], no_ablation: bool = False, only
     plans.append(("fp16", [], []))
     plans.append(("matrix-1b-seq4096", ["--shape", "1b-seq4096"], ["ours", *BASELINES]))
     plans.append(("matrix-1b-seq32768", ["--shape", "1b-seq32768"], ["ours"]))
+    plans.append(("memory", [], []))
     plans.append(("correctness", [], []))
     plans.append(("generation", [], []))
     out = []
@@ -666,6 +721,21 @@ def _markdown(results: dict[str, Any]) -> str:
                   f"{fp16['max_abs_diff']:.4f} nats, mean over the last 10 {fp16['last10_mean_abs_diff']:.4f}; "
                   f"final loss bf16 {fp16['final']['bf16']:.4f}, fp16 {fp16['final']['fp16']:.4f}; skipped steps "
                   f"{fp16['skipped_steps']}; final loss scale {fp16['loss_scale']:g}", ""]
+    mem = results["parts"].get("memory", {})
+    if "predicted_bytes" in mem:
+        gib = 2 ** 30
+        if mem["device"] == "cuda":
+            lines += [f"Planner's memory, ours alone at {mem['shape']} (micro batch {mem['micro_batch']}, "
+                      f"{mem['precision']}, ZeRO 1, {mem['steps']} steps): predicted {mem['predicted_bytes'] / gib:.2f} GiB "
+                      f"({mem['predicted_tensor_bytes'] / gib:.2f} of tensors + the allowance); measured "
+                      f"max_memory_allocated {mem['allocated_bytes'] / gib:.2f} GiB "
+                      f"({mem['allocated_over_predicted']:.3f} of the tensors predicted), max_memory_reserved "
+                      f"{mem['reserved_bytes'] / gib:.2f} GiB ({mem['reserved_over_predicted']:.3f} of the prediction "
+                      f"without the CUDA context)", ""]
+        else:
+            lines += [f"Planner's memory, ours alone at the smoke shape ({mem['precision']}, {mem['steps']} steps, CPU): "
+                      f"predicted {mem['predicted_bytes'] / 2 ** 20:.0f} MiB, resident set's peak above the start "
+                      f"{mem['measured_bytes'] / 2 ** 20:.0f} MiB ({mem['measured_over_predicted']:.3f})", ""]
     gen = results["parts"].get("generation", {})
     if "ratio" in gen:
         lines += [f"Generation, {gen['prompts']} prompts x {gen['new_tokens']} new tokens, greedy, KV cache: ours "
@@ -688,6 +758,8 @@ def _worker(opts: argparse.Namespace) -> None:
             res = part_generation(opts.cpu_smoke, 8 if opts.cpu_smoke else 256)
         elif part == "fp16":
             res = part_fp16(opts.cpu_smoke, tmp, 4 if opts.cpu_smoke else 100)
+        elif part == "memory":
+            res = part_memory(opts.cpu_smoke, tmp, 3)
         else:
             res = part_matrix(opts.cpu_smoke, tmp, opts.shape, opts.contenders.split(","), opts.steps, opts.warmup)
     with open(opts.json, "w") as f:

@@ -23,7 +23,7 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     results = json.loads((out / "suite.json").read_text())
     parts = results["parts"]
     assert set(parts) == {"matrix-1b-seq2048", "correctness", "generation", "fp16", "matrix-1b-seq4096",
-                          "matrix-8b-layer-seq4096", "matrix-1b-seq32768"}
+                          "matrix-8b-layer-seq4096", "matrix-1b-seq32768", "memory"}
     assert set(parts["matrix-1b-seq32768"]["contenders"]) == {"ours"}  # the long sample: ours alone
     assert not [p for p, r in parts.items() if "error" in r]
     assert set(parts["matrix-1b-seq2048"]["contenders"]) == {"ours", "ours-eager", "ours-before", "ours-mb8-ga4",
@@ -40,6 +40,10 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     assert any(r["check"].startswith("--torch-compile vs eager fp32: gradients") for r in rows)
     gen = parts["generation"]
     assert gen["fp32_same_tokens"] == gen["fp32_total_tokens"] > 0
+    # the planner's prediction of ours against a real run of it (on a GPU: the allocator's peaks)
+    mem = parts["memory"]
+    assert mem["device"] == "cpu" and mem["predicted_bytes"] > mem["cpu_allowance_bytes"] and mem["measured_bytes"] > 0
     md = (out / "suite.md").read_text()
+    assert "Planner's memory, ours alone at the smoke shape" in md
     assert "| 1b-seq2048 | ours-mb8-ga4 | 8 x 4 |" in md and "Recipes" in md
     assert md.strip() in proc.stdout  # the one table, printed
