@@ -66,8 +66,10 @@ def test_abci_train_time_limit_and_resume(grid_engine, tiny_corpus, tmp_path):  
     assert float(acct["ru_wallclock"].rstrip("s")) < SHORT_H_RT
     stopped_at = latest_iteration(save)
 
-    # 2. the checkpoint it left is resumable: a second submission (the single-node script) resumes
-    e, metrics = env(2, stopped_at + 2)
+    # 2. the checkpoint it left is resumable: a second submission (the single-node script) resumes. Its 10 minutes
+    #    with the default 15-minute exit margin would leave a tenth of them (--exit-duration-in-mins 1.0) to train:
+    #    beside a CPU hog the two ranks' start-up took that long and the job saved and exited after one iteration
+    e, metrics = env(2, stopped_at + 2, EXIT_MARGIN_SECONDS="60")
     _, log, _ = submit(grid_engine, "scripts/abci/submit_single_node.sh", e, tmp_path / "job2.log")
     second = check_resumed(log, metrics, save, stopped_at, first)
     assert [r["iteration"] for r in second] == [stopped_at + 1, stopped_at + 2]
