@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,18 +40,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from benchmarks.context_memory import free_port  # noqa: E402
 from benchmarks.train_step import make_corpus, pretrain_argv  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(argv: list[str], world: int, log_path: str) -> dict[str, Any]:
     """``pretrain_gpt.py argv`` on ``world`` ranks; wall seconds, each rank's peak RSS (GiB), exit codes."""
-    port = _free_port()
+    port = free_port()
     procs = []
     t0 = time.perf_counter()
     with open(log_path, "w") as log:

@@ -36,7 +36,21 @@ def _kib(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
 
 
-def _free_port() -> int:
+def reset_resident_peak() -> int:
+    """Reset this process's resident-set high-water mark (VmHWM) to its resident set now, and return that (bytes):
+    the baseline of :func:`resident_peak_above` (the other memory benchmarks measure this way too)."""
+    before = _kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return before * 1024
+
+
+def resident_peak_above(before: int) -> int:
+    """Bytes the resident set has reached above ``before`` (:func:`reset_resident_peak`) since the reset."""
+    return _kib("VmHWM") * 1024 - before
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -68,11 +82,9 @@ def _rank(rank: int, cp: int, comm: str, port: int, p: dict, steps: int, queue) 
 
     step()  # warm-up: the gradients exist from here on, as in training
     model.zero_grad(set_to_none=True)
-    before = _kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    before = reset_resident_peak()
     step()
-    peak = _kib("VmHWM") - before
+    peak = resident_peak_above(before) / 1024
     times = []
     for _ in range(steps):
         dist.barrier()
@@ -87,7 +99,7 @@ def _rank(rank: int, cp: int, comm: str, port: int, p: dict, steps: int, queue) 
 def run(cp: int, comm: str, p: dict, steps: int) -> tuple[float, float]:
     """(peak MiB of the largest rank, median step seconds of the slowest rank)."""
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank, args=(r, cp, comm, port, p, steps, queue)) for r in range(cp)]
     for proc in procs:
         proc.start()

@@ -44,6 +44,7 @@ import psutil
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.context_memory import free_port  # noqa: E402
 from tests.integration._train_helpers import make_corpus, tiny_argv  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -124,15 +125,8 @@ def _env(launcher: str) -> dict[str, str]:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1")
     if launcher == "mpirun-master":  # as the ABCI scripts do: rank 0's address exported, no MPI exchange
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return env
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(launcher: str, argv: list[str], nproc: int = 4, script: str = "pretrain_gpt.py") -> list[str]:
@@ -143,7 +137,7 @@ def command(launcher: str, argv: list[str], nproc: int = 4, script: str = "pretr
                 sys.executable, script, *argv]
     if launcher == "torchrun":
         return [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(nproc), "--master-port",
-                str(_free_port()), script, *argv]
+                str(free_port()), script, *argv]
     return [sys.executable, script, *argv]
 
 

@@ -480,10 +480,9 @@ def part_memory(smoke: bool, tmp: str, steps: int) -> dict[str, Any]:
     ``max_memory_reserved`` (with the caching allocator's slack) against the prediction without and with its
     fragmentation share (the CUDA context is not in either figure); on a CPU the resident set's high-water mark
     above the one before the run (benchmarks/plan_memory.py's measure) against the whole prediction."""
-    import re
-
     import torch
 
+    from benchmarks.context_memory import reset_resident_peak, resident_peak_above
     from benchmarks.train_step import build_trainer, make_corpus
     from megatron_ru.plan.api import predict_for_arguments
     from megatron_ru.plan.memory import CPU_PROCESS_BYTES, CUDA_CONTEXT_BYTES
@@ -493,16 +492,10 @@ def part_memory(smoke: bool, tmp: str, steps: int) -> dict[str, Any]:
     prefix = make_corpus(tmp, p["vocab"], (steps + 3) * p["batch"] * (p["seq"] + 1) * 2)
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its first construction imports torch's compiler
 
-    def rss(field: str) -> int:
-        with open("/proc/self/status") as f:
-            return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     else:
-        before = rss("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        before = reset_resident_peak()
     args, trainer = build_trainer(p, prefix, os.path.join(tmp, "cache"), steps + 2, precision,
                                   0 if precision == "fp32" else 1)
     for _ in range(steps):
@@ -520,7 +513,7 @@ def part_memory(smoke: bool, tmp: str, steps: int) -> dict[str, Any]:
                    predicted_without_context_bytes=pred.total_bytes - fixed,
                    allocated_over_predicted=allocated / tensors, reserved_over_predicted=reserved / (pred.total_bytes - fixed))
     else:
-        measured = rss("VmHWM") - before
+        measured = resident_peak_above(before)
         out.update(measured_bytes=measured, measured_over_predicted=measured / pred.total_bytes,
                    cpu_allowance_bytes=CPU_PROCESS_BYTES)
     return out

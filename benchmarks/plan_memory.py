@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 import sys
 import tempfile
 
@@ -34,6 +32,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.context_memory import free_port, reset_resident_peak, resident_peak_above  # noqa: E402
 from benchmarks.train_step import make_corpus  # noqa: E402
 
 #: a model whose states and activations are hundreds of MiB per rank, so that the fixed costs the planner does
@@ -61,17 +60,6 @@ LAYOUTS = [
     ("TP 2 x PP 1 x DP 2, bf16, ZeRO 1", 2, 1, 2, 1, ("--bf16",)),
     ("TP 1 x PP 2 x DP 2, bf16, ZeRO 1", 1, 2, 2, 1, ("--bf16",)),
 ]
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def argv_for(prefix: str, cache: str, tp: int, pp: int, micro: int, zero: int, extra: tuple[str, ...],
@@ -106,18 +94,16 @@ def _rank(rank: int, port: int, argv: list[str], queue) -> None:
     from megatron_ru.training.pretrain import run
     args = parse_arguments(argv, world_size=WORLD, device_type="cpu")
     prediction = predict_for_arguments(args, device="cpu")
-    before = _kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    before = reset_resident_peak()
     run(args)
-    peak = (_kib("VmHWM") - before) * 1024
+    peak = resident_peak_above(before)
     stage = args.layout.coord(rank).pp
     queue.put((rank, stage, peak, prediction.stage_totals, prediction.stage, prediction.summary()))
 
 
 def measure(argv: list[str]) -> list[tuple]:
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, argv, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -116,6 +116,12 @@ def _overlapping(group: list[TensorInfo], dp: int, dp_rank: int) -> int:
     return out
 
 
+def _resident_bucket(buckets: BucketSizes, n_train: int, device: str) -> int:
+    """Elements of ZeRO's reduce bucket that are resident: all of it on CUDA (the caching allocator holds what
+    DeepSpeed allocates), on a CPU only the part the gradients copied into it touch."""
+    return buckets.reduce_bucket if device == "cuda" else min(buckets.reduce_bucket, n_train)
+
+
 def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "adam",
                 buckets: BucketSizes = BucketSizes(), dp_rank: int = 0, device: str = "cuda") -> StateBytes:
     """What one rank (data-parallel rank ``dp_rank``) of a stage holding ``tensors`` keeps. On a CPU only
@@ -155,8 +161,7 @@ def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "ada
             grads = 4 * part if prec == "bf16" else e * part
         bucket_bytes = 4 if (prec == "bf16" and zero == 1) else e
         nbuf = 2 if buckets.overlap_comm and layout.pp == 1 else 1
-        elements = buckets.reduce_bucket if device == "cuda" else min(buckets.reduce_bucket, n_train)
-        bucket = nbuf * elements * bucket_bytes if buckets.contiguous_gradients else 0
+        bucket = nbuf * _resident_bucket(buckets, n_train, device) * bucket_bytes if buckets.contiguous_gradients else 0
         # backward: every trainable parameter's .grad (ZeRO 1) or the owned partition (ZeRO 2); the step
         # flattens the partition's gradients and casts them to fp32 for the update
         backward = e * n_train if zero == 1 else grads
@@ -164,9 +169,7 @@ def state_bytes(tensors: list[TensorInfo], layout: Layout, optimizer: str = "ada
         return StateBytes(wrapper, e * (flat + n_frozen), grads, master, moments, bucket,
                           grads_backward=backward, step_transient=transient)
     # ZeRO-3: parameters partitioned; up to the live-parameter budget gathered at once; the reduce bucket as above
-    # (on a CPU only its touched part is resident)
     live = min(DEFAULT_STAGE3_MAX_LIVE, n_all) + DEFAULT_STAGE3_PREFETCH
-    elements = buckets.reduce_bucket if device == "cuda" else min(buckets.reduce_bucket, n_train)
     return StateBytes(wrapper, e * (flat // dp + n_frozen), 4 * part, master, moments,
-                      e * min(live, n_all) + e * elements, grads_backward=4 * part,
+                      e * min(live, n_all) + e * _resident_bucket(buckets, n_train, device), grads_backward=4 * part,
                       step_transient=e * part)

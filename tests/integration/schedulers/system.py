@@ -174,16 +174,12 @@ def stop_pids(pids: Sequence[int], timeout: float = 20, sig: int = signal.SIGTER
 
 def _processes() -> dict[int, tuple[str, int]]:
     """Every process: pid -> (command name, parent pid)."""
+    from megatron_ru.utils.processes import proc_stat
     out = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        out[int(entry)] = (name, int(text.rsplit(")", 1)[1].split()[1]))
+        stat = proc_stat(int(entry)) if entry.isdigit() else None
+        if stat is not None:
+            out[int(entry)] = (stat[0], int(stat[2]))
     return out
 
 
