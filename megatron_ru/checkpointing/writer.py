@@ -80,7 +80,6 @@ def _prepare_output(save_dir: str, force: bool) -> str:
     remove_stale_temporaries(save_dir)
     tmp = temporary_name(save_dir)
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     return tmp
 
 
@@ -123,6 +122,8 @@ def write_checkpoint(save_dir: str, *, cfg: ModelConfig, vocab_size: int, tp: in
         raise ValueError("cannot write the checkpoint: " + "; ".join(problems))
     tmp = _prepare_output(save_dir, force)
     try:
+        # created inside the try: a signal between its creation and the try would leave it behind
+        os.makedirs(tmp)
         ckpt = os.path.join(tmp, f"iter_{iteration:07d}")
         os.makedirs(ckpt)
         files: dict[str, int] = {}

@@ -114,9 +114,9 @@ def staged_directory(save: str, force: bool, create: bool = True) -> Iterator[st
     remove_stale_temporaries(save)
     tmp = temporary_name(save)
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier process with this pid
-    if create:
-        os.mkdir(tmp)
     try:
+        if create:  # inside the try: a signal (SIGTERM raises) right after the mkdir still removes it
+            os.mkdir(tmp)
         yield tmp
         if not os.path.isdir(tmp):
             raise RuntimeError(f"nothing was written to {tmp}")
