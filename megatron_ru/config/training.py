@@ -57,6 +57,16 @@ class TrainingConfig:
         False, "Run each transformer layer (and, at TP 1, the loss) through torch.compile: fused norms, RoPE, "
                "SwiGLU and residual adds; numerics equal the eager reference to rounding, not bit for bit. "
                "The first step pays the compile (tens of seconds).")
+    fp8_format: Optional[str] = arg(
+        None, "Train the transformer layers' matmuls in FP8 (Megatron-LM's flag) through torchao's float8 training: "
+              "e4m3 (every operand e4m3) or hybrid (output gradients e5m2). Master weights, optimizer and checkpoint "
+              "format stay as they are; the output head and embedding stay in the training precision. Needs "
+              "--bf16 (or fp32) and, on a GPU, compute capability 8.9+ (docs/training.md).", choices=("e4m3", "hybrid"))
+    fp8_recipe: str = arg(
+        "tensorwise", "With --fp8-format: the scaling, computed from each operand at every step: tensorwise (one "
+                      "scale per tensor; under TP the whole tensor's) or rowwise (one per row, TP 1). Megatron-LM's "
+                      "'delayed' (TransformerEngine's amax history) is refused: use tensorwise.",
+        choices=("tensorwise", "rowwise", "delayed"))
     zero_stage: int = arg(0, "DeepSpeed ZeRO stage (0-3 with PP=1, 0-1 with PP>1).",
                           choices=(0, 1, 2, 3))
     deepspeed: bool = arg(False, "Accepted for Megatron-DeepSpeed scripts; DeepSpeed is always used.")

@@ -260,6 +260,26 @@ def _precision_rule(a: Arguments) -> list[str]:
     return []
 
 
+def _fp8_rule(a: Arguments) -> list[str]:
+    """--fp8-format (megatron_ru/model/fp8.py): the precisions, recipes and features it runs with."""
+    t = a.training
+    if t.fp8_format is None:
+        return []
+    out = []
+    if t.fp8_recipe == "delayed":
+        out.append("--fp8-recipe delayed is TransformerEngine's scaling from an amax history; FP8 here is torchao's, "
+                   "scaled from the current step: use --fp8-recipe tensorwise (or rowwise)")
+    if t.fp16:
+        out.append("--fp8-format with --fp16: FP8 here runs under --bf16 (or fp32), without a loss scale; use --bf16")
+    if t.fp8_recipe == "rowwise" and a.tp > 1:
+        out.append(f"--fp8-recipe rowwise scales along the contraction dimension, which tensor parallelism "
+                   f"({a.tp}) splits: use --fp8-recipe tensorwise, or --tensor-model-parallel-size 1")
+    if a.lora.enabled:
+        out.append("--fp8-format with --lora-rank: adapters train in the training precision over a frozen base; "
+                   "drop --fp8-format")
+    return out
+
+
 def _batch_rule(a: Arguments) -> list[str]:
     t = a.training
     if t.micro_batch_size < 1 or a.tp < 1 or a.pp < 1 or a.world_size < 1 or a.world_size % (a.tp * a.pp):
@@ -484,7 +504,7 @@ def _recompute_rule(a: Arguments) -> list[str]:
 
 
 RULES: tuple[Callable[[Arguments], list[str]], ...] = (
-    _recompute_rule, _layout_rule, _context_parallel_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _batch_rule, _rampup_rule, _sequence_rule, _lr_rule,
+    _recompute_rule, _layout_rule, _context_parallel_rule, _zero_rule, _ckpt_format_rule, _precision_rule, _fp8_rule, _batch_rule, _rampup_rule, _sequence_rule, _lr_rule,
     _freeze_rule, _lora_rule, _checkpoint_rule, _output_paths_rule, _deepspeed_config_rule, _data_rule)
 
 

@@ -104,6 +104,13 @@ def _wandb_name(args: "Arguments", value: Any, explicit: set[str]) -> Optional[s
     return _set(args, explicit, "logging", "wandb_exp_name", value, f"--wandb-name {value}")
 
 
+def _fp8_format(fmt: str) -> Apply:
+    """Megatron-DeepSpeed's TransformerEngine switches --fp8-e4m3 / --fp8-hybrid: = --fp8-format FMT."""
+    def apply(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
+        return _set(args, explicit, "training", "fp8_format", fmt, f"--fp8-{fmt}")
+    return apply
+
+
 def _data_impl(args: "Arguments", value: Any, explicit: set[str]) -> Optional[str]:
     if value in ("mmap", "infer"):
         return None
@@ -228,6 +235,8 @@ TABLE: tuple[MegatronFlag, ...] = (
                  "= --zero-stage 1 (the optimizer state sharded over the data-parallel ranks) unless a higher stage "
                  "is given", _distributed_optimizer, "LM"),
     MegatronFlag("--wandb-name", SPELLING, 1, "= --wandb-exp-name", _wandb_name, "DS"),
+    MegatronFlag("--fp8-e4m3", SPELLING, 0, "= --fp8-format e4m3", _fp8_format("e4m3"), "DS"),
+    MegatronFlag("--fp8-hybrid", SPELLING, 0, "= --fp8-format hybrid", _fp8_format("hybrid"), "DS"),
     MegatronFlag("--data-impl", SPELLING, 1, "mmap (and infer, which finds mmap files) is the one format read here; "
                  "lazy and cached are refused", _data_impl, "DS"),
     MegatronFlag("--ds-sequence-parallel-size", SPELLING, 1, "= --context-parallel-size N --cp-comm-type a2a "
@@ -348,9 +357,8 @@ TABLE: tuple[MegatronFlag, ...] = (
                  "not available: use --pipeline-model-parallel-size alone"),
     MegatronFlag("--virtual-pipeline-model-parallel-size", REFUSED, 1, "see --num-layers-per-virtual-pipeline-stage",
                  source="LM"),
-    MegatronFlag("--fp8-format", REFUSED, 1, "FP8 training is not available: use --bf16"),
-    MegatronFlag("--fp8-recipe", REFUSED, 1, "see --fp8-format", source="LM"),
-    MegatronFlag("--fp8-param-gather", REFUSED, 0, "see --fp8-format", source="LM"),
+    MegatronFlag("--fp8-param-gather", REFUSED, 0, "FP8 all-gathers of sharded weights are not available: "
+                 "--fp8-format computes in FP8, weights are gathered in the training precision", source="LM"),
     MegatronFlag("--num-experts", REFUSED, "+", "mixture-of-experts layers are not available: dense models only"),
     MegatronFlag("--expert-model-parallel-size", REFUSED, 1, "see --num-experts", source="LM"),
     MegatronFlag("--moe-router-topk", REFUSED, 1, "see --num-experts", source="LM"),

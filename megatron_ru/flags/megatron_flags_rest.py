@@ -283,11 +283,12 @@ GROUPS: tuple[tuple[str, str, tuple[tuple[str, Union[int, str], str], ...]], ...
         ("--use-flash-attn-triton", 0, "DS"), ("--use-flash-attn-v1", 0, "DS"),
     )),
     (REFUSED,
-     "low-precision (FP8/FP4/MXFP8) training is not available: use --bf16", (
+     "this low-precision setting (FP4, MXFP8, TransformerEngine's delayed FP8 scaling and its knobs) is not "
+     "available: use --fp8-format with --fp8-recipe tensorwise or rowwise (torchao), or --bf16", (
         ("--disable-fp8-wgrad", 0, "LM"), ("--first-last-layers-bf16", 0, "LM"), ("--fp4-format", 1, "LM"),
         ("--fp4-param-gather", 0, "LM"), ("--fp4-quantizer-factory", 1, "LM"), ("--fp4-recipe", 1, "LM"),
-        ("--fp8-amax-compute-algo", 1, "LM, DS"), ("--fp8-amax-history-len", 1, "LM, DS"), ("--fp8-e4m3", 0, "DS"),
-        ("--fp8-hybrid", 0, "DS"), ("--fp8-interval", 1, "LM, DS"), ("--fp8-margin", 1, "LM, DS"),
+        ("--fp8-amax-compute-algo", 1, "LM, DS"), ("--fp8-amax-history-len", 1, "LM, DS"),
+        ("--fp8-interval", 1, "LM, DS"), ("--fp8-margin", 1, "LM, DS"),
         ("--fp8-output-proj", 0, "LM"), ("--fp8-quantizer-factory", 1, "LM"),
         ("--keep-fp8-transpose-cache", 0, "LM"), ("--kitchen-attention-backend", 1, "LM"),
         ("--no-fp8-wgrad", 0, "LM, DS"), ("--num-layers-at-end-in-bf16", 1, "LM"),

@@ -100,7 +100,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         lora = getattr(self, "lora", None)
-        if lora is None:
+        fp8 = self.__dict__.get("fp8")  # megatron_ru/model/fp8.py (--fp8-format)
+        if fp8 is not None:
+            y = fp8(x, self.weight, self.bias)
+        elif lora is None:
             y = linear(x, self.weight, self.bias)
         else:  # adapters (megatron_ru/model/lora.py) see the output without bias, as peft's DoRA
             y = lora.add_to(x, linear(x, self.weight), self.weight)
@@ -143,7 +146,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        y = linear(x, self.weight)
+        fp8 = self.__dict__.get("fp8")  # megatron_ru/model/fp8.py (--fp8-format)
+        y = linear(x, self.weight) if fp8 is None else fp8(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -65,6 +65,13 @@ def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch
         model = pipeline_module(layers, GPTLoss(vocab_size, tp_group), state,
                                 partition_method="type:TransformerLayer", activation_checkpoint_interval=0)
         plan_recomputation([m for m in model.modules() if isinstance(m, TransformerLayer)], args.model)
+    if args.training.fp8_format:
+        from megatron_ru.model.fp8 import Fp8Spec, convert_to_fp8
+        spec = Fp8Spec(args.training.fp8_format, args.training.fp8_recipe)
+        converted, kept = convert_to_fp8(model, spec, state.device)
+        log_rank0(log, f"--fp8-format: {spec.describe()}: {len(converted)} linears of the transformer layers in FP8"
+                       f"{'; kept in ' + args.precision + ': ' + ', '.join(kept) if kept else ''}; the output head "
+                       f"and the embedding in {args.precision}")
     if args.training.torch_compile:
         from megatron_ru.model.compile import compile_model
         compiled = compile_model(model)

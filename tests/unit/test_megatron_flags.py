@@ -104,8 +104,9 @@ def test_the_vocabulary_s_refusals_and_value_checks(corpus):
         _parse(corpus, "--fp8-margin", "0", "--inprocess-restart", "--lr-warmup-init", "1e-5", "--no-initialization",
                "--softmax-type", "learnable", "--accumulate-allreduce-grads-in-fp32", "--fp16")
     lines = str(e.value).splitlines()[1:]
-    assert "  - --fp8-margin is not supported: low-precision (FP8/FP4/MXFP8) training is not available: use --bf16" \
-        in lines
+    assert ("  - --fp8-margin is not supported: this low-precision setting (FP4, MXFP8, TransformerEngine's delayed FP8 "
+            "scaling and its knobs) is not available: use --fp8-format with --fp8-recipe tensorwise or rowwise "
+            "(torchao), or --bf16") in lines
     assert any(line.startswith("  - --inprocess-restart is not supported: in-process restart is not available")
                for line in lines)
     assert "  - --lr-warmup-init 1e-5 is not supported: the warmup here rises from 0 to --lr; use --lr-warmup-init 0" \
