@@ -347,22 +347,49 @@ class RendezvousTimeout(RuntimeError):
     every_rank_reports = True
 
 
+#: torch's TCPStore protocol (torch/csrc/distributed/c10d/TCPStoreBackend.hpp): a client's first message is
+#: VALIDATE (query 0) with this number; PING (query 13) with a nonce is answered with the nonce
+_STORE_VALIDATE, _STORE_MAGIC, _STORE_PING = 0, 0x3C85F7CE, 13
+
+
+def _store_answers(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server on ``sock`` reads and answers: validated, then pinged, it sends the nonce back (or, a
+    torch whose protocol differs, closes the connection: it read and answered all the same). A listening socket
+    whose process is stopped or hung (the kernel completes the connection for it) answers nothing."""
+    import struct
+    sock.settimeout(timeout)
+    sock.sendall(struct.pack("=BI", _STORE_VALIDATE, _STORE_MAGIC) + struct.pack("=BI", _STORE_PING, os.getpid()))
+    try:
+        sock.recv(4)
+    except socket.timeout:
+        return False
+    except OSError:  # reset by the server: it read, and refused
+        return True
+    return True
+
+
 def wait_for_store(addr: str, port: int, timeout_minutes: float, rank: int) -> None:
-    """Wait until something listens at rank 0's rendezvous address, at most ``timeout_minutes``;
-    :class:`RendezvousTimeout` when nothing does by then (plain connects: nothing is printed per try)."""
+    """Wait until rank 0's rendezvous store at ``addr:port`` answers, at most ``timeout_minutes``;
+    :class:`RendezvousTimeout` when it does not by then. Plain connects and one ping per try (nothing is printed
+    per try): a connection alone is not enough, the kernel completes it for a rank 0 stopped right after it began
+    to listen, and torch's own client then printed a C++ stack trace per retry."""
     deadline = time.monotonic() + timeout_minutes * 60
     while True:
+        why = "no answer"
         try:
-            with socket.create_connection((addr, port), timeout=max(1.0, min(5.0, deadline - time.monotonic()))):
-                return
+            wait = max(1.0, min(5.0, deadline - time.monotonic()))
+            with socket.create_connection((addr, port), timeout=wait) as sock:
+                if _store_answers(sock, wait):
+                    return
+                why = "it accepted the connection and did not answer"
         except OSError as e:
-            if time.monotonic() >= deadline:
-                raise RendezvousTimeout(
-                    f"rank {rank} waited --distributed-timeout-minutes ({timeout_minutes}) for rank 0's rendezvous "
-                    f"store at {addr}:{port} ({e.strerror or type(e).__name__}): rank 0 is stopped, hung, failed "
-                    f"before it got there or did not start, or MASTER_ADDR/MASTER_PORT do not name its host and a "
-                    f"free port") from None
-            time.sleep(0.5)
+            why = e.strerror or type(e).__name__
+        if time.monotonic() >= deadline:
+            raise RendezvousTimeout(
+                f"rank {rank} waited --distributed-timeout-minutes ({timeout_minutes}) for rank 0's rendezvous "
+                f"store at {addr}:{port} ({why}): rank 0 is stopped, hung, failed before it got there or did not "
+                f"start, or MASTER_ADDR/MASTER_PORT do not name its host and a free port") from None
+        time.sleep(0.5)
 
 
 def _url_host(addr: str | None) -> str:

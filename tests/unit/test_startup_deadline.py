@@ -60,3 +60,39 @@ def test_every_rank_that_waited_for_rank0_reports_it(monkeypatch):
     assert decided.report and failure.message_of(error, 0.5, lost=decided.lost) == \
         "training failed: rank 2 waited ... for rank 0's rendezvous store."
     assert not failure.verdict(ranks, RuntimeError("other")).report  # any other error: rank 0 prints
+
+
+def test_a_store_that_accepts_but_never_answers_is_waited_for_then_named():
+    """Rank 0 stopped right after it began to listen: the kernel completes connections to its socket, nothing
+    reads them. A plain connect took that for a living store, and torch's client then printed a C++ stack trace
+    per retry (test_rank0_faults.py's master-addr-rank0 case beside a CPU hog)."""
+    import socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)  # never accepted, never read: a stopped process's socket
+    port = server.getsockname()[1]
+    started = time.time()
+    try:
+        with pytest.raises(penv.RendezvousTimeout, match=f"rank 1 waited --distributed-timeout-minutes \\(0.05\\) "
+                                                         f"for rank 0's rendezvous store at 127.0.0.1:{port} \\(it "
+                                                         f"accepted the connection and did not answer\\)"):
+            penv.wait_for_store("127.0.0.1", port, 0.05, rank=1)
+    finally:
+        server.close()
+    assert 2.5 < time.time() - started < 15
+
+
+def test_a_living_torch_store_answers_at_once():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    started = time.time()
+    penv.wait_for_store("127.0.0.1", port, 0.5, rank=1)
+    assert time.time() - started < 2
+    # the store still serves torch's own clients after our ping
+    client = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False, timeout=timedelta(seconds=30))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
