@@ -274,6 +274,9 @@ def _fp8_rule(a: Arguments) -> list[str]:
     if t.fp8_recipe == "rowwise" and a.tp > 1:
         out.append(f"--fp8-recipe rowwise scales along the contraction dimension, which tensor parallelism "
                    f"({a.tp}) splits: use --fp8-recipe tensorwise, or --tensor-model-parallel-size 1")
+    if t.fp8_recipe == "rowwise" and a.cp > 1:
+        out.append(f"--fp8-recipe rowwise scales the weight gradient's operands along the tokens, which context "
+                   f"parallelism ({a.cp}) splits: use --fp8-recipe tensorwise, or --context-parallel-size 1")
     if a.lora.enabled:
         out.append("--fp8-format with --lora-rank: adapters train in the training precision over a frozen base; "
                    "drop --fp8-format")

@@ -17,7 +17,9 @@ Tensor parallelism: with ``tensorwise`` a sharded operand is scaled by the WHOLE
 amax all-reduced with MAX over the TP group, what torchao's DTensor tensor parallelism computes): a column-
 parallel weight and its output gradient, a row-parallel weight and its input. So every TP (and sequence-
 parallel) layout quantizes to the same FP8 values as one process, and differs from it only by the order of the
-sums. ``rowwise`` scales along the contraction dimension, which a row-parallel shard splits: refused with TP > 1.
+sums. Context parallelism splits the tokens: an input's and an output gradient's amax are all-reduced over the
+CP group too. ``rowwise`` scales along the contraction dimension, which a row-parallel shard splits (and, for
+the weight gradient, along the tokens, which CP splits): refused with TP > 1 or CP > 1.
 
 Devices: FP8 GEMMs need compute capability 8.9 (Ada, Hopper, Blackwell); on an older GPU (V100, A100) the flag is
 refused. On a CPU, torchao's emulation: the same casts and scales, the product of the FP8 values in fp32 (what
@@ -99,7 +101,7 @@ def _replace(config: Any, **fields: Any) -> Any:
 
 class _Fp8GradOutput(torch.autograd.Function):
     """Forward: identity. Backward: the output gradient cast to FP8 with the whole tensor's scale (its amax
-    all-reduced over ``group``), so that torchao's matmul backward takes it as it is."""
+    all-reduced over the groups that split it), so that torchao's matmul backward takes it as it is."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, matmul: "Fp8Matmul") -> torch.Tensor:  # type: ignore[override]
@@ -111,7 +113,7 @@ class _Fp8GradOutput(torch.autograd.Function):
         from torchao.float8.float8_training_tensor import GemmInputRole
         m: Fp8Matmul = ctx.matmul
         return m.cast(grad.contiguous(), m.config.cast_config_grad_output.target_dtype, GemmInputRole.GRAD_OUTPUT,
-                      m.output_sharded), None
+                      m.output_groups), None
 
 
 class Fp8Matmul:
@@ -119,26 +121,31 @@ class Fp8Matmul:
     plain object, not a module: it holds no parameter or buffer, and the model's modules and state stay as
     they are."""
 
-    def __init__(self, spec: Fp8Spec, config: Any, kind: str, tp_group: Any, tp_size: int) -> None:
+    def __init__(self, spec: Fp8Spec, config: Any, kind: str, tp_group: Any, tp_size: int,
+                 cp_group: Any = None) -> None:
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
         self.spec, self.config, self.kind = spec, config, kind
-        self.tp_group = tp_group if tp_size > 1 else None
-        # which operands this rank holds a shard of (their scale is the whole tensor's)
-        self.input_sharded = self.tp_group is not None and kind == "row"
-        self.output_sharded = self.tp_group is not None and kind == "column"
+        tp = [tp_group] if tp_group is not None and tp_size > 1 else []
+        # context parallelism splits the tokens (inputs and output gradients), never the weight
+        cp = [cp_group] if cp_group is not None else []
+        # the groups over which this rank holds a shard of each operand (its scale is the whole tensor's)
+        self.weight_groups = tp
+        self.input_groups = (tp if kind == "row" else []) + cp
+        self.output_groups = (tp if kind == "column" else []) + cp
         mm = [ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
               for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
         self.mm_config = LinearMMConfig(*mm)
 
-    def cast(self, t: torch.Tensor, dtype: torch.dtype, role: Any, sharded: bool) -> torch.Tensor:
-        """``t`` as torchao's Float8TrainingTensor with a tensorwise dynamic scale, the whole tensor's when
-        ``sharded`` (the local amax all-reduced with MAX over the TP group)."""
+    def cast(self, t: torch.Tensor, dtype: torch.dtype, role: Any, groups: list) -> torch.Tensor:
+        """``t`` as torchao's Float8TrainingTensor with a tensorwise dynamic scale: the whole tensor's, its local
+        amax all-reduced with MAX over each of ``groups`` (those that split it)."""
         from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
         amax = tensor_to_amax(t)
-        if sharded:
+        if groups:
             amax = amax.float()  # exact: amax is one of t's values; gloo has no bfloat16 MAX
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+            for group in groups:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         scale = amax_to_scale(amax, dtype, self.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(t, scale, dtype, self.mm_config, role)
 
@@ -148,9 +155,9 @@ class Fp8Matmul:
         x2 = x.reshape(-1, x.shape[-1])
         if self.spec.recipe == "tensorwise":
             e4m3 = self.config.cast_config_input.target_dtype
-            xq = self.cast(x2, e4m3, GemmInputRole.INPUT, self.input_sharded)
+            xq = self.cast(x2, e4m3, GemmInputRole.INPUT, self.input_groups)
             wq = self.cast(weight, self.config.cast_config_weight.target_dtype, GemmInputRole.WEIGHT,
-                           self.tp_group is not None)
+                           self.weight_groups)
             y = matmul_with_hp_or_float8_args.apply(xq, wq.t(), self.mm_config, self.config)
             y = _Fp8GradOutput.apply(y, self)
         else:  # rowwise (TP 1): torchao casts each operand along the GEMM's contraction dimension itself
@@ -163,9 +170,11 @@ class Fp8Matmul:
         return f"Fp8Matmul({self.kind}, {self.spec.format}, {self.spec.recipe}, emulate={self.config.emulate})"
 
 
-def convert_to_fp8(model: nn.Module, spec: Fp8Spec, device: torch.device) -> tuple[list[str], list[str]]:
-    """Give every column- and row-parallel linear of the transformer layers an FP8 matmul (``module.fp8``).
-    Returns (converted, kept): module names, the kept ones with why."""
+def convert_to_fp8(model: nn.Module, spec: Fp8Spec, device: torch.device, cp_group: Any = None
+                   ) -> tuple[list[str], list[str]]:
+    """Give every column- and row-parallel linear of the transformer layers an FP8 matmul (``module.fp8``);
+    ``cp_group``: the context-parallel group when CP > 1 (it splits the tokens). Returns (converted, kept):
+    module names, the kept ones with why."""
     from megatron_ru.model.transformer import TransformerLayer
     from megatron_ru.parallel.layers import ColumnParallelLinear, RowParallelLinear
     problem = device_problem(device)
@@ -186,6 +195,6 @@ def convert_to_fp8(model: nn.Module, spec: Fp8Spec, device: torch.device) -> tup
                 kept.append(f"{full} (local weight {list(shape)}: FP8 GEMMs need multiples of {FP8_DIM_MULTIPLE})")
                 continue
             kind = "column" if isinstance(mod, ColumnParallelLinear) else "row"
-            mod.fp8 = Fp8Matmul(spec, config, kind, mod.tp_group, mod.tp_size)
+            mod.fp8 = Fp8Matmul(spec, config, kind, mod.tp_group, mod.tp_size, cp_group)
             converted.append(full)
     return converted, kept

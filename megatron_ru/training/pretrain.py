@@ -68,7 +68,7 @@ def build_model(args: Arguments, state: ParallelState, vocab_size: int) -> torch
     if args.training.fp8_format:
         from megatron_ru.model.fp8 import Fp8Spec, convert_to_fp8
         spec = Fp8Spec(args.training.fp8_format, args.training.fp8_recipe)
-        converted, kept = convert_to_fp8(model, spec, state.device)
+        converted, kept = convert_to_fp8(model, spec, state.device, state.cp_group if state.cp_size > 1 else None)
         log_rank0(log, f"--fp8-format: {spec.describe()}: {len(converted)} linears of the transformer layers in FP8"
                        f"{'; kept in ' + args.precision + ': ' + ', '.join(kept) if kept else ''}; the output head "
                        f"and the embedding in {args.precision}")
