@@ -11,7 +11,10 @@ Parts, each in its own process (a failure is reported in the table, the rest sti
   50 steps of bf16 training against fp32 (loss curves); the SDPA backends at the 1B attention shape.
 * ``matrix-<shape>``: pretrain_gpt's real train step against the plain PyTorch loop and transformers (recipes
   in ``benchmarks/train_step.py``), interleaved, medians; at the 1B shape also the variants of ours that show
-  what each change brought (the former defaults: eager, for-loop AdamW; eager with fused AdamW).
+  what each change brought (the former defaults: eager, for-loop AdamW; eager with fused AdamW); the peers a user
+  would pick instead (the plain loop and transformers under ``torch.compile``, transformers with liger-kernel's
+  fused Llama kernels; ours over the fastest of them: "vs best peer") and ours with ``--fp8-format hybrid``, at
+  the 1B and the 8B-layer shapes (on the CPU smoke at the first; liger, GPU only, says "skipped: needs CUDA").
   Shapes: the 1B preset at seq 2048 (micro batch 4) and 4096 (micro batch 2, the same tokens per step), and
   one TP = 1 slice of LLaMA-3-8B (hidden 4096, 32 heads, 8 query groups, FFN 14336, 4 layers, vocabulary
   128,256, seq 4096, micro batch 1); ours alone on one 32K-token sample of the 1B preset (what one GPU of a
@@ -19,6 +22,8 @@ Parts, each in its own process (a failure is reported in the table, the rest sti
   each runs in its own process, one after the other (the table says so).
 * ``fp16``: 100 steps of the 1B preset in fp16 with dynamic loss scaling against the same in bf16, steps
   interleaved, on a learnable corpus: the largest loss difference and the skipped steps.
+* ``fp8``: 100 steps of the 1B preset with ``--fp8-format hybrid`` against the same in bf16, interleaved: the
+  largest relative loss difference against the stated tolerance (2 x 2^-4, e4m3's rounding of two operands).
 * ``memory``: the planner's predicted peak of ours at the 1B preset against a real run of it alone
   (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``; on the CPU the resident set's peak).
 * ``generation``: greedy decoding of 8 prompts x 256 new tokens at the 1B shape with the library behind
@@ -68,13 +73,20 @@ OURS = {
     "ours-ds-step": (("--torch-compile", "--adam-implementation", "fused"), {}),
     "ours-mb8": (("--torch-compile", "--adam-implementation", "fused"), {"batch": 8}),
     "ours-mb8-ga4": (("--torch-compile", "--adam-implementation", "fused"), {"batch": 8, "accum": 4}),
+    "ours-fp8": (("--torch-compile", "--adam-implementation", "fused", "--fp8-format", "hybrid"), {}),
 }
 ABLATION = ("ours-eager", "ours-ds-step", "ours-before")
 #: variants that run DeepSpeed's own bf16 optimizer loops (before install_batched_bf16_step)
 DEEPSPEED_STEP = ("ours-ds-step", "ours-before")
 BASELINES = ("plain", "transformers")
-STATE_BYTES = {"ours": 18, "ours-eager": 18, "ours-before": 18, "ours-mb8": 18, "ours-mb8-ga4": 18, "ours-ds-step": 18, "plain": 16,
-               "transformers": 16}
+#: the peers a user would pick instead of ours, at the same micro batch and accumulation: the plain loop and
+#: transformers under torch.compile, transformers with liger-kernel's fused Llama kernels
+PEERS = ("plain-compile", "transformers-compile", "transformers-liger")
+STATE_BYTES = {"ours": 18, "ours-eager": 18, "ours-before": 18, "ours-mb8": 18, "ours-mb8-ga4": 18, "ours-ds-step": 18,
+               "ours-fp8": 18, "plain": 16, "transformers": 16, "plain-compile": 16, "transformers-compile": 16,
+               "transformers-liger": 16}
+#: e4m3 rounds each operand to 3 mantissa bits (relative 2^-4): an FP8 loss is held to 2 x 2^-4 of bf16's
+FP8_LOSS_RTOL = 2 * 2.0 ** -4
 
 
 # ---- helpers shared by the parts ------------------------------------------------------------------------
@@ -293,6 +305,7 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
     prefix = make_corpus(tmp, p["vocab"], (total + 3) * most * (p["seq"] + 1) * 2)
     fns: dict[str, Callable[[], None]] = {}
     errors: dict[str, str] = {}
+    skipped: dict[str, str] = {}
     args = None
     keep: list[Any] = []
 
@@ -302,7 +315,11 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
             fn()  # its first step (compilation included) before the timed rounds
             fns[name] = fn
         except Exception as e:  # noqa: BLE001
-            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            text = str(e).splitlines()[0][:300] if str(e) else ""
+            if text.startswith("skipped:"):  # cannot run on this device (liger on a CPU): said so, not a failure
+                skipped[name] = text
+            else:
+                errors[name] = f"{type(e).__name__}: {text}"
 
     shapes = {name: {**p, **OURS[name][1]} if name in OURS else p for name in contenders}
     for name in contenders:
@@ -327,6 +344,15 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
         build("plain", lambda: plain_step_fn(p, args.model, vocab, device, precision))
     if "transformers" in contenders:
         build("transformers", lambda: hf_step_fn(p, p["vocab"], device, precision))
+    # the peers' compile: inductor, as their users run them; the CPU smoke traces the same graphs with aot_eager
+    # (dynamo and AOT autograd, what could fail on a GPU too; inductor's CPU code is not what a GPU runs)
+    backend = "aot_eager" if smoke else "inductor"
+    if "plain-compile" in contenders:
+        build("plain-compile", lambda: plain_step_fn(p, args.model, vocab, device, precision, compiled=backend))
+    if "transformers-compile" in contenders:
+        build("transformers-compile", lambda: hf_step_fn(p, p["vocab"], device, precision, compiled=backend))
+    if "transformers-liger" in contenders:
+        build("transformers-liger", lambda: hf_step_fn(p, p["vocab"], device, precision, liger=True))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     stats = interleave(fns, warmup, steps, device) if fns else {}
@@ -351,6 +377,7 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
         st["tflops"] = scale * flops / st["median_s"] / 1e12
         st["mfu"] = st["tflops"] / peak if peak else None
     return {"shape": shape, "dims": p, "precision": precision, "contenders": stats, "errors": errors,
+            "skipped": skipped,
             "profile_of_ours": profile, "idle_causes_smoke": smoke_idle,
             "tokens_per_step": tokens,
             "flops_per_step": flops, "peak_tflops": peak,
@@ -472,6 +499,28 @@ def part_fp16(smoke: bool, tmp: str, iters: int) -> dict[str, Any]:
                    final={k: v[-1] for k, v in curves.items()},
                    loss_scale=float(getattr(trainers["fp16"].engine.optimizer, "cur_scale", float("nan"))))
     return out
+
+
+def part_fp8(smoke: bool, tmp: str, iters: int) -> dict[str, Any]:
+    """``iters`` steps of the 1B preset with --fp8-format hybrid against the same in bf16 (fp32 on the CPU smoke,
+    where FP8 is torchao's emulation), steps interleaved, on a learnable corpus: the loss curves and the largest
+    relative difference against FP8_LOSS_RTOL."""
+    from benchmarks.train_step import build_trainer, make_corpus
+    p = dict(SMOKE_SHAPES if smoke else SHAPES)["1b-seq2048"]
+    prefix = make_corpus(tmp, p["vocab"], (iters + 2) * p["batch"] * (p["seq"] + 1) * 2, structured=True)
+    extra = ("--lr", "1e-4", "--lr-warmup-iters", "10", "--seed", "3", "--adam-implementation", "fused")
+    precision = _precision(smoke)
+    zero = 0 if precision == "fp32" else 1
+    trainers = {name: build_trainer(p, prefix, os.path.join(tmp, "cache"), iters, precision, zero, extra + fp8)[1]
+                for name, fp8 in ((precision, ()), ("fp8", ("--fp8-format", "hybrid")))}
+    curves: dict[str, list[float]] = {k: [] for k in trainers}
+    for _ in range(iters):
+        for name, trainer in trainers.items():
+            curves[name].append(trainer.train_step())
+    rel = [abs(a - b) / abs(b) for a, b in zip(curves["fp8"], curves[precision])]
+    return {"iters": iters, "reference": precision, "curves": curves, "max_rel_diff": max(rel),
+            "last10_mean_rel_diff": statistics.mean(rel[-10:]), "tolerance": FP8_LOSS_RTOL,
+            "within": max(rel) <= FP8_LOSS_RTOL, "final": {k: v[-1] for k, v in curves.items()}}
 
 
 def part_memory(smoke: bool, tmp: str, steps: int) -> dict[str, Any]:
@@ -610,9 +659,12 @@ def _plan(smoke: bool, gpu_bytes: Optional[int], no_ablation: bool = False, only
     still has it. Contenders whose states would not fit together run in processes of their own."""
     # ours-ds-step next to ours: the A/B of the bf16 optimizer's loops runs interleaved in one process
     ablation = [] if no_ablation else ["ours-ds-step", *(a for a in ABLATION if a != "ours-ds-step")]
-    first = ["ours", *ablation[:1], *BASELINES, "ours-mb8-ga4", *ablation[1:]]
+    first = ["ours", *ablation[:1], *BASELINES, *PEERS, "ours-fp8", "ours-mb8-ga4", *ablation[1:]]
     plans: list[tuple[str, list[str], list[str]]] = [("matrix-1b-seq2048", ["--shape", "1b-seq2048"], first)]
-    plans.append(("matrix-8b-layer-seq4096", ["--shape", "8b-layer-seq4096"], ["ours", *BASELINES]))
+    # the peers and FP8 at the 8B-layer shape on a GPU (on the CPU smoke the 1B shape runs their code paths)
+    plans.append(("matrix-8b-layer-seq4096", ["--shape", "8b-layer-seq4096"],
+                  ["ours", *BASELINES] + ([] if smoke else [*PEERS, "ours-fp8"])))
+    plans.append(("fp8", [], []))
     plans.append(("fp16", [], []))
     plans.append(("matrix-1b-seq4096", ["--shape", "1b-seq4096"], ["ours", *BASELINES]))
     plans.append(("matrix-1b-seq32768", ["--shape", "1b-seq32768"], ["ours"]))
@@ -658,20 +710,26 @@ def _markdown(results: dict[str, Any]) -> str:
                                         "split": "#" in part})
             m["contenders"].update(res["contenders"])
             m.setdefault("errors", {}).update(res.get("errors", {}))
+            m.setdefault("skipped", {}).update(res.get("skipped", {}))
     if matrix:
         lines += ["| shape | contender | micro batch x accumulation | ms/step | tokens/s | TFLOP/s | MFU | vs plain | "
-                  "vs transformers |", "|---|---|---|---|---|---|---|---|---|"]
+                  "vs transformers | vs best peer |", "|---|---|---|---|---|---|---|---|---|---|"]
         for key, m in matrix.items():
             c = m["contenders"]
+            peers = [c[k]["tokens_per_s"] for k in PEERS if k in c]
             for name, st in c.items():
                 vp = (st["tokens_per_s"] / c["plain"]["tokens_per_s"]) if "plain" in c else None
                 vt = (st["tokens_per_s"] / c["transformers"]["tokens_per_s"]) if "transformers" in c else None
+                vb = st["tokens_per_s"] / max(peers) if peers and name not in PEERS else None
                 mfu = f"{100 * st['mfu']:.1f} %" if st.get("mfu") is not None else "n/a"
                 lines.append(f"| {m['shape']}{' (sequential)' if m['split'] else ''} | {name} | {st['micro_batch']} x {st.get('grad_accum', 1)} | "
                              f"{1e3 * st['median_s']:.1f} | {st['tokens_per_s']:,.0f} | {st['tflops']:.1f} | {mfu} | "
-                             f"{'' if vp is None else f'{vp:.3f}'} | {'' if vt is None else f'{vt:.3f}'} |")
+                             f"{'' if vp is None else f'{vp:.3f}'} | {'' if vt is None else f'{vt:.3f}'} | "
+                             f"{'' if vb is None else f'{vb:.3f}'} |")
             for name, err in m.get("errors", {}).items():
-                lines.append(f"| {m['shape']} | {name} | | **failed**: {err} | | | | | |")
+                lines.append(f"| {m['shape']} | {name} | | **failed**: {err} | | | | | | |")
+            for name, why in m.get("skipped", {}).items():
+                lines.append(f"| {m['shape']} | {name} | | {why} | | | | | | |")
         prof = next((r.get("profile_of_ours") for r in results["parts"].values() if r.get("profile_of_ours")), None)
         if prof and "error" not in prof:
             lines += ["", f"Profile of ours (1b-seq2048, {prof['steps']} steps): {prof['wall_ms_per_step']:.1f} ms wall "
@@ -695,6 +753,11 @@ def _markdown(results: dict[str, Any]) -> str:
                   + ("; DeepSpeed's own per-parameter loops in the bf16 optimizer" if name in DEEPSPEED_STEP else "")
                   for name, (flags, shape) in OURS.items()]
         lines += [f"- plain: {RECIPES['plain_torch']}", f"- transformers: {RECIPES['transformers']}",
+                  "- plain-compile, transformers-compile: the same, the model through torch.compile (inductor; the CPU "
+                  "smoke traces with aot_eager)",
+                  "- transformers-liger: transformers with liger-kernel's Llama kernels (RMSNorm, SwiGLU, RoPE, fused "
+                  f"linear cross-entropy: no logits materialised); vs best peer: ours over the fastest of "
+                  f"{', '.join(PEERS)} at the same micro batch and accumulation",
                   "MFU: model FLOPs (6 x matmul parameters x tokens + 12 x layers x hidden x seq x tokens, "
                   "megatron_ru/model/flops.py) against the dense bf16 peak (989 TFLOP/s for H100/H200).", ""]
     corr = results["parts"].get("correctness", {})
@@ -714,6 +777,13 @@ def _markdown(results: dict[str, Any]) -> str:
                   f"{fp16['max_abs_diff']:.4f} nats, mean over the last 10 {fp16['last10_mean_abs_diff']:.4f}; "
                   f"final loss bf16 {fp16['final']['bf16']:.4f}, fp16 {fp16['final']['fp16']:.4f}; skipped steps "
                   f"{fp16['skipped_steps']}; final loss scale {fp16['loss_scale']:g}", ""]
+    fp8 = results["parts"].get("fp8", {})
+    if "max_rel_diff" in fp8:
+        lines += [f"FP8 (--fp8-format hybrid, tensorwise) vs {fp8['reference']}, {fp8['iters']} steps of the 1B preset: "
+                  f"max relative loss difference {fp8['max_rel_diff']:.4f} (tolerance {fp8['tolerance']:.4f}: "
+                  f"{'held' if fp8['within'] else '**not held**'}), mean over the last 10 "
+                  f"{fp8['last10_mean_rel_diff']:.4f}; final loss {fp8['reference']} "
+                  f"{fp8['final'][fp8['reference']]:.4f}, fp8 {fp8['final']['fp8']:.4f}", ""]
     mem = results["parts"].get("memory", {})
     if "predicted_bytes" in mem:
         gib = 2 ** 30
@@ -751,6 +821,8 @@ def _worker(opts: argparse.Namespace) -> None:
             res = part_generation(opts.cpu_smoke, 8 if opts.cpu_smoke else 256)
         elif part == "fp16":
             res = part_fp16(opts.cpu_smoke, tmp, 4 if opts.cpu_smoke else 100)
+        elif part == "fp8":
+            res = part_fp8(opts.cpu_smoke, tmp, 4 if opts.cpu_smoke else 100)
         elif part == "memory":
             res = part_memory(opts.cpu_smoke, tmp, 3)
         else:

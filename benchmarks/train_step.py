@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -115,19 +115,22 @@ def _autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def plain_step_fn(p: dict, model_cfg, vocab: int, device: torch.device, precision: str, seed: int = 1234
-                  ) -> Callable[[], None]:
-    """The plain PyTorch loop over our GPTModel: fp32 weights, autocast, fused AdamW, clipping."""
+def plain_step_fn(p: dict, model_cfg, vocab: int, device: torch.device, precision: str, seed: int = 1234,
+                  compiled: Optional[str] = None) -> Callable[[], None]:
+    """The plain PyTorch loop over our GPTModel: fp32 weights, autocast, fused AdamW, clipping. ``compiled``: a
+    ``torch.compile`` backend ("inductor"; the CPU smoke traces with "aot_eager") for the model's forward (loss
+    included) as a whole, what a user of a plain loop would do."""
     from megatron_ru.model.gpt import GPTModel
     from megatron_ru.training.engine import optimizer_param_groups
     model = GPTModel(model_cfg, vocab, seed=seed, device=device, dtype=torch.float32)
     opt = _adamw(optimizer_param_groups(model, 0.01), fused_ok=True)
     inputs, labels = fixed_batch(p, device)
+    forward = torch.compile(model, backend=compiled) if compiled else model
 
     def step() -> None:
         for _ in range(p.get("accum", 1)):
             with _autocast(device, precision):
-                loss = model(inputs, labels=labels) / p.get("accum", 1)
+                loss = forward(inputs, labels=labels) / p.get("accum", 1)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
@@ -135,9 +138,29 @@ def plain_step_fn(p: dict, model_cfg, vocab: int, device: torch.device, precisio
     return step
 
 
-def hf_step_fn(p: dict, padded: int, device: torch.device, precision: str) -> Callable[[], None]:
-    """transformers' LlamaForCausalLM of the same shape with the same recipe."""
+def liger_problem(device: torch.device) -> Optional[str]:
+    """Why transformers + liger-kernel cannot run here (None: it can): its kernels are Triton's, GPU only."""
+    if device.type != "cuda":
+        return "skipped: needs CUDA (liger-kernel's kernels are Triton GPU kernels)"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as e:
+        return f"skipped: liger-kernel does not import ({e}); pip install liger-kernel"
+    return None
+
+
+def hf_step_fn(p: dict, padded: int, device: torch.device, precision: str, compiled: Optional[str] = None,
+               liger: bool = False) -> Callable[[], None]:
+    """transformers' LlamaForCausalLM of the same shape with the same recipe. ``compiled``: the model through
+    ``torch.compile`` with this backend; ``liger``: liger-kernel's Llama kernels (fused RMSNorm, SwiGLU, RoPE, and the linear
+    cross-entropy that never materialises the logits: the loss from the model, on the same shifted labels)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    if liger:
+        problem = liger_problem(device)
+        if problem:
+            raise RuntimeError(problem)
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=padded, hidden_size=p["hidden"], intermediate_size=p["ffn"],
                       num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["groups"],
@@ -147,12 +170,17 @@ def hf_step_fn(p: dict, padded: int, device: torch.device, precision: str) -> Ca
         hf = LlamaForCausalLM(cfg).to(torch.float32)
     opt = _adamw(hf.parameters(), fused_ok=True)
     inputs, labels = fixed_batch(p, device)
+    forward = torch.compile(hf, backend=compiled) if compiled else hf
 
     def step() -> None:
         for _ in range(p.get("accum", 1)):
             with _autocast(device, precision):
-                logits = hf(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.float().view(-1, padded), labels.reshape(-1)) / p.get("accum", 1)
+                if liger:  # the fused linear cross-entropy: labels already shifted, as ours
+                    loss = forward(input_ids=inputs, shift_labels=labels).loss / p.get("accum", 1)
+                else:
+                    logits = forward(input_ids=inputs).logits
+            if not liger:
+                loss = F.cross_entropy(logits.float().view(-1, padded), labels.reshape(-1)) / p.get("accum", 1)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0, foreach=True)
         opt.step()

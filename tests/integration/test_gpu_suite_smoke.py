@@ -22,13 +22,21 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     assert not [p.name for p in scratch.iterdir() if p.name.startswith("gpu_suite")], sorted(scratch.iterdir())
     results = json.loads((out / "suite.json").read_text())
     parts = results["parts"]
-    assert set(parts) == {"matrix-1b-seq2048", "correctness", "generation", "fp16", "matrix-1b-seq4096",
+    assert set(parts) == {"matrix-1b-seq2048", "correctness", "generation", "fp16", "fp8", "matrix-1b-seq4096",
                           "matrix-8b-layer-seq4096", "matrix-1b-seq32768", "memory"}
     assert set(parts["matrix-1b-seq32768"]["contenders"]) == {"ours"}  # the long sample: ours alone
     assert not [p for p, r in parts.items() if "error" in r]
+    # the peers users would pick (the plain loop and transformers under torch.compile) and FP8 (torchao's
+    # emulation here) run their code paths; liger-kernel's Triton kernels need CUDA: a row that says so
     assert set(parts["matrix-1b-seq2048"]["contenders"]) == {"ours", "ours-eager", "ours-before", "ours-mb8-ga4",
-                                                             "ours-ds-step", "plain", "transformers"}
+                                                             "ours-ds-step", "plain", "transformers", "plain-compile",
+                                                             "transformers-compile", "ours-fp8"}
     assert not parts["matrix-1b-seq2048"]["errors"]
+    assert parts["matrix-1b-seq2048"]["skipped"] == {
+        "transformers-liger": "skipped: needs CUDA (liger-kernel's kernels are Triton GPU kernels)"}
+    fp8 = parts["fp8"]
+    assert fp8["reference"] == "fp32" and len(fp8["curves"]["fp8"]) == fp8["iters"] == 4
+    assert fp8["within"] and 0 < fp8["max_rel_diff"] <= fp8["tolerance"] == 2 * 2.0 ** -4, fp8
     # the idle-time attribution runs on the CPU's trace (on the CPU, CPU ops stand in for kernels)
     idle = parts["matrix-1b-seq2048"]["idle_causes_smoke"]
     assert idle["kernels"] > 0 and idle["gaps_by_python_frames_ms"] and idle["gaps_by_launching_op_ms"]
@@ -46,4 +54,9 @@ def test_gpu_suite_cpu_smoke(tmp_path):
     md = (out / "suite.md").read_text()
     assert "Planner's memory, ours alone at the smoke shape" in md
     assert "| 1b-seq2048 | ours-mb8-ga4 | 8 x 4 |" in md and "Recipes" in md
+    assert "| 1b-seq2048 | transformers-liger | | skipped: needs CUDA" in md
+    assert "FP8 (--fp8-format hybrid, tensorwise) vs fp32, 4 steps of the 1B preset" in md
+    # ours against the fastest peer, in its own column
+    ours_row = next(line for line in md.splitlines() if line.startswith("| 1b-seq2048 | ours |"))
+    assert ours_row.rstrip(" |").split("|")[-1].strip() != "", ours_row
     assert md.strip() in proc.stdout  # the one table, printed
