@@ -240,6 +240,7 @@ def check_batched_bf16_step(out):
     json.dump(runs, open(out, "w"))
 
 
+@pytest.mark.slow  # DeepSpeed engines built and stepped (20-30 CPU-s): make test, not the edit-test loop
 def test_batched_bf16_step_is_deepspeeds_arithmetic(tmp_path):
     r = _run("check_batched_bf16_step", tmp_path)
     for accum in (1, 2):
@@ -285,6 +286,7 @@ def check_checkpoint_io(out):
                "damaged": damaged}, open(out, "w"))
 
 
+@pytest.mark.slow  # DeepSpeed engines built and stepped (20-30 CPU-s): make test, not the edit-test loop
 def test_checkpoint_engine_reads_and_writes_through_our_functions(tmp_path):
     r = _run("check_checkpoint_io", tmp_path)
     assert sorted(r["saved"]) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]

@@ -13,6 +13,8 @@ import pytest
 
 from megatron_ru.utils.processes import start_time
 
+pytestmark = pytest.mark.slow  # it starts ranks and their loader workers (~35 CPU-s): not the edit-test loop
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = r"""
 import os, sys, time
