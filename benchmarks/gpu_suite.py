@@ -292,7 +292,7 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
                 ) -> dict[str, Any]:
     import torch
 
-    from benchmarks.train_step import build_trainer, hf_step_fn, interleave, make_corpus, plain_step_fn
+    from benchmarks.train_step import NotHere, build_trainer, hf_step_fn, interleave, make_corpus, plain_step_fn
     from megatron_ru.model.flops import flops_per_token
     from megatron_ru.plan.hardware import device_peak_tflops
     from megatron_ru.training.pretrain import model_shape
@@ -314,12 +314,10 @@ def part_matrix(smoke: bool, tmp: str, shape: str, contenders: list[str], steps:
             fn = make()
             fn()  # its first step (compilation included) before the timed rounds
             fns[name] = fn
+        except NotHere as e:  # cannot run on this device (liger on a CPU): said so, not a failure
+            skipped[name] = str(e)
         except Exception as e:  # noqa: BLE001
-            text = str(e).splitlines()[0][:300] if str(e) else ""
-            if text.startswith("skipped:"):  # cannot run on this device (liger on a CPU): said so, not a failure
-                skipped[name] = text
-            else:
-                errors[name] = f"{type(e).__name__}: {text}"
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
     shapes = {name: {**p, **OURS[name][1]} if name in OURS else p for name in contenders}
     for name in contenders:

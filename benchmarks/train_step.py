@@ -138,6 +138,10 @@ def plain_step_fn(p: dict, model_cfg, vocab: int, device: torch.device, precisio
     return step
 
 
+class NotHere(RuntimeError):
+    """A contender that cannot run on this device (liger-kernel on a CPU): reported as skipped, not failed."""
+
+
 def liger_problem(device: torch.device) -> Optional[str]:
     """Why transformers + liger-kernel cannot run here (None: it can): its kernels are Triton's, GPU only."""
     if device.type != "cuda":
@@ -158,7 +162,7 @@ def hf_step_fn(p: dict, padded: int, device: torch.device, precision: str, compi
     if liger:
         problem = liger_problem(device)
         if problem:
-            raise RuntimeError(problem)
+            raise NotHere(problem)
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
     torch.manual_seed(0)
