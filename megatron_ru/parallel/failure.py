@@ -22,7 +22,8 @@
     on a stopped host waits for ever, whatever ``set_timeout`` says). A rank that cannot reach the
     store prints one line naming the rank that hosts it (rank 0 under mpirun/srun) as lost: its port
     refuses connections (it exited or was killed) or it does not answer (stopped, hung, unreachable).
-    No store means no election, so such survivors print one after another, rank 1 first; under
+    No store means no election, so such survivors print one after another, rank 1 first among those
+    that find the loss close together (each finds it when its own wait on that rank times out); under
     ``mpirun``, the first one's exit ends the job.
 
   - when the reporting rank failed because of a peer (a collective timed out, a connection closed),
@@ -64,7 +65,9 @@ _CHECK_IN_KEY = "megatron_ru/failing/{}"
 STORE_DEADLINE_S = 5.0
 #: how long aborting the process groups may take on the failure path
 ABORT_DEADLINE_S = 5.0
-#: survivors that cannot reach the store print this many seconds apart, rank 1 first (at most 4 steps)
+#: survivors that cannot reach the store print this many seconds apart after each finds the loss, rank 1
+#: first (at most 4 steps): ordered when they find it close together (their waits on the lost rank began
+#: at different moments); under mpirun the first exit ends the job
 LOST_STAGGER_S = 2.0
 #: how long the reporter of a peer's failure waits for the other ranks to check in (see the docstring)
 CENSUS_WAIT_S = 5.0

@@ -34,7 +34,10 @@ def submit(ge, script: str, env: dict[str, str], log: Path, h_rt: str = "0:10:00
     start = time.monotonic()
     job_id = ge.qsub(["-g", "ci-group", "-V", "-l", "rt_F=1", "-l", f"h_rt={h_rt}", "-o", str(log), script],
                      cwd=REPO, env=env)
-    acct = ge.wait(job_id, JOB_TIMEOUT)
+    try:
+        acct = ge.wait(job_id, JOB_TIMEOUT)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; the job's log ends:\n{log.read_text()[-8000:] if log.exists() else ''}") from None
     text = log.read_text() if log.exists() else ""
     assert acct.get("failed", "").split()[0] == "0" and acct.get("exit_status") == "0", \
         f"job {job_id} ({script}) failed: failed={acct.get('failed')} exit_status={acct.get('exit_status')}\n{text[-4000:]}"

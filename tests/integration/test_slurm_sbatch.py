@@ -33,7 +33,10 @@ def submit(cluster, script: str, env: dict[str, str], log: Path, time_limit: str
     job_id = cluster.sbatch(["--nodes=1", "--gres=gpu:2", f"--time={time_limit}", f"--output={log}",
                              *(["--ntasks-per-node=2"] if "pyxis" in script else []), *extra, script],
                             cwd=REPO, env=env)
-    state = cluster.wait(job_id, timeout)
+    try:
+        state = cluster.wait(job_id, timeout)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; the job's log ends:\n{log.read_text()[-8000:] if log.exists() else ''}") from None
     text = log.read_text() if log.exists() else ""
     assert state == "COMPLETED", f"job {job_id} ({script}) ended {state} " \
                                  f"(exit {cluster.exit_code(job_id)}):\n{text[-4000:]}"

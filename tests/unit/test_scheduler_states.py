@@ -92,6 +92,9 @@ class ScriptedSlurm(slurm.SlurmCluster):
         super().__init__(host="vm")
         self.states, self.record_from, self.polls = states, record_from, 0
 
+    def dump_stacks(self, job_id: int) -> str:
+        return ""  # no job runs: a real job 1 of another test's cluster must not be sent SIGABRT
+
     def state(self, job_id: int) -> str:
         state = self.states[min(self.polls, len(self.states) - 1)]
         if self.polls == self.record_from:
@@ -211,3 +214,32 @@ def test_ge_wait_timeout_names_what_it_saw(monkeypatch, answer, seen):
     scripted_ge(monkeypatch, [answer])
     with pytest.raises(TimeoutError, match=f"Grid Engine job 1 {seen}"):
         gridengine.GridEngine(host="vm").wait(1, timeout=0)
+
+
+def test_a_job_that_outlives_its_wait_prints_its_python_stacks(tmp_path):
+    """A timed-out wait sends SIGABRT to the job's Python processes (found by the job id in their
+    environment) before the job is deleted: the log shows where each one stood."""
+    import os
+    import sys
+    import time
+
+    from tests.integration.schedulers.system import FAULTHANDLER_ENV, abort_for_stacks
+    code = "import time\ndef waiting_for_the_peer():\n    time.sleep(120)\nprint('up', flush=True)\nwaiting_for_the_peer()\n"
+    procs, logs = [], []
+    for job in ("4242", "4243"):
+        logs.append(tmp_path / f"{job}.log")
+        with open(logs[-1], "w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **FAULTHANDLER_ENV, "TEST_JOB_ID": job}))
+    try:
+        deadline = time.monotonic() + 60
+        while not all("up" in log.read_text() for log in logs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert abort_for_stacks("TEST_JOB_ID", "4242", settle_s=0) == 1
+        assert procs[0].wait(30) == -6  # SIGABRT
+        assert "in waiting_for_the_peer" in logs[0].read_text(), logs[0].read_text()
+        assert procs[1].poll() is None  # another job's process is left alone
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .system import apt_install, kill_job_processes, read_pid, run, stop_pids, unavailable, wait_for
+from .system import abort_for_stacks, apt_install, kill_job_processes, read_pid, run, stop_pids, unavailable, wait_for
 
 SGE_ROOT = Path("/var/lib/gridengine")
 SGE_CELL = "default"
@@ -254,8 +254,14 @@ class GridEngine:
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
+        stacks = self.dump_stacks(job_id)
         run(["qdel", str(job_id)], env=sge_env(), check=False)
-        raise TimeoutError(f"Grid Engine job {job_id} still {seen} after {timeout:.0f} s")
+        raise TimeoutError(f"Grid Engine job {job_id} still {seen} after {timeout:.0f} s{stacks}")
+
+    def dump_stacks(self, job_id: int) -> str:
+        """Before the job is deleted: its Python processes print their stacks into its log (the message says so)."""
+        sent = abort_for_stacks("JOB_ID", str(job_id))
+        return f"; {sent} Python processes of the job were sent SIGABRT: their stacks end its log" if sent else ""
 
     def accounting(self, job_id: int) -> dict[str, str] | None:
         """The job's accounting record (qacct: written once it has ended), or None."""

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .system import apt_install, kill_job_processes, read_pid, run, spawn, stop_pids, unavailable, wait_for
+from .system import abort_for_stacks, apt_install, kill_job_processes, read_pid, run, spawn, stop_pids, unavailable, wait_for
 
 CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by the megatron_ru scheduler test harness"
@@ -199,9 +199,15 @@ class SlurmCluster:
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
+        stacks = self.dump_stacks(job_id)
         run(["scancel", str(job_id)], check=False)
         raise TimeoutError(f"Slurm job {job_id} still {state} (scontrol) after {timeout:.0f} s; its jobcomp "
-                           f"record: {' '.join(f'{k}={v}' for k, v in record.items()) if record else 'none'}")
+                           f"record: {' '.join(f'{k}={v}' for k, v in record.items()) if record else 'none'}{stacks}")
+
+    def dump_stacks(self, job_id: int) -> str:
+        """Before the job is cancelled: its Python processes print their stacks into its log (the message says so)."""
+        sent = abort_for_stacks("SLURM_JOB_ID", str(job_id))
+        return f"; {sent} Python processes of the job were sent SIGABRT: their stacks end its log" if sent else ""
 
     def record(self, job_id: int) -> dict[str, str] | None:
         """The job's jobcomp record (written as it ends, with its final JobState and ExitCode), or None."""

@@ -203,3 +203,30 @@ def kill_job_processes(names: Sequence[str]) -> list[int]:
         except ProcessLookupError:
             pass
     return doomed
+
+
+#: the job environments start Python with this: SIGABRT then prints every thread's Python stack to stderr
+FAULTHANDLER_ENV = {"PYTHONFAULTHANDLER": "1"}
+
+
+def abort_for_stacks(variable: str, value: str, settle_s: float = 3.0) -> int:
+    """SIGABRT every Python process whose environment has VARIABLE=VALUE (a scheduler job's: JOB_ID,
+    SLURM_JOB_ID) and wait SETTLE_S for them to write: started with ``FAULTHANDLER_ENV`` they print their
+    Python stacks into the job's log, so a job that outlived the harness's wait says where it stood. Returns
+    how many were sent the signal."""
+    wanted, sent = f"{variable}={value}".encode(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if not os.path.basename(os.readlink(f"/proc/{entry}/exe")).startswith("python"):
+                continue
+            if wanted not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            os.kill(int(entry), signal.SIGABRT)
+            sent += 1
+        except OSError:
+            continue
+    if sent:
+        time.sleep(settle_s)
+    return sent

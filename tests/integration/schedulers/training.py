@@ -6,6 +6,8 @@ import os
 import re
 from pathlib import Path
 
+from .system import FAULTHANDLER_ENV
+
 # Overrides of the settings block at the top of every job script: a 2-layer model on CPU.
 TINY_SETTINGS = {
     "NUM_LAYERS": "2", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "4", "FFN_HIDDEN_SIZE": "",
@@ -18,7 +20,7 @@ TINY_SETTINGS = {
 }
 # CPU, gloo and two "GPUs" per node; root may run mpirun here (a CI machine, not a cluster)
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GPUS_PER_NODE": "2",
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **FAULTHANDLER_ENV}
 WORLD_SIZE = 2
 
 
