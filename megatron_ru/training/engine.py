@@ -87,8 +87,10 @@ def build_optimizer(model: torch.nn.Module, opt_cfg: Any, model_cfg: Any = None)
 
 
 def adam_kernel(implementation: str, groups: list[dict[str, Any]]) -> dict[str, bool]:
-    """torch AdamW's kernel choice for ``--adam-implementation``. Each updates every element on its own, so
-    the result does not depend on how the tensors are sharded or flattened (layout invariance).
+    """torch AdamW's kernel choice for ``--adam-implementation``. Each updates every element on its own: the
+    for-loop and foreach results do not depend on how the tensors are sharded or flattened (layout invariance);
+    the fused CPU kernel's do only where every shard is a whole number of SIMD vectors (a tensor's last partial
+    vector takes a scalar path that can round differently).
     ``auto``: fused on CUDA (one kernel for all tensors: a single pass over weights, gradients and moments,
     where the for-loop makes about seven), the for-loop on CPU (the reference the exactness tests hold)."""
     if implementation == "auto":
@@ -109,10 +111,11 @@ def grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], tp_rank: int, mp_gr
     """Global L2 norm of the gradients of one model replica spread over the TP × PP group."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    # Per-tensor norms in fp32 (as torch's clip_grad_norm_; no float64 copy of every gradient),
-    # combined in float64 so summing many tensors and ranks loses nothing.
-    norms = [torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32)
-             for p in params if _counts_here(p, tp_rank)]
+    # Per-tensor norms in fp32 (as torch's clip_grad_norm_; no float64 copy of every gradient), in one
+    # multi-tensor call (each norm as torch.linalg.vector_norm's), combined in float64 so summing many
+    # tensors and ranks loses nothing.
+    grads = [p.grad.detach() for p in params if _counts_here(p, tp_rank)]
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
     sq = (torch.stack(norms).double().pow(2).sum() if norms
           else torch.zeros((), dtype=torch.float64, device=device))
     if dist.is_initialized() and mp_group is not None and dist.get_world_size(mp_group) > 1:
@@ -168,8 +171,9 @@ def clip_grad_norm_tp_aware(params: Iterable[torch.nn.Parameter], max_norm: floa
     norm = grad_norm_tp_aware(params, tp_rank, mp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        grads = [p.grad.detach() for p in params]
+        for dtype in {g.dtype for g in grads}:  # one multi-tensor multiply per dtype (each element as mul_)
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(grads[0].device, dtype))
     return norm
 
 
