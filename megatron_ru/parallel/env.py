@@ -368,12 +368,27 @@ def _store_answers(sock: socket.socket, timeout: float) -> bool:
     return True
 
 
+#: a wait for rank 0's store that fails ends on this grid of the hosts' clocks (seconds): the ranks waiting for a
+#: rank 0 that never comes give up in the same instant, and the failure report's stagger (rank 1 first) then
+#: orders their lines. Ended by their own start-ups, seconds apart on a loaded node, two printed at once.
+DEADLINE_GRID_S = 10.0
+
+
+def common_deadline(timeout_s: float, grid_s: float = DEADLINE_GRID_S) -> float:
+    """The ``time.monotonic()`` value at which a wait of at least ``timeout_s`` ends: the first multiple of
+    ``grid_s`` of the wall clock (``time.time()``, the same on every host of a cluster) after it."""
+    import math
+    now_wall, now = time.time(), time.monotonic()
+    return now + math.ceil((now_wall + timeout_s) / grid_s) * grid_s - now_wall
+
+
 def wait_for_store(addr: str, port: int, timeout_minutes: float, rank: int) -> None:
-    """Wait until rank 0's rendezvous store at ``addr:port`` answers, at most ``timeout_minutes``;
-    :class:`RendezvousTimeout` when it does not by then. Plain connects and one ping per try (nothing is printed
-    per try): a connection alone is not enough, the kernel completes it for a rank 0 stopped right after it began
-    to listen, and torch's own client then printed a C++ stack trace per retry."""
-    deadline = time.monotonic() + timeout_minutes * 60
+    """Wait until rank 0's rendezvous store at ``addr:port`` answers, at least ``timeout_minutes`` (ending on
+    the clocks' 10 s grid: :func:`common_deadline`); :class:`RendezvousTimeout` when it does not by then. Plain
+    connects and one ping per try (nothing is printed per try): a connection alone is not enough, the kernel
+    completes it for a rank 0 stopped right after it began to listen, and torch's own client then printed a C++
+    stack trace per retry."""
+    deadline = common_deadline(timeout_minutes * 60)
     while True:
         why = "no answer"
         try:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ru.parallel.env import DEADLINE_GRID_S
 from tests.dist_utils import free_port
 from tests.integration._train_helpers import REPO, trained_iterations
 from tests.integration.test_fault_hangs import TIMEOUT_MIN, Job, _env, _error_lines, _faulty_argv, rank_pids
@@ -161,7 +162,10 @@ def _began_waiting(job: Job, tmp_path: Path, rank: int, master: bool) -> float:
 @pytest.mark.parametrize("master, rank, expected", [
     (False, 1, "start-up did not finish: rank 0 waited --distributed-timeout-minutes"),  # in MPI's exchange
     (False, 0, "start-up did not finish: rank 1 waited --distributed-timeout-minutes"),
-    (True, 0, "rank 1 waited --distributed-timeout-minutes (0.5) for rank 0's rendezvous store"),
+    # every survivor waits for rank 0's store and gives up on the clocks' 10 s grid (env.common_deadline): those
+    # that began within one grid interval print rank 1 first and mpirun ends the job; one whose start-up put it on
+    # the next point stays silent, or prints first, alone, when rank 1 is the one on the later point
+    (True, 0, "rank [123] waited --distributed-timeout-minutes \\(0.5\\) for rank 0's rendezvous store"),
 ], ids=["bare-rank1", "bare-rank0", "master-addr-rank0"])
 def test_rank_stopped_during_startup_ends_the_job(master, rank, expected, corpus, tmp_path):  # noqa: F811
     job = MpiJob(_faulty_argv(corpus, tmp_path, iters=3), tmp_path / "out.txt", master)
@@ -170,10 +174,11 @@ def test_rank_stopped_during_startup_ends_the_job(master, rank, expected, corpus
         waiter = 1 - rank
         job.wait_for(lambda: waiter in rank_pids(str(tmp_path)), 60, f"rank {waiter}'s process", interval=0.05)
         since = _began_waiting(job, tmp_path, waiter, master)
-        code = job.wait(TIMEOUT_MIN * 60 + MARGIN_S, since, f"rank {waiter} began waiting for the stopped rank {rank}")
+        code = job.wait(TIMEOUT_MIN * 60 + MARGIN_S + (DEADLINE_GRID_S if master else 0), since,
+                        f"rank {waiter} began waiting for the stopped rank {rank}")
     finally:
         job.close()
     text = job.text()
     lines = _error_lines(text)
-    assert code != 0 and len(lines) == 1 and expected in lines[0], text[-4000:]
+    assert code != 0 and len(lines) == 1 and re.search(expected, lines[0]), text[-4000:]
     _no_cpp_stack_trace(text)
