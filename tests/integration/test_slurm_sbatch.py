@@ -19,20 +19,28 @@ from pathlib import Path
 import pytest
 
 from tests.integration.schedulers.fixtures import REPO, slurm_cluster, tiny_corpus  # noqa: F401
+from tests.integration.schedulers.slurm import is_final
+from tests.integration.schedulers.system import run, wait_for
 from tests.integration.schedulers.training import (check_fresh_run, check_ranks, check_resumed, job_env,
-                                                   latest_iteration)
+                                                   latest_iteration, train_records)
 
 pytestmark = pytest.mark.slow  # a real Slurm, installed when absent
 
-JOB_TIMEOUT = 150
+#: a hang guard, not a speed limit: beside the suite's other workers and a CPU hog (load ~19 on 2 cores) two ranks
+#: were still importing torch 150 s after the job started
+JOB_TIMEOUT = 500
 
 
-def submit(cluster, script: str, env: dict[str, str], log: Path, time_limit: str = "10:00",
-           extra: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT) -> str:
+def sbatch(cluster, script: str, env: dict[str, str], log: Path, time_limit: str = "10:00",
+           extra: tuple[str, ...] = ()) -> int:
     # one node with two GPUs instead of the script's production allocation
-    job_id = cluster.sbatch(["--nodes=1", "--gres=gpu:2", f"--time={time_limit}", f"--output={log}",
-                             *(["--ntasks-per-node=2"] if "pyxis" in script else []), *extra, script],
-                            cwd=REPO, env=env)
+    return cluster.sbatch(["--nodes=1", "--gres=gpu:2", f"--time={time_limit}", f"--output={log}",
+                           *(["--ntasks-per-node=2"] if "pyxis" in script else []), *extra, script],
+                          cwd=REPO, env=env)
+
+
+def finish(cluster, job_id: int, script: str, log: Path, timeout: float = JOB_TIMEOUT) -> str:
+    """Wait for the job's end; it must be COMPLETED. Its log."""
     try:
         state = cluster.wait(job_id, timeout)
     except TimeoutError as e:
@@ -41,6 +49,11 @@ def submit(cluster, script: str, env: dict[str, str], log: Path, time_limit: str
     assert state == "COMPLETED", f"job {job_id} ({script}) ended {state} " \
                                  f"(exit {cluster.exit_code(job_id)}):\n{text[-4000:]}"
     return text
+
+
+def submit(cluster, script: str, env: dict[str, str], log: Path, time_limit: str = "10:00",
+           extra: tuple[str, ...] = (), timeout: float = JOB_TIMEOUT) -> str:
+    return finish(cluster, sbatch(cluster, script, env, log, time_limit, extra), script, log, timeout)
 
 
 @pytest.mark.slow
@@ -56,11 +69,12 @@ def test_slurm_srun_then_torchrun_resume(slurm_cluster, tiny_corpus, tmp_path): 
     assert "1 node(s) x 2 GPU(s), head " in log
     assert "--container-image" not in log  # no image given: plain srun
 
-    # --time=2: about 120 s left at start, 105 s kept for start-up, save and exit -> ~15 s of training
-    env = job_env(tiny_corpus, save, m2, 100000, extra={"EXIT_MARGIN_SECONDS": "105", "SAVE_INTERVAL": "100000"})
-    log = submit(slurm_cluster, "scripts/slurm/submit_torchrun.sbatch", env, tmp_path / "job2.log", time_limit="2")
+    # --time=4: about 240 s left at start, 225 s kept for start-up, save and exit -> ~15 s of training (with 105 s
+    # of a 2-minute limit, beside a CPU hog, start-up alone took more than the limit)
+    env = job_env(tiny_corpus, save, m2, 100000, extra={"EXIT_MARGIN_SECONDS": "225", "SAVE_INTERVAL": "100000"})
+    log = submit(slurm_cluster, "scripts/slurm/submit_torchrun.sbatch", env, tmp_path / "job2.log", time_limit="4")
     second = check_resumed(log, m2, save, 8, first)
-    assert re.search(r"--exit-duration-in-mins 0\.2[0-5]\b", log), log[-3000:]  # (~120 s - 105 s) / 60
+    assert re.search(r"--exit-duration-in-mins 0\.2[0-5]\b", log), log[-3000:]  # (~240 s - 225 s) / 60
     assert "exiting at iteration" in log and "--exit-duration-in-mins" in log.split("exiting at iteration")[1]
     assert latest_iteration(save) == second[-1]["iteration"] > 8
     check_ranks(log, save, "torchrun")
@@ -108,17 +122,31 @@ def processes_mentioning(text: str) -> list[str]:
 
 @pytest.mark.slow
 def test_slurm_torchrun_signal_saves_and_ends(slurm_cluster, tiny_corpus, tmp_path):  # noqa: F811
-    """sbatch --signal=B:USR1@T: the job shell passes SIGUSR1 to srun, srun to torchrun, torchrun
-    (told to handle it with --signals-to-handle) to its workers, which save at the next iteration
-    and exit; torchrun then reports 1, but the checkpoint completed after the signal makes the job
-    COMPLETED. No worker outlives the job. (Before, torchrun died of SIGUSR1 and its workers,
-    orphaned, trained on.) --time=4 with the signal 150 s before the end: Slurm sends it 30-90 s
-    after the start, long before the exit duration (240 s - 30 s margin) would stop training."""
+    """Slurm's warning before the time limit (sbatch --signal=B:USR1@T) is SIGUSR1 to the job's batch shell; here
+    `scancel --batch --signal=USR1` sends it so, once training runs. The job shell passes it to srun, srun to
+    torchrun, torchrun (told to handle it with --signals-to-handle) to its workers, which save at the next iteration
+    and exit; torchrun then reports 1, but the checkpoint completed after the signal makes the job COMPLETED. No
+    worker outlives the job. (Before, torchrun died of SIGUSR1 and its workers, orphaned, trained on.) The moment
+    is the test's: with --signal=B:USR1@150 of --time=4, beside a CPU hog, it came while torchrun was still
+    importing torch, before it handled the signal (the window a job with a short limit has)."""
     save = tmp_path / "checkpoints"
     metrics = tmp_path / "metrics.jsonl"
     env = job_env(tiny_corpus, save, metrics, 100000, extra={"EXIT_MARGIN_SECONDS": "30", "SAVE_INTERVAL": "100000"})
-    log = submit(slurm_cluster, "scripts/slurm/submit_torchrun.sbatch", env, tmp_path / "job.log", time_limit="4",
-                 extra=("--signal=B:USR1@150",), timeout=300)
+    script, log_path = "scripts/slurm/submit_torchrun.sbatch", tmp_path / "job.log"
+    job_id = sbatch(slurm_cluster, script, env, log_path, time_limit="10")
+
+    def training() -> bool:
+        if is_final(slurm_cluster.state(job_id)):
+            raise AssertionError(f"job {job_id} ended before it trained:\n{log_path.read_text()[-4000:]}")
+        return bool(train_records(metrics))
+    try:
+        wait_for(training, JOB_TIMEOUT, f"job {job_id}'s first iteration", interval=1.0)
+    except TimeoutError as e:
+        stacks = slurm_cluster.dump_stacks(job_id)
+        run(["scancel", str(job_id)], check=False)
+        raise AssertionError(f"{e}{stacks}; the job's log ends:\n{log_path.read_text()[-8000:]}") from None
+    run(["scancel", "--batch", "--signal=USR1", str(job_id)])
+    log = finish(slurm_cluster, job_id, script, log_path)
     assert "signal received: asking every rank to save and exit" in log, log[-3000:]
     stop = re.search(r"exiting at iteration (\d+): exit signal", log)
     assert stop, log[-3000:]
