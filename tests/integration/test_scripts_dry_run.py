@@ -245,8 +245,16 @@ def test_slurm_torchrun_rendezvous_on_head_node(tmp_path, slurm_tools):
     proc = run_script("scripts/slurm/submit_torchrun.sbatch", slurm_env(tmp_path, **slurm_tools[1]))
     cmd = shlex.split(proc.stdout.strip())
     t = cmd.index("torchrun")
-    assert cmd[:t] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2",
+    assert cmd[:6] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2",
                        "--cpus-per-task=64"]
+    # torchrun handles SIGUSR1 only once it starts its workers (after the rendezvous): it starts with it ignored,
+    # so that Slurm's warning before then does not kill it; the program it execs inherits that
+    wrapper = cmd[6:t]
+    assert wrapper[:2] == ["bash", "-c"] and len(wrapper) == 4, wrapper
+    probe = ("import os, signal, time; assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN; "
+             "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2); print('survived')")
+    done = subprocess.run([*wrapper, sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "survived", done.stdout + done.stderr
     # torchrun handles (passes on to its workers) only the signals named on its command line:
     # SIGUSR1/SIGUSR2 must be there or they kill torchrun and orphan the workers
     assert cmd[t:t + 8] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-id=77", "--rdzv-backend=c10d",
