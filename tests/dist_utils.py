@@ -7,8 +7,8 @@ server that imported torch once (:func:`_context`).
 
     results = run_distributed(body, world_size=4, args=(x,), timeout=120)   # list by rank
 
-A rank that raises makes the call fail with that rank's traceback; a hang fails after
-``timeout`` seconds with every rank killed. Ranks run with OMP_NUM_THREADS=1.
+A rank that raises makes the call fail with that rank's traceback; a hang (almost no CPU used for ``timeout`` + 30 s)
+fails with every rank killed. Ranks run with OMP_NUM_THREADS=1.
 """
 from __future__ import annotations
 
@@ -84,7 +84,10 @@ LEAVE_GROUP = "import torch.distributed as _dist; _dist.is_initialized() and _di
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout: float = 180,
                     env: dict[str, str] | None = None, daemon: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank. ``daemon=False``:
-    ranks that start processes of their own (DataLoader workers); they are killed at the end all the same."""
+    ranks that start processes of their own (DataLoader workers); they are killed at the end all the same.
+    ``timeout`` is the process group's; the ranks fail as hung when together they used almost no CPU for ``timeout`` + 30
+    s, or more than ``world_size`` x (``timeout`` + 30) CPU-seconds (tests/progress_guard.py): a loaded machine
+    that gives them little CPU makes them slow, not failed."""
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
@@ -96,15 +99,16 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), tim
     errors: list[str] = []
     import queue as _q
     import time
-    deadline = time.monotonic() + timeout + 30
+    from tests.progress_guard import ProgressGuard
+    guard = ProgressGuard(cpu_budget_s=world_size * (timeout + 30), stall_s=timeout + 30)
     try:
         while len(results) + len(errors) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"distributed test timed out after {timeout}s; "
+            why = guard.check([p.pid for p in procs if p.pid is not None])
+            if why is not None:
+                raise TimeoutError(f"distributed test stopped: its ranks {why} (process group timeout {timeout} s); "
                                    f"finished ranks: {sorted(results)}")
             try:
-                rank, ok, out = queue.get(timeout=min(remaining, 5))
+                rank, ok, out = queue.get(timeout=5)
             except _q.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead and len(results) + len(errors) < world_size:

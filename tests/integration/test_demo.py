@@ -4,10 +4,11 @@ see what the user sees: no DeepSpeed start-up prints, no repeated warnings, the 
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from tests.progress_guard import run_guarded
 
 pytestmark = pytest.mark.slow
 
@@ -16,8 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", str(out),
-                           "--corpus-mb", "2"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    # about 130 CPU-s; stopped by its progress guard (tests/progress_guard.py) when hung, never for being starved
+    proc = run_guarded([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", str(out),
+                        "--corpus-mb", "2"], cpu_budget_s=600, stall_s=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "== summary" in proc.stdout
     # stopped at 60 with a checkpoint, resumed to 80 from it, evaluated

@@ -2,10 +2,11 @@
 suite runs whole on the next GPU machine (every part, every contender, the table and the files)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.progress_guard import run_guarded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,9 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_gpu_suite_cpu_smoke(tmp_path):
     out, scratch = tmp_path / "out", tmp_path / "scratch"
     scratch.mkdir()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--cpu-smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=dict(os.environ, DS_ACCELERATOR="cpu", TMPDIR=str(scratch)))
+    # about 430 CPU-s; stopped by its progress guard (tests/progress_guard.py) when hung, never for being starved
+    proc = run_guarded([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_suite.py"), "--cpu-smoke",
+                        "--out", str(out)], cpu_budget_s=1200, stall_s=600, cwd=ROOT,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu", TMPDIR=str(scratch)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the parts' corpora, results and traces were temporary: nothing of the suite's is left behind
     assert not [p.name for p in scratch.iterdir() if p.name.startswith("gpu_suite")], sorted(scratch.iterdir())
