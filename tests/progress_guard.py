@@ -17,17 +17,9 @@ import subprocess
 import time
 from typing import Iterable, Sequence
 
+from megatron_ru.utils.processes import proc_stat
+
 _TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name ([state, ppid, ...]); None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[-1].split()
 
 
 def tree_cpu_by_root(roots: Iterable[int]) -> dict[int, float]:
@@ -37,10 +29,10 @@ def tree_cpu_by_root(roots: Iterable[int]) -> dict[int, float]:
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
-        fields = _stat(int(entry)) if entry.isdigit() else None
-        if fields is not None:  # a zombie too: its time is its parent's only once reaped
-            parents[int(entry)] = int(fields[1])
-            cpu[int(entry)] = sum(int(x) for x in fields[11:15]) / _TICK
+        fields = proc_stat(int(entry)) if entry.isdigit() else None
+        if fields is not None:  # [name, state, ppid, ...]; a zombie too: its time is its parent's only once reaped
+            parents[int(entry)] = int(fields[2])
+            cpu[int(entry)] = sum(int(x) for x in fields[12:16]) / _TICK  # utime, stime, cutime, cstime
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)

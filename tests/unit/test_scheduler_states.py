@@ -235,7 +235,8 @@ def test_a_job_that_outlives_its_wait_prints_its_python_stacks(tmp_path):
         deadline = time.monotonic() + 60
         while not all("up" in log.read_text() for log in logs) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert abort_for_stacks("TEST_JOB_ID", "4242", settle_s=0) == 1
+        assert abort_for_stacks("TEST_JOB_ID", "4242", settle_s=0) == \
+            "; 1 Python processes of the job were sent SIGABRT: their stacks end its log"
         assert procs[0].wait(30) == -6  # SIGABRT
         assert "in waiting_for_the_peer" in logs[0].read_text(), logs[0].read_text()
         assert procs[1].poll() is None  # another job's process is left alone

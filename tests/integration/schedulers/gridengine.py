@@ -260,8 +260,7 @@ class GridEngine:
 
     def dump_stacks(self, job_id: int) -> str:
         """Before the job is deleted: its Python processes print their stacks into its log (the message says so)."""
-        sent = abort_for_stacks("JOB_ID", str(job_id))
-        return f"; {sent} Python processes of the job were sent SIGABRT: their stacks end its log" if sent else ""
+        return abort_for_stacks("JOB_ID", str(job_id))
 
     def accounting(self, job_id: int) -> dict[str, str] | None:
         """The job's accounting record (qacct: written once it has ended), or None."""

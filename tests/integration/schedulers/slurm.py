@@ -206,8 +206,7 @@ class SlurmCluster:
 
     def dump_stacks(self, job_id: int) -> str:
         """Before the job is cancelled: its Python processes print their stacks into its log (the message says so)."""
-        sent = abort_for_stacks("SLURM_JOB_ID", str(job_id))
-        return f"; {sent} Python processes of the job were sent SIGABRT: their stacks end its log" if sent else ""
+        return abort_for_stacks("SLURM_JOB_ID", str(job_id))
 
     def record(self, job_id: int) -> dict[str, str] | None:
         """The job's jobcomp record (written as it ends, with its final JobState and ExitCode), or None."""

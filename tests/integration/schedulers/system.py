@@ -209,11 +209,11 @@ def kill_job_processes(names: Sequence[str]) -> list[int]:
 FAULTHANDLER_ENV = {"PYTHONFAULTHANDLER": "1"}
 
 
-def abort_for_stacks(variable: str, value: str, settle_s: float = 3.0) -> int:
+def abort_for_stacks(variable: str, value: str, settle_s: float = 3.0) -> str:
     """SIGABRT every Python process whose environment has VARIABLE=VALUE (a scheduler job's: JOB_ID,
     SLURM_JOB_ID) and wait SETTLE_S for them to write: started with ``FAULTHANDLER_ENV`` they print their
     Python stacks into the job's log, so a job that outlived the harness's wait says where it stood. Returns
-    how many were sent the signal."""
+    what to add to the wait's failure ("" when no process was found)."""
     wanted, sent = f"{variable}={value}".encode(), 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -227,6 +227,7 @@ def abort_for_stacks(variable: str, value: str, settle_s: float = 3.0) -> int:
             sent += 1
         except OSError:
             continue
-    if sent:
-        time.sleep(settle_s)
-    return sent
+    if not sent:
+        return ""
+    time.sleep(settle_s)
+    return f"; {sent} Python processes of the job were sent SIGABRT: their stacks end its log"
